@@ -1,0 +1,31 @@
+# The two set-up commands of the README: `make serve` (main job) and `make test` (the test suite).
+# Each creates .venv on first use, installing the pinned CPU torch wheel before the project.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+PROMPT ?= def fibonacci(n):
+
+.PHONY: serve test lint venv clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+serve: venv
+	$(BIN)/specserve generate --demo "$(PROMPT)"
+
+test: venv
+	$(BIN)/ruff check specserve tests
+	$(BIN)/python -m pytest -p no:cacheprovider
+
+lint: venv
+	$(BIN)/ruff check specserve tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

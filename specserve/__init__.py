@@ -1,0 +1,15 @@
+"""specserve: an LLM serving engine built around lossless speculative decoding."""
+
+from specserve.config import ServerArgs
+from specserve.sampling.params import SamplingParams
+
+__all__ = ["Engine", "SamplingParams", "ServerArgs"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "Engine":  # imported lazily: it pulls in torch and transformers
+        from specserve.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

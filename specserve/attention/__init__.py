@@ -1,0 +1,11 @@
+"""Attention: forward-batch metadata and the torch SDPA backend (runs on CPU and CUDA)."""
+
+from specserve.attention.backend import (
+    AttnMetadata,
+    ForwardBatch,
+    ForwardMode,
+    attention,
+    build_attn_metadata,
+)
+
+__all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attention", "build_attn_metadata"]

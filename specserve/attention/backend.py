@@ -1,0 +1,156 @@
+"""ForwardBatch and the torch SDPA attention backend.
+
+A forward runs over T flattened tokens belonging to B requests. Request b contributes ``q_len[b]`` new tokens
+that attend to ``kv_len[b]`` keys: its prefix (KV already in the pool) followed by the new tokens themselves
+(their KV is written to the pool first, then read back with the prefix). Which new tokens see which is, by
+default, causal; a request can instead give an arbitrary boolean mask over its new tokens (a draft tree),
+so verifying a whole tree is one forward.
+
+Attention runs as one padded SDPA call per layer: queries gathered to ``[B, Qmax, H, D]``, keys/values
+gathered from the slot pool to ``[B, Kmax, Hkv, D]``, a boolean mask ``[B, 1, Qmax, Kmax]`` where needed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from specserve.cache.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (possibly a chunk, possibly after a cached prefix)
+    DECODE = "decode"  # one new token per request
+    TARGET_VERIFY = "target_verify"  # a draft tree per request, arbitrary mask
+    DRAFT_EXTEND = "draft_extend"
+    DRAFT_DECODE = "draft_decode"
+
+
+@dataclass
+class AttnMetadata:
+    """How the T new tokens of a forward attend (built by ``build_attn_metadata``)."""
+
+    batch_size: int
+    max_q_len: int
+    kv_slots: torch.Tensor  # [B, Kmax] int64 pool slots per request (prefix then new tokens); padding = slot 0
+    mask: torch.Tensor | None  # [B, 1, Qmax, Kmax] bool, True = may attend; None = all keys visible
+    is_causal: bool  # plain causal over keys == queries (no prefix, equal lengths)
+    q_index: torch.Tensor | None  # [B, Qmax] row of q (T = an all-zero pad row); None = q is [B*Qmax] already
+    out_index: torch.Tensor | None  # [T] row of the flattened [B*Qmax] output for each token; None = identity
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one model forward needs."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 slots receiving this forward's K/V
+    attn: AttnMetadata
+    kv_pool: KVPool
+    logits_indices: torch.Tensor | None = None  # [R] token rows that need logits; None = every row
+    capture_layers: tuple[int, ...] = field(default_factory=tuple)  # residual stream at the INPUT of these layers
+    input_embeds: torch.Tensor | None = None  # [T, h] optional, replaces the embedding lookup
+
+
+def build_attn_metadata(
+    kv_slots: torch.Tensor,
+    kv_lens: list[int],
+    q_lens: list[int],
+    custom_masks: list[torch.Tensor | None] | None = None,
+) -> AttnMetadata:
+    """Build attention metadata for B requests.
+
+    kv_slots: [B, >=Kmax] slots of each request's keys (prefix then new tokens), e.g. rows of req_to_token.
+    kv_lens[b]: keys of request b (prefix + new); q_lens[b]: its new tokens (the last q_lens[b] keys).
+    custom_masks[b]: optional [q_len, q_len] bool mask among request b's new tokens (default causal).
+    """
+    device = kv_slots.device
+    bsz = len(q_lens)
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    kv_slots = kv_slots[:, :max_kv]
+    same_q = all(q == max_q for q in q_lens)
+    same_kv = all(k == max_kv for k in kv_lens)
+    no_custom = custom_masks is None or all(m is None for m in custom_masks)
+    q_index = out_index = None
+    if not same_q:
+        q_index, out_index = _padding_indices(q_lens, max_q, device)
+    if no_custom and max_q == 1 and same_kv:
+        return AttnMetadata(bsz, max_q, kv_slots, None, False, q_index, out_index)
+    if no_custom and same_q and same_kv and max_q == max_kv:
+        return AttnMetadata(bsz, max_q, kv_slots, None, True, q_index, out_index)
+    mask = _causal_padded_mask(kv_lens, q_lens, max_q, max_kv, device)
+    if not no_custom:
+        for b, custom in enumerate(custom_masks):
+            if custom is not None:
+                prefix = kv_lens[b] - q_lens[b]
+                mask[b, : q_lens[b], prefix : kv_lens[b]] = custom.to(device)
+    return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
+
+
+def _padding_indices(q_lens: list[int], max_q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_index [B, Qmax] into the T flat rows (T = pad row); out_index [T] into the flat [B*Qmax] output."""
+    lens = torch.tensor(q_lens, device=device)
+    starts = torch.cumsum(lens, 0) - lens  # [B]
+    total = int(lens.sum())
+    col = torch.arange(max_q, device=device)
+    valid = col[None, :] < lens[:, None]  # [B, Qmax]
+    q_index = torch.where(valid, starts[:, None] + col[None, :], torch.full_like(valid, total, dtype=torch.long))
+    out_index = (torch.arange(len(q_lens), device=device)[:, None] * max_q + col[None, :])[valid]
+    return q_index, out_index
+
+
+def _causal_padded_mask(kv_lens: list[int], q_lens: list[int], max_q: int, max_kv: int, device) -> torch.Tensor:
+    """[B, Qmax, Kmax] bool: query i of request b sees keys j <= prefix_b + i within kv_len_b.
+
+    Padded query rows see key 0 only, so no row is fully masked (SDPA would return NaN there); their
+    outputs are dropped.
+    """
+    kv = torch.tensor(kv_lens, device=device)[:, None, None]  # [B,1,1]
+    q = torch.tensor(q_lens, device=device)[:, None, None]
+    qi = torch.arange(max_q, device=device)[None, :, None]  # [1,Q,1]
+    kj = torch.arange(max_kv, device=device)[None, None, :]  # [1,1,K]
+    mask = (kj <= kv - q + qi) & (kj < kv)
+    pad_row = qi >= q
+    return torch.where(pad_row, kj == 0, mask)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the new tokens -> output [T, H*D].
+
+    Writes the new K/V into the pool at fb.out_cache_loc, then attends over each request's slots.
+    """
+    md = fb.attn
+    k_buf, v_buf = fb.kv_pool.layer(layer_id)  # [S, Hkv, D]
+    k_buf[fb.out_cache_loc] = k.to(k_buf.dtype)
+    v_buf[fb.out_cache_loc] = v.to(v_buf.dtype)
+    n_tok, n_heads, head_dim = q.shape
+    bsz, max_q = md.batch_size, md.max_q_len
+    if md.q_index is None:
+        qb = q.view(bsz, max_q, n_heads, head_dim)
+    else:
+        qb = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[md.q_index]  # [B, Qmax, H, D]
+    flat = md.kv_slots.reshape(-1)
+    kb = k_buf.index_select(0, flat).view(bsz, -1, k_buf.shape[1], head_dim)  # [B, Kmax, Hkv, D]
+    vb = v_buf.index_select(0, flat).view(bsz, -1, v_buf.shape[1], head_dim)
+    out = F.scaled_dot_product_attention(
+        qb.transpose(1, 2),
+        kb.transpose(1, 2),
+        vb.transpose(1, 2),
+        attn_mask=md.mask,
+        is_causal=md.is_causal,
+        scale=scale,
+        enable_gqa=kb.shape[2] != n_heads,
+    )  # [B, H, Qmax, D]
+    out = out.transpose(1, 2).reshape(bsz * max_q, n_heads * head_dim)
+    if md.out_index is not None:
+        out = out.index_select(0, md.out_index)
+    return out  # [T, H*D]

@@ -1,0 +1,1 @@
+"""Prefix caching for the KV pool: a radix tree over token ids (see radix_cache.py)."""

@@ -1,0 +1,118 @@
+"""Command line: ``specserve generate`` (and, as they land, ``serve``, benchmarks, training).
+
+Flags are generated from the ``ServerArgs`` dataclass (SGLang spelling, with SGLang's aliases), so the
+help text, the defaults and the validation live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import types
+import typing
+
+from specserve.config import ConfigError, ServerArgs, flag_name
+
+ALIASES = {
+    "model_path": ["--model"],
+    "mem_fraction_static": ["--mem-fraction"],
+    "speculative_draft_model_path": ["--speculative-draft-model"],
+}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(ServerArgs)
+    t = hints[f.name]
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server arguments")
+    for f in dataclasses.fields(ServerArgs):
+        names = [flag_name(f.name), *ALIASES.get(f.name, [])]
+        help_text = f.metadata.get("help", "")
+        t = _field_type(f)
+        if t is bool:
+            group.add_argument(*names, dest=f.name, action="store_true", default=f.default, help=help_text)
+        else:
+            group.add_argument(*names, dest=f.name, type=t, default=f.default,
+                               help=f"{help_text} (default: {f.default})")
+
+
+def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)}
+    return ServerArgs(**kwargs).validate()
+
+
+def demo_model_dir() -> str:
+    """A random-weight tiny Llama (until the trained demo family ships), built once into a cache folder."""
+    from specserve.testing.tiny import make_model_dir
+
+    root = os.path.join(os.path.expanduser("~"), ".cache", "specserve", "demo-random-llama")
+    if not os.path.isfile(os.path.join(root, "config.json")):
+        print(f"building a random-weight demo model in {root} ...", file=sys.stderr)
+        make_model_dir(root, "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       max_position_embeddings=2048)
+    return root
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="specserve generate", description="Generate a completion offline.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--demo", action="store_true", help="use the bundled demo model")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    add_server_args(p)
+    ns = p.parse_args(argv)
+    if ns.demo or ns.model_path is None:
+        ns.model_path = demo_model_dir()
+        print("note: the demo model has random weights; its text is gibberish", file=sys.stderr)
+    try:
+        args = server_args_from(ns)
+        from specserve.engine import Engine
+
+        engine = Engine(**dataclasses.asdict(args))
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+    start = time.perf_counter()
+    try:
+        if ns.stream:
+            meta = {}
+            print(ns.prompt, end="", flush=True)
+            for chunk in engine.generate(ns.prompt, params, stream=True):
+                print(chunk["text"], end="", flush=True)
+                meta = chunk["meta_info"]
+            print()
+        else:
+            out = engine.generate(ns.prompt, params)
+            print(ns.prompt + out["text"])
+            meta = out["meta_info"]
+    finally:
+        engine.shutdown()
+    dt = time.perf_counter() - start
+    n = meta.get("completion_tokens", 0)
+    print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s, finish: {meta.get('finish_reason')}]", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: specserve {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""ServerArgs: the one configuration object of specserve.
+
+Every knob of the engine, the server and the command line is a field here, with SGLang's name. The
+command line (``specserve.cli`` / ``launch_server``) is generated from these fields, and ``validate()``
+is the single place where values are checked, so a bad value fails at start-up with a message naming
+the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+
+
+class ConfigError(ValueError):
+    """A server argument has an invalid value. The message starts with the flag's name."""
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+@dataclass
+class ServerArgs:
+    # --- model and tokenizer ---
+    model_path: str | None = field(default=None, metadata={"help": "HF-format model folder (or cached hub id)."})
+    tokenizer_path: str | None = field(default=None, metadata={"help": "Tokenizer folder; defaults to the model."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom code in HF configs."})
+    dtype: str = field(default="auto", metadata={"help": "auto|float32|float16|bfloat16 (auto = checkpoint's)."})
+    device: str = field(default="auto", metadata={"help": "auto|cpu|cuda (auto = cuda when available)."})
+    context_length: int | None = field(default=None, metadata={"help": "Max prompt+output tokens per request."})
+    served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by the API."})
+    chat_template: str | None = field(default=None, metadata={"help": "Jinja chat template file or string."})
+    random_seed: int = field(default=0, metadata={"help": "Base seed for requests that give none."})
+    # --- memory and scheduling ---
+    mem_fraction_static: float | None = field(
+        default=None, metadata={"help": "Fraction of device memory for weights + KV cache (default 0.85)."}
+    )
+    cpu_memory_budget_gb: float = field(
+        default=8.0, metadata={"help": "On CPU: the memory budget that --mem-fraction-static is a fraction of."}
+    )
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV cache capacity in tokens."})
+    max_running_requests: int | None = field(
+        default=None, metadata={"help": "Max requests decoding at once (default 256; 48 with speculation)."}
+    )
+    max_queued_requests: int | None = field(default=None, metadata={"help": "Max waiting requests (None: no cap)."})
+    chunked_prefill_size: int = field(
+        default=2048, metadata={"help": "Max prompt tokens prefilled per step; -1 disables chunking."}
+    )
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "Max tokens in one prefill batch."})
+    schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Turn off prefix (radix) KV reuse."})
+    # --- server ---
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
+    port: int = field(default=30000, metadata={"help": "Port to listen on."})
+    api_key: str | None = field(default=None, metadata={"help": "Require this bearer key on every request."})
+    log_level: str = field(default="info", metadata={"help": "debug|info|warning|error|critical."})
+    enable_metrics: bool = field(default=False, metadata={"help": "Serve Prometheus metrics at /metrics."})
+    # --- speed ---
+    enable_torch_compile: bool = field(default=False, metadata={"help": "Compile decode forwards."})
+    torch_compile_max_bs: int = field(default=32, metadata={"help": "Max batch size compiled."})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={"help": "Max batch size captured in CUDA graphs."})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "Turn off CUDA graphs."})
+    num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)."})
+    # --- speculative decoding (see docs/formats.md) ---
+    speculative_algorithm: str | None = field(
+        default=None, metadata={"help": "EAGLE | EAGLE3 | NEXTN | STANDALONE | NGRAM."}
+    )
+    speculative_draft_model_path: str | None = field(default=None, metadata={"help": "Draft model folder."})
+    speculative_draft_model_revision: str | None = field(default=None, metadata={"help": "Draft revision."})
+    speculative_num_steps: int | None = field(default=None, metadata={"help": "Draft depth S."})
+    speculative_eagle_topk: int | None = field(default=None, metadata={"help": "Branching per draft step K."})
+    speculative_num_draft_tokens: int | None = field(
+        default=None, metadata={"help": "Tree nodes verified per step N (root included)."}
+    )
+    speculative_accept_threshold_single: float = field(
+        default=1.0, metadata={"help": "Lossy relaxation of sampling verification (1.0 = lossless)."}
+    )
+    speculative_accept_threshold_acc: float = field(
+        default=1.0, metadata={"help": "Lossy relaxation of sampling verification (1.0 = lossless)."}
+    )
+    speculative_token_map: str | None = field(default=None, metadata={"help": "FR-Spec hot-token file."})
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM min match window."})
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM max match window."})
+    speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM min BFS breadth."})
+    speculative_ngram_max_bfs_breadth: int = field(default=10, metadata={"help": "NGRAM max BFS breadth."})
+    speculative_ngram_match_type: str = field(default="BFS", metadata={"help": "NGRAM tree: BFS | PROB."})
+    speculative_ngram_branch_length: int = field(default=18, metadata={"help": "NGRAM tokens inserted per step."})
+    speculative_ngram_capacity: int = field(default=10_000_000, metadata={"help": "NGRAM trie node capacity."})
+
+    # ------------------------------------------------------------------
+    def validate(self) -> ServerArgs:
+        """Check every field; raise ConfigError naming the flag. Returns self for chaining."""
+        self.dtype = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
+        _choice(self, "dtype", DTYPES)
+        _choice(self, "device", DEVICES)
+        _choice(self, "schedule_policy", SCHEDULE_POLICIES)
+        self.log_level = self.log_level.lower()
+        _choice(self, "log_level", LOG_LEVELS)
+        _positive(self, "context_length", allow_none=True)
+        _positive(self, "max_total_tokens", allow_none=True)
+        _positive(self, "max_running_requests", allow_none=True)
+        _positive(self, "max_queued_requests", allow_none=True)
+        _positive(self, "max_prefill_tokens")
+        _positive(self, "torch_compile_max_bs")
+        _positive(self, "cuda_graph_max_bs", allow_none=True)
+        _positive(self, "num_threads", allow_none=True)
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ConfigError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.cpu_memory_budget_gb <= 0:
+            raise ConfigError(f"--cpu-memory-budget-gb must be > 0, got {self.cpu_memory_budget_gb}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        self._validate_speculative()
+        return self
+
+    def _validate_speculative(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        self.speculative_algorithm = self.speculative_algorithm.upper()
+        _choice(self, "speculative_algorithm", SPEC_ALGORITHMS)
+        raise ConfigError(
+            "--speculative-algorithm: speculative decoding is not available in this build yet "
+            "(it lands with the speculative-decoding work)"
+        )
+
+    # ------------------------------------------------------------------
+    @property
+    def effective_max_running_requests(self) -> int:
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        return 48 if self.speculative_algorithm else 256
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def _choice(args: ServerArgs, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(args, name)
+    if value not in choices:
+        raise ConfigError(f"{flag_name(name)} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _positive(args: ServerArgs, name: str, allow_none: bool = False) -> None:
+    value = getattr(args, name)
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{flag_name(name)} must be a positive integer, got {value!r}")

@@ -1,0 +1,307 @@
+"""Engine: the offline API, mirroring ``sglang.Engine``.
+
+    engine = specserve.Engine(model_path="path/to/model", max_total_tokens=4096)
+    out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 16})
+    for chunk in engine.generate("Hello", {"max_new_tokens": 16}, stream=True): print(chunk["text"], end="")
+    engine.shutdown()
+
+The scheduler runs in a background thread (``SchedulerLoop``); callers block on per-request queues (or
+await asyncio queues). Detokenization happens on the caller's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from specserve.config import ConfigError, ServerArgs
+from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState
+from specserve.scheduler.req import ReqOutput
+from specserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(args: ServerArgs, model_dir: str):
+    path = args.tokenizer_path or model_dir
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"--tokenizer-path: cannot load a tokenizer from {path!r}: {e}") from e
+
+
+class SchedulerLoop:
+    """Drives a Scheduler in a thread: takes requests/aborts from an inbox, delivers outputs to states."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.inbox: queue.Queue = queue.Queue()
+        self.states: dict[str, RequestState] = {}
+        self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="specserve-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, prepared: list[PreparedRequest], deliver) -> None:
+        for p in prepared:
+            self.deliver[p.req.rid] = deliver(p.state)
+        self.inbox.put(("add", [p.req for p in prepared]))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def call(self, fn) -> Any:
+        """Run fn(scheduler) on the loop thread and return its result (for stats, flush, checks)."""
+        box: queue.Queue = queue.Queue()
+        self.inbox.put(("call", (fn, box)))
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("noop", None))
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.scheduler.has_work())
+            if self._stop.is_set():
+                break
+            try:
+                outputs = self.scheduler.step()
+            except Exception as e:  # noqa: BLE001 - never leave callers hanging
+                logger.exception("scheduler step failed; aborting running requests")
+                outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
+            self._dispatch(outputs)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        kind, payload = item
+        if kind == "add":
+            for req in payload:
+                self.scheduler.add_request(req)
+        elif kind == "abort":
+            self._dispatch([o for o in [self.scheduler.abort(payload)] if o is not None])
+        elif kind == "call":
+            fn, box = payload
+            try:
+                box.put((True, fn(self.scheduler)))
+            except Exception as e:  # noqa: BLE001
+                box.put((False, e))
+
+    def _abort_all(self, message: str) -> list[ReqOutput]:
+        rids = [r.rid for r in [*self.scheduler.waiting, *self.scheduler.running]]
+        if self.scheduler.chunked is not None:
+            rids.append(self.scheduler.chunked.rid)
+        outs = []
+        for rid in rids:
+            try:
+                out = self.scheduler.abort(rid)
+            except Exception:  # noqa: BLE001
+                out = None
+            if out is not None:
+                out.finished_reason = {"type": "abort", "message": message}
+                outs.append(out)
+        return outs
+
+    def _dispatch(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            fn = self.deliver.get(out.rid)
+            if fn is None:
+                continue
+            if out.finished_reason is not None:
+                del self.deliver[out.rid]
+            fn(out)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        args = ServerArgs.from_kwargs(model_path=model_path, **kwargs).validate()
+        if args.model_path is None:
+            raise ConfigError("--model-path is required")
+        logging.getLogger("specserve").setLevel(args.log_level.upper())
+        self.server_args = args
+        self.scheduler = Scheduler(args)
+        runner = self.scheduler.runner
+        self.tokenizer = load_tokenizer(args, runner.model_dir)
+        eos = set(runner.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.factory = RequestFactory(
+            self.tokenizer, runner.spec.vocab_size, runner.context_len, eos, args.random_seed, runner.device
+        )
+        self.loop = SchedulerLoop(self.scheduler)
+        self._closed = False
+
+    # ------------------------------------------------------------------ request preparation
+    def _prepare(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid):
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of prompt and input_ids", "prompt")
+        batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(
+            input_ids[0], list)
+        prompts = (prompt if batched else [prompt]) if prompt is not None else None
+        ids_list = [self.factory.tokenize(p) for p in prompts] if prompts is not None else (
+            input_ids if batched else [input_ids])
+        if not ids_list:
+            raise RequestError("the batch is empty", "prompt")
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
+        if len(sps) != len(ids_list):
+            raise RequestError("sampling_params has a different length than the batch", "sampling_params")
+        rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
+        prepared: list[PreparedRequest] = []
+        for ids, sp, r in zip(ids_list, sps, rids, strict=True):
+            self.factory.check_ids(ids)
+            sp = dict(sp or {})
+            if return_logprob is not None:
+                sp["return_logprob"] = return_logprob
+            if top_logprobs_num is not None:
+                sp["top_logprobs_num"] = top_logprobs_num
+            prepared.extend(self.factory.build(ids, self.factory.params(sp, len(ids)), r))
+        single = not batched and len(prepared) == 1
+        return prepared, single
+
+    # ------------------------------------------------------------------ sync API
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | None = None,
+        top_logprobs_num: int | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (-> dict) or a batch / n > 1 (-> list of dicts); stream -> chunk iterator."""
+        self._check_open()
+        prepared, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
+                                         rid)
+        if stream:
+            if not single:
+                raise RequestError("stream=True takes a single prompt with n=1", "stream")
+            return self._stream(prepared[0])
+        self.loop.submit(prepared, _thread_deliver)
+        results = [self._wait(p.state) for p in prepared]
+        return results[0] if single else results
+
+    def _wait(self, state: RequestState) -> dict:
+        while not state.finished:
+            state.apply(state.queue.get())
+        return state.result()
+
+    def _stream(self, p: PreparedRequest) -> Iterator[dict]:
+        self.loop.submit([p], _thread_deliver)
+        try:
+            while not p.state.finished:
+                yield p.state.apply(p.state.queue.get())
+        finally:
+            if not p.state.finished:  # the consumer stopped early: free the request's KV
+                self.loop.abort(p.req.rid)
+
+    # ------------------------------------------------------------------ async API
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | None = None,
+        top_logprobs_num: int | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        self._check_open()
+        prepared, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
+                                         rid)
+        loop = asyncio.get_running_loop()
+        for p in prepared:
+            p.state.queue = asyncio.Queue()
+        deliver = _async_deliver(loop)
+        if stream:
+            if not single:
+                raise RequestError("stream=True takes a single prompt with n=1", "stream")
+            return self._astream(prepared[0], deliver)
+        self.loop.submit(prepared, deliver)
+        results = []
+        for p in prepared:
+            while not p.state.finished:
+                p.state.apply(await p.state.queue.get())
+            results.append(p.state.result())
+        return results[0] if single else results
+
+    async def _astream(self, p: PreparedRequest, deliver) -> AsyncIterator[dict]:
+        self.loop.submit([p], deliver)
+        try:
+            while not p.state.finished:
+                yield p.state.apply(await p.state.queue.get())
+        finally:
+            if not p.state.finished:
+                self.loop.abort(p.req.rid)
+
+    # ------------------------------------------------------------------ control
+    def abort_request(self, rid: str) -> None:
+        self.loop.abort(rid)
+
+    def flush_cache(self) -> bool:
+        return self.loop.call(lambda s: s.flush_cache())
+
+    def get_server_info(self) -> dict:
+        return self.loop.call(_server_info)
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.loop.stop()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _thread_deliver(state: RequestState):
+    return state.queue.put
+
+
+def _async_deliver(loop: asyncio.AbstractEventLoop):
+    def bind(state: RequestState):
+        return lambda out: loop.call_soon_threadsafe(state.queue.put_nowait, out)
+
+    return bind
+
+
+def _server_info(s: Scheduler) -> dict:
+    return {
+        "max_total_tokens": s.runner.max_total_tokens,
+        "context_length": s.context_len,
+        "max_running_requests": s.runner.max_running_requests,
+        "num_running_reqs": len(s.running),
+        "num_waiting_reqs": len(s.waiting),
+        "kv_usage": s.kv_usage(),
+        "free_slots": s.allocator.available_size(),
+        "radix_cached_tokens": s.tree.total_size(),
+        "num_retractions": s.stats.num_retractions,
+        "generated_tokens": s.stats.generated_tokens,
+    }

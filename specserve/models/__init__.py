@@ -1,0 +1,1 @@
+"""Model implementations (our own PyTorch code), the registry and the safetensors loader."""

@@ -1,0 +1,155 @@
+"""Building blocks shared by the decoder-only models: RMSNorm, rotary embedding, attention, gated MLP.
+
+Tokens are flattened: activations are ``[T, hidden]`` for the T tokens of all requests in a forward.
+q/k/v and gate/up projections are fused into one matmul each (the loader fills the fused weights from
+the checkpoint's separate tensors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.attention import ForwardBatch, attention
+from specserve.models.spec import ModelSpec, UnsupportedModelError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.shape = eps, (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale, honouring rope_scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    if scaling is None:
+        return inv_freq.float(), 1.0
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float(), 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling).float(), 1.0
+    raise UnsupportedModelError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short kept, a smooth ramp between."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    ramp = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, ramp, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) with a cos/sin table over positions, built lazily on the device."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, scaling)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _table(self, device, dtype, needed: int) -> None:
+        n = max(self.max_positions, needed)
+        t = torch.arange(n, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2] float32
+        self._cos = (freqs.cos() * self.scale).to(dtype)
+        self._sin = (freqs.sin() * self.scale).to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, H, D]; k [T, Hkv, D] -> rotated (q, k)."""
+        if self._cos is None or self._cos.device != q.device or self._cos.dtype != q.dtype:
+            self._table(q.device, q.dtype, 0)
+        cos = self._cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self._sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id, self.rotary = layer_id, rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(attention(q, k, v, self.layer_id, fb, self.scale))  # [T, hidden]
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint tensors that land in a fused parameter: (checkpoint piece, fused name, shard index).
+FUSED_PIECES = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+)
+
+
+def fused_shard_range(module: nn.Module, fused_name: str, shard: int) -> tuple[int, int]:
+    """Row range of shard `shard` inside a fused projection's output dimension."""
+    if fused_name.endswith("qkv_proj."):
+        sizes = [module.q_size, module.kv_size, module.kv_size]
+    else:
+        sizes = [module.intermediate, module.intermediate]
+    start = sum(sizes[:shard])
+    return start, start + sizes[shard]

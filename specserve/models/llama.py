@@ -1,0 +1,129 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral-style configs) and the shared CausalLM machinery.
+
+Qwen2 and Qwen3 are the same network with q/k/v bias or per-head q/k norms; they subclass this.
+Parameter names follow the HF checkpoints (``model.layers.{i}.self_attn...``) except the fused
+``qkv_proj`` and ``gate_up_proj``, which ``load_weights`` fills from the separate checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specserve.attention import ForwardBatch
+from specserve.models.layers import FUSED_PIECES, DecoderLayer, RMSNorm, RotaryEmbedding, fused_shard_range
+from specserve.models.spec import ModelSpec
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [R, V] float32 for fb.logits_indices (all rows when None)
+    hidden: torch.Tensor  # [T, h] final hidden state (after the last norm), the LM head's input
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # [T, h] each, per fb.capture_layers
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """-> (final hidden [T, h], residual stream at the input of each layer in fb.capture_layers).
+
+        A capture id equal to num_layers means the output of the last layer (before the final norm).
+        """
+        x = self.embed_tokens(fb.input_ids) if fb.input_embeds is None else fb.input_embeds
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in fb.capture_layers:
+                captured[i] = x
+            x = layer(x, fb.positions, fb)
+        if len(self.layers) in fb.capture_layers:
+            captured[len(self.layers)] = x
+        return self.norm(x), [captured[i] for i in fb.capture_layers]
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias: bool | None = None  # None: read `attention_bias` from the config
+    qk_norm: bool = False
+
+    @classmethod
+    def spec_from_config(cls, cfg: dict) -> ModelSpec:
+        return ModelSpec.from_config(cfg, qkv_bias=cls.qkv_bias, qk_norm=cls.qk_norm)
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        hidden, aux = self.model(fb)
+        rows = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
+        return ModelOutput(self.compute_logits(rows), hidden, aux)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V] float32
+        return self.lm_head(hidden).float()
+
+    # ---------------------------------------------------------------- weights
+    def expected_weights(self) -> set[tuple[str, int]]:
+        """(parameter name, shard) pairs a checkpoint must provide (shard -1 = whole tensor)."""
+        out = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                out.update((name, s) for s in range(3))
+            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+                out.update((name, s) for s in range(2))
+            else:
+                out.add((name, -1))
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set, list[str]]:
+        """Copy checkpoint tensors in; returns (loaded (name, shard) pairs, unexpected names)."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            target = self._load_fused(params, name, tensor)
+            if target is None and name in params:
+                _copy(params[name], tensor, name)
+                target = (name, -1)
+            if target is None:
+                unexpected.append(name)
+            else:
+                loaded.add(target)
+        return loaded, unexpected
+
+    def _load_fused(self, params: dict, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
+        for piece, fused, shard in FUSED_PIECES:
+            if piece in name:
+                fused_name = name.replace(piece, fused)
+                if fused_name not in params:
+                    return None
+                owner = self.get_submodule(fused_name.rsplit(".", 2)[0])
+                lo, hi = fused_shard_range(owner, fused, shard)
+                _copy(params[fused_name].data[lo:hi], tensor, name)
+                return fused_name, shard
+        return None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)

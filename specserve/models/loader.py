@@ -1,0 +1,115 @@
+"""Load an HF-format model folder: config.json + *.safetensors (single or sharded with an index).
+
+The model is built on the ``meta`` device (no memory, no random init), materialised on the target device,
+then filled tensor by tensor from memory-mapped safetensors files, so an 8B checkpoint loads without a
+second copy in RAM. A tqdm bar shows progress for checkpoints above ~200 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from specserve.models.registry import resolve_architecture
+from specserve.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROGRESS_BAR_BYTES = 200 * 2**20
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def resolve_model_path(path: str, revision: str | None = None) -> str:
+    """A local folder as is; otherwise a hub id looked up in the local HF cache only (we run offline)."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ModelLoadError(f"model path {path!r} is a file, expected an HF model folder")
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/"))
+    if not looks_like_hub_id:
+        raise ModelLoadError(f"model path {path!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, revision=revision, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any hub failure means: not available offline
+        raise ModelLoadError(
+            f"model {path!r} is not a local folder and is not in the local Hugging Face cache; "
+            f"specserve does not download weights: download it first and pass the folder ({type(e).__name__})"
+        ) from e
+
+
+def read_config(model_dir: str) -> dict:
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{model_dir!r} has no config.json; is it an HF model folder?")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
+    if name != "auto":
+        return DTYPE_NAMES[name]
+    return DTYPE_NAMES.get(str(spec.torch_dtype).replace("torch.", ""), torch.float32)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"shard(s) listed in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(
+        os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")
+    )
+    if not files:
+        raise ModelLoadError(f"{model_dir!r} has no *.safetensors weights")
+    return files
+
+
+def iter_safetensors(files: list[str], desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+    total = sum(os.path.getsize(f) for f in files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < PROGRESS_BAR_BYTES)
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                yield name, t
+                bar.update(t.numel() * t.element_size())
+    bar.close()
+
+
+def load_model(model_path: str, dtype: str = "auto", device: str | torch.device = "cpu", revision=None):
+    """-> (model in eval mode on device, its ModelSpec, the resolved folder)."""
+    model_dir = resolve_model_path(model_path, revision)
+    cfg = read_config(model_dir)
+    cls = resolve_architecture(cfg)
+    spec = cls.spec_from_config(cfg)
+    torch_dtype = resolve_dtype(dtype, spec)
+    with torch.device("meta"):
+        model = cls(spec)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if spec.tie_word_embeddings:  # to_empty breaks the tie; tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    loaded, unexpected = model.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    missing = sorted({name for name, _ in model.expected_weights() - loaded})
+    if missing:
+        raise ModelLoadError(f"checkpoint in {model_dir!r} lacks weights: {', '.join(missing[:8])}")
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors not used by %s (e.g. %s)", len(unexpected),
+                       spec.architecture, ", ".join(unexpected[:3]))
+    return model.eval(), spec, model_dir

@@ -1,0 +1,255 @@
+"""Batched logit processing and sampling.
+
+Pipeline for one decode step over B rows (V = vocabulary size):
+    raw logits [B, V]
+      -> apply_penalties_and_bias  (repetition, frequency, presence, logit_bias, min-tokens ban)
+      -> probs_from_logits         (temperature, top_k, top_p, min_p; greedy rows one-hot)
+      -> torch.multinomial per row with that row's generator
+All tensors live on the logits' device; the only per-row Python loop is over the B rows (one multinomial call
+per seeded row, so a row's draws depend only on its own generator), never over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specserve.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
+
+
+def _row_is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1
+
+
+def _effective_top_k(p: SamplingParams, vocab_size: int) -> int:
+    return vocab_size if p.top_k <= 0 or p.top_k >= vocab_size else p.top_k
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Everything the sampler needs for the B rows sampled in one step, as tensors on one device."""
+
+    temperatures: Tensor  # [B, 1] float32; greedy rows hold 1.0 (they are argmaxed)
+    top_ps: Tensor  # [B] float32
+    top_ks: Tensor  # [B] int64; V when off
+    min_ps: Tensor  # [B] float32
+    is_greedy: Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool  # (addition) lets probs_from_logits skip the one-hot merge without a device sync
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    generators: list[torch.Generator | None]  # per row; None for greedy rows (or: use the global RNG)
+    vocab_size: int
+    # Penalties: None when no row uses them, so the common path costs nothing.
+    rep_penalties: Tensor | None = None  # [B, 1] float32
+    freq_penalties: Tensor | None = None  # [B, 1] float32
+    pres_penalties: Tensor | None = None  # [B, 1] float32
+    output_counts: Tensor | None = None  # [B, V] float32: count of each token in the row's output so far
+    seen_mask: Tensor | None = None  # [B, V] bool: token in prompt or output (repetition penalty)
+    logit_bias: Tensor | None = None  # [B, V] float32 dense
+    min_tokens_mask: Tensor | None = None  # [B, V] bool: True = banned (stop/eos before min_new_tokens)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        stop_ids: list[set[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatchInfo:
+        """stop_ids[i]: eos ids (unless ignore_eos) + stop_token_ids of row i; they are banned while
+        len(output_ids[i]) < params[i].min_new_tokens. Generators must live on `device`."""
+        B, V = len(params), vocab_size
+        for name, seq in (("generators", generators), ("prompt_ids", prompt_ids),
+                          ("output_ids", output_ids), ("stop_ids", stop_ids)):
+            if len(seq) != B:
+                raise ValueError(f"{name} has {len(seq)} rows, params has {B}")
+        greedy = [_row_is_greedy(p) for p in params]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+        top_ks = [_effective_top_k(p, V) for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+
+        def f32(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        info = cls(
+            temperatures=f32(temps).view(B, 1),
+            top_ps=f32([p.top_p for p in params]),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=f32([p.min_p for p in params]),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_top_k=any(k < V for k, g in zip(top_ks, greedy, strict=True) if not g),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            generators=[None if g else gen for gen, g in zip(generators, greedy, strict=True)],
+            vocab_size=V,
+        )
+        if any(p.repetition_penalty != 1.0 for p in params):
+            info.rep_penalties = f32([p.repetition_penalty for p in params]).view(B, 1)
+            seen = [list(pr) + list(out) for pr, out in zip(prompt_ids, output_ids, strict=True)]
+            info.seen_mask = _dense_counts(seen, V, device) > 0
+        use_freq = any(p.frequency_penalty != 0.0 for p in params)
+        use_pres = any(p.presence_penalty != 0.0 for p in params)
+        if use_freq:
+            info.freq_penalties = f32([p.frequency_penalty for p in params]).view(B, 1)
+        if use_pres:
+            info.pres_penalties = f32([p.presence_penalty for p in params]).view(B, 1)
+        if use_freq or use_pres:
+            info.output_counts = _dense_counts(output_ids, V, device)
+        if any(p.logit_bias for p in params):
+            info.logit_bias = _dense_logit_bias(params, V, device)
+        banned = [
+            sorted(ids) if len(out) < p.min_new_tokens else []
+            for p, out, ids in zip(params, output_ids, stop_ids, strict=True)
+        ]
+        if any(banned):
+            info.min_tokens_mask = _dense_counts(banned, V, device) > 0
+        return info
+
+
+def _dense_counts(rows: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """Token-id lists -> [B, V] float32 occurrence counts, built with one scatter on `device`."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)  # [B, V]
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)  # [B]
+    cols = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)  # [N]
+    if cols.numel() == 0:
+        return counts
+    row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)  # [N]
+    counts.index_put_((row_idx, cols), torch.ones_like(cols, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _dense_logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> Tensor:
+    """Sparse per-row {token id: bias} -> dense [B, V] float32 (string keys from JSON accepted)."""
+    rows, cols, vals = [], [], []
+    for i, p in enumerate(params):
+        for key, value in (p.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(int(key))
+            vals.append(float(value))
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)  # [B, V]
+    index = (torch.tensor(rows, dtype=torch.int64, device=device),
+             torch.tensor(cols, dtype=torch.int64, device=device))
+    bias.index_put_(index, torch.tensor(vals, dtype=torch.float32, device=device))
+    return bias
+
+
+def apply_penalties_and_bias(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """Raw logits [B, V] -> processed float32 logits [B, V] (a new tensor; the input is untouched).
+
+    In order:
+      1. repetition_penalty r over tokens seen in prompt or output (HF rule): x > 0 -> x / r, else x * r
+      2. frequency_penalty f over output tokens: x -= count * f
+      3. presence_penalty p over output tokens: x -= p if count > 0
+      4. logit_bias: x += bias
+      5. min_new_tokens not reached: stop/eos tokens -> -inf
+    """
+    out = logits.to(torch.float32, copy=True)  # [B, V]
+    if info.rep_penalties is not None and info.seen_mask is not None:
+        r = info.rep_penalties  # [B, 1]
+        penalized = torch.where(out > 0, out / r, out * r)  # [B, V]
+        out = torch.where(info.seen_mask, penalized, out)
+    if info.output_counts is not None:
+        if info.freq_penalties is not None:
+            out = out - info.output_counts * info.freq_penalties  # [B, V] - [B, V] * [B, 1]
+        if info.pres_penalties is not None:
+            out = out - (info.output_counts > 0).to(torch.float32) * info.pres_penalties
+    if info.logit_bias is not None:
+        out = out + info.logit_bias
+    if info.min_tokens_mask is not None:
+        out = out.masked_fill(info.min_tokens_mask, float("-inf"))
+    return out
+
+
+def probs_from_logits(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """Processed logits [B, V] -> sampling distribution [B, V] float32 (rows sum to 1).
+
+    Pure function of (logits, info); also the target/draft distribution for lossless speculative verification.
+    Non-greedy rows: softmax(logits / T), then applied one after the other, each on the renormalised result of
+    the previous (HF/vLLM semantics):
+      top_k: keep the k most probable tokens;
+      top_p: keep the smallest most-probable set whose mass reaches top_p (a token is kept iff the mass
+             strictly before it in descending order is < top_p);
+      min_p: keep tokens with prob >= min_p * max prob.
+    Masked tokens get probability exactly 0, the rest are renormalised. Greedy rows: one-hot of the argmax.
+    """
+    B, V = logits.shape
+    probs = torch.softmax(logits.to(torch.float32) / info.temperatures, dim=-1)  # [B, V]
+    if info.need_top_k or info.need_top_p or info.need_min_p:
+        probs = _apply_top_k_top_p_min_p(probs, info)
+    if info.any_greedy:
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [B, V]
+        probs = torch.where(info.is_greedy.view(B, 1), one_hot, probs)
+    return probs
+
+
+def _apply_top_k_top_p_min_p(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """probs [B, V] -> filtered and renormalised probs [B, V], with one descending sort."""
+    B, V = probs.shape
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V] each
+    if info.need_top_k:
+        rank = torch.arange(V, device=probs.device).view(1, V)  # [1, V]
+        sorted_p = sorted_p.masked_fill(rank >= info.top_ks.view(B, 1), 0.0)
+    if info.need_top_p:
+        renorm = sorted_p / sorted_p.sum(dim=-1, keepdim=True)  # [B, V]
+        mass_before = renorm.cumsum(dim=-1) - renorm  # [B, V] exclusive cumsum
+        top_p = info.top_ps.view(B, 1)
+        # Rows with top_p == 1 are left alone (rounding could otherwise trim their tail).
+        sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1.0), 0.0)
+    if info.need_min_p:
+        threshold = sorted_p[:, :1] * info.min_ps.view(B, 1)  # [B, 1]; column 0 is the max, never masked
+        sorted_p = sorted_p.masked_fill(sorted_p < threshold, 0.0)
+    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p)  # back to vocabulary order
+
+
+def sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+    """Raw logits [B, V] -> next token ids [B] int64.
+
+    Greedy rows: argmax of the processed logits. Other rows: torch.multinomial on probs_from_logits, one call
+    per row that has its own generator (its draws depend on nothing else in the batch), one call for all rows
+    that use the global RNG.
+    """
+    processed = apply_penalties_and_bias(logits, info)  # [B, V]
+    next_ids = processed.argmax(dim=-1)  # [B]
+    if info.all_greedy:
+        return next_ids
+    probs = probs_from_logits(processed, info)  # [B, V]
+    greedy = info.is_greedy.tolist()
+    unseeded = [i for i, g in enumerate(greedy) if not g and info.generators[i] is None]
+    for i, (g, gen) in enumerate(zip(greedy, info.generators, strict=True)):
+        if not g and gen is not None:
+            next_ids[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    if unseeded:
+        rows = torch.tensor(unseeded, dtype=torch.int64, device=logits.device)  # [U]
+        next_ids[rows] = torch.multinomial(probs[rows], 1).view(-1)
+    return next_ids
+
+
+def compute_logprobs(
+    logits: Tensor, token_ids: Tensor, top_n: list[int]
+) -> tuple[Tensor, list[list[tuple[float, int]]]]:
+    """Log-probabilities under log_softmax of the RAW logits [B, V], i.e. the model's own distribution, before
+    penalties, bias, temperature and top-k/p filtering (as SGLang and OpenAI report them; processed
+    distributions would give -inf for filtered tokens and depend on the sampling knobs).
+
+    Returns the chosen tokens' logprobs [B] float32 (token_ids: [B]) and, per row i, the top_n[i]
+    (logprob, token_id) pairs, highest first (at most V).
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, token_ids.view(-1, 1).to(torch.int64)).view(-1)  # [B]
+    max_n = min(max(top_n, default=0), logprobs.shape[-1])
+    if max_n <= 0:
+        return chosen, [[] for _ in top_n]
+    values, indices = logprobs.topk(max_n, dim=-1)  # [B, max_n], sorted descending
+    values_l, indices_l = values.tolist(), indices.tolist()  # one transfer each
+    tops = [list(zip(values_l[i][:n], indices_l[i][:n], strict=True)) for i, n in enumerate(top_n)]
+    return chosen, tops

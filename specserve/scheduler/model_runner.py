@@ -1,0 +1,104 @@
+"""ModelRunner: the loaded model, its KV pools, and how big they are.
+
+KV capacity comes from ``--max-total-tokens`` when given; otherwise from ``--mem-fraction-static`` of the
+device's memory (on CUDA the total device memory, on CPU ``--cpu-memory-budget-gb``) minus the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from specserve.attention import ForwardBatch
+from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from specserve.config import ConfigError, ServerArgs
+from specserve.models.llama import ModelOutput
+from specserve.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEM_FRACTION = 0.85
+MIN_KV_TOKENS = 64
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        if args.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        self.model, self.spec, self.model_dir = load_model(args.model_path, args.dtype, self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.context_len = self._context_len()
+        self.max_total_tokens = self._kv_capacity()
+        self.max_running_requests = args.effective_max_running_requests
+        self.kv_pool = KVPool(
+            self.spec.num_layers, self.max_total_tokens, self.spec.num_kv_heads, self.spec.head_dim,
+            self.dtype, self.device,
+        )
+        self.allocator = SlotAllocator(self.max_total_tokens, self.device)
+        # +1 row so a retracted-and-resumed request never waits for a row while others hold them all
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        self.eos_token_ids = self._eos_ids()
+        logger.info(
+            "loaded %s (%s, %s) on %s: context %d, KV capacity %d tokens",
+            self.spec.architecture, self.model_dir, self.dtype, self.device, self.context_len,
+            self.max_total_tokens,
+        )
+
+    # ------------------------------------------------------------------
+    def _context_len(self) -> int:
+        ctx = self.args.context_length or self.spec.max_position_embeddings
+        if self.args.context_length and self.args.context_length > self.spec.max_position_embeddings:
+            logger.warning(
+                "--context-length %d exceeds the model's max_position_embeddings %d",
+                self.args.context_length, self.spec.max_position_embeddings,
+            )
+        return ctx
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _kv_capacity(self) -> int:
+        per_token = KVPool.bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        if self.args.max_total_tokens:
+            return self.args.max_total_tokens
+        frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            total = int(self.args.cpu_memory_budget_gb * 2**30)
+        budget = int(total * frac) - self.weight_bytes()
+        tokens = budget // per_token
+        if tokens < MIN_KV_TOKENS:
+            raise ConfigError(
+                f"--mem-fraction-static {frac} leaves room for only {max(tokens, 0)} KV tokens after the "
+                f"weights ({self.weight_bytes() / 2**30:.2f} GiB); raise it or set --max-total-tokens"
+            )
+        # never more than every running request at full context could use
+        return int(min(tokens, self.args.effective_max_running_requests * self._context_len() + 1))
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.spec.eos_token_ids)
+        gen_cfg = os.path.join(self.model_dir, "generation_config.json")
+        if os.path.isfile(gen_cfg):
+            with open(gen_cfg) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        return ids
+
+    # ------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        return self.model(fb)

@@ -1,0 +1,78 @@
+"""Req: one generation request's state inside the scheduler, and ReqOutput: what a step reports for it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.sampling.params import SamplingParams
+
+
+@dataclass
+class ReqOutput:
+    """New tokens of one request after a scheduler step (deltas), plus its meta when finished."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[tuple[float, int]] = field(default_factory=list)  # (logprob, token id)
+    new_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    spec: dict[str, Any] = field(default_factory=dict)  # speculative counters (verify count, ...)
+    new_text: str | None = None  # text delta, only for requests the scheduler detokenizes (stop strings)
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        stop_ids: set[int],
+        generator: torch.Generator | None,
+        stop_checker=None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.stop_ids = stop_ids  # eos (unless ignore_eos) + stop_token_ids
+        self.generator = generator
+        self.stop_checker = stop_checker  # None when the request has no stop strings
+        # KV state: row in req_to_token, tokens whose KV is stored there, radix lock
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.prefix_len = 0  # leading tokens whose slots came from the radix cache (shared, not owned)
+        self.last_node = None
+        self.cached_tokens = 0  # reported: prompt tokens served from the prefix cache (first admission)
+        self.finished_reason: dict[str, Any] | None = None
+        self.retracted_count = 0
+        self.logprobs: list[tuple[float, int]] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.created = time.monotonic()
+        self.admitted_once = False
+        self.pending_text = ""  # stop-string requests: text produced since the last output
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """All tokens of the sequence so far (prompt + output)."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.params.return_logprob)

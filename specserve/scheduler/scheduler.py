@@ -1,0 +1,390 @@
+"""Scheduler: continuous batching over a token-slot KV cache.
+
+Each ``step()`` runs one forward:
+- a **prefill** (EXTEND) batch when waiting requests can be admitted: the radix cache supplies their cached
+  prefix, prompts longer than ``--chunked-prefill-size`` are prefilled a chunk per step, admission stops at
+  ``--max-running-requests`` and when the KV pool (free + evictable) cannot hold the new tokens plus a
+  reserve for the decoding requests;
+- otherwise a **decode** batch over every running request (one token each). When the pool cannot hold the
+  step's tokens, requests are **retracted**: their KV goes to the radix cache (or is freed), they return to
+  the head of the queue and are resumed later by prefilling prompt + output so far, so nothing is lost or
+  duplicated.
+Finished and aborted requests leave at once and give back their KV (to the radix cache when it is on).
+
+The scheduler is synchronous and single-threaded; ``Engine`` (and the server) drive it from a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.cache.radix_cache import RadixCache
+from specserve.config import ServerArgs
+from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, sample
+from specserve.scheduler.model_runner import ModelRunner
+from specserve.scheduler.req import Req, ReqOutput
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.5
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002
+RETRACT_RATIO_BUMP = 0.3
+
+
+@dataclass
+class SchedulerStats:
+    num_retractions: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner | None = None) -> None:
+        self.args = args
+        self.runner = runner or ModelRunner(args)
+        self.device = self.runner.device
+        self.allocator = self.runner.allocator
+        self.req_pool = self.runner.req_to_token_pool
+        self.tree = RadixCache(self.allocator.free, device=self.device, disable=args.disable_radix_cache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the request whose prompt is part-way through prefill
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = SchedulerStats()
+        self._retract_outputs: list[ReqOutput] = []
+        self.vocab_size = self.runner.spec.vocab_size
+        self.context_len = self.runner.context_len
+
+    # ------------------------------------------------------------------ public API
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> ReqOutput | None:
+        """Abort a waiting or running request; frees its KV. Returns its final output, or None if unknown."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                if req.req_pool_idx is not None:  # a chunked or retracted request holding KV
+                    self._release(req)
+                if self.chunked is req:
+                    self.chunked = None
+                return self._finish_output(req, {"type": "abort", "message": "aborted"})
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            self._release(req)
+            return self._finish_output(req, {"type": "abort", "message": "aborted"})
+        for req in self.running:
+            if req.rid == rid:
+                self.running.remove(req)
+                self._release(req)
+                return self._finish_output(req, {"type": "abort", "message": "aborted"})
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> list[ReqOutput]:
+        """Run one forward (prefill if anything can be admitted, else decode)."""
+        batch = self._select_prefill()
+        if batch:
+            return self._run_prefill(batch)
+        if self.running:
+            return self._run_decode()
+        return self._fail_unfittable()
+
+    def _fail_unfittable(self) -> list[ReqOutput]:
+        """Nothing runs, yet the head request cannot start: the pool is too small for it. Fail it."""
+        req = self.chunked or (self.waiting[0] if self.waiting else None)
+        if req is None:
+            return []
+        out = self.abort(req.rid)
+        out.finished_reason = req.finished_reason = {
+            "type": "abort", "message": "the request does not fit in the KV cache (--max-total-tokens)"}
+        return [out]
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; only allowed when idle."""
+        if self.has_work():
+            return False
+        self.tree.reset()
+        self.allocator.clear()
+        return True
+
+    def kv_usage(self) -> float:
+        return 1.0 - (self.allocator.available_size() + self.tree.evictable_size()) / self.runner.max_total_tokens
+
+    # ------------------------------------------------------------------ memory
+    def _available(self) -> int:
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if self.allocator.available_size() < n:
+            self.tree.evict(n - self.allocator.available_size())
+        return self.allocator.alloc(n)
+
+    def _decode_reserve(self, reqs: list[Req]) -> int:
+        return sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) for r in reqs)
+
+    def _release(self, req: Req) -> None:
+        """Give back req's KV: into the radix cache (freeing duplicates) or straight to the free list."""
+        row, kv_len = req.req_pool_idx, req.kv_len
+        slots = self.req_pool.req_to_token[row, :kv_len].clone()
+        if self.tree.disable:
+            self.allocator.free(slots)
+        else:
+            cached = self.tree.insert(req.fill_ids[:kv_len], slots)
+            # [prefix_len, cached): computed by us but already in the tree -> ours are duplicates
+            self.allocator.free(slots[req.prefix_len : max(cached, req.prefix_len)])
+            self.tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(row)
+        req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    # ------------------------------------------------------------------ prefill
+    def _select_prefill(self) -> list[tuple[Req, int]]:
+        """Pick (request, tokens to prefill this step) pairs; allocates rows and slots."""
+        budget = self.args.max_prefill_tokens
+        if self.args.chunked_prefill_size > 0:
+            budget = min(budget, self.args.chunked_prefill_size)
+        batch: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            take = self._take_chunk(req, budget, batch)
+            if take == 0:
+                self.chunked = req
+            if take == 0 or self.chunked is not None:
+                return batch
+            budget -= take
+        if self.args.schedule_policy == "lpm" and len(self.waiting) > 1:
+            self._sort_waiting_by_prefix()
+        while self.waiting and budget > 0:
+            if len(self.running) + len(batch) >= self.runner.max_running_requests:
+                break
+            req = self.waiting[0]
+            if not self._admit(req, batch):
+                break
+            take = self._take_chunk(req, budget, batch)
+            if take == 0:
+                self._unadmit(req)
+                break
+            self.waiting.popleft()
+            budget -= take
+            if self.chunked is not None:
+                break
+        return batch
+
+    def _sort_waiting_by_prefix(self) -> None:
+        def matched(r: Req) -> int:
+            return len(self.tree.match_prefix(r.fill_ids[:-1])[0])
+
+        self.waiting = deque(sorted(self.waiting, key=matched, reverse=True))
+
+    def _admit(self, req: Req, batch: list[tuple[Req, int]]) -> bool:
+        """Give req a req_to_token row and its cached prefix, if memory allows."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        prefix, node = self.tree.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute logits
+        self.tree.inc_lock_ref(node)
+        need = req.seq_len - len(prefix)
+        reserve = self._decode_reserve(self.running + [r for r, _ in batch] + [req])
+        if self._available() < min(need, self._chunk_cap()) + reserve and (self.running or batch):
+            self.tree.dec_lock_ref(node)
+            self.req_pool.free(row)
+            return False
+        self.req_pool.write(row, 0, prefix)
+        req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = row, len(prefix), len(prefix), node
+        if not req.admitted_once:
+            req.cached_tokens, req.admitted_once = len(prefix), True
+        return True
+
+    def _chunk_cap(self) -> int:
+        cap = self.args.max_prefill_tokens
+        return min(cap, self.args.chunked_prefill_size) if self.args.chunked_prefill_size > 0 else cap
+
+    def _take_chunk(self, req: Req, budget: int, batch: list[tuple[Req, int]]) -> int:
+        """Allocate slots for up to `budget` of req's unprefilled tokens and add it to the batch.
+
+        Returns the tokens taken; 0 when the pool cannot supply them (the caller puts req back).
+        """
+        need = req.seq_len - req.kv_len
+        take = min(need, budget)
+        slots = self._alloc(take) if take > 0 else None
+        if slots is None:
+            return 0
+        self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
+        batch.append((req, take))
+        if take < need:
+            self.chunked = req
+        return take
+
+    def _unadmit(self, req: Req) -> None:
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
+        self.stats.num_prefill_steps += 1
+        reqs = [r for r, _ in batch]
+        q_lens = [t for _, t in batch]
+        kv_lens = [r.kv_len + t for r, t in batch]
+        ids = torch.tensor(
+            [tok for r, t in batch for tok in r.fill_ids[r.kv_len : r.kv_len + t]], dtype=torch.int64
+        ).to(self.device)
+        positions = torch.cat([torch.arange(r.kv_len, r.kv_len + t) for r, t in batch]).to(self.device)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
+        out_loc = torch.cat(
+            [self.req_pool.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + t] for r, t in batch]
+        )
+        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+        fb = ForwardBatch(
+            ForwardMode.EXTEND, ids, positions, out_loc,
+            build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, q_lens), self.runner.kv_pool,
+            logits_indices=last,
+        )
+        logits = self.runner.forward(fb).logits  # [B, V]
+        done_rows, done_reqs = [], []
+        for i, (req, take) in enumerate(batch):
+            req.kv_len += take
+            if req is not self.chunked:
+                done_rows.append(i)
+                done_reqs.append(req)
+        outputs: list[ReqOutput] = []
+        if done_reqs:
+            outputs = self._sample_and_append(done_reqs, logits[done_rows])
+            self.running.extend(r for r in done_reqs if not r.finished)
+        return outputs
+
+    # ------------------------------------------------------------------ decode
+    def _run_decode(self) -> list[ReqOutput]:
+        self._ensure_decode_room()
+        if not self.running:
+            return self._drain_retract_outputs()
+        self.stats.num_decode_steps += 1
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        reqs = self.running
+        slots = self._alloc(len(reqs))
+        positions = [r.seq_len - 1 for r in reqs]
+        for r, pos, slot in zip(reqs, positions, slots, strict=True):
+            self.req_pool.req_to_token[r.req_pool_idx, pos] = slot
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
+        kv_lens = [p + 1 for p in positions]
+        fb = ForwardBatch(
+            ForwardMode.DECODE,
+            torch.tensor([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs],
+                         device=self.device),
+            torch.tensor(positions, device=self.device),
+            slots,
+            build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, [1] * len(reqs)),
+            self.runner.kv_pool,
+        )
+        logits = self.runner.forward(fb).logits  # [B, V]
+        for r in reqs:
+            r.kv_len += 1
+        outputs = self._sample_and_append(reqs, logits)
+        self.running = [r for r in reqs if not r.finished]
+        return outputs + self._drain_retract_outputs()
+
+    def _ensure_decode_room(self) -> None:
+        """Retract until one new slot per running request fits: a part-prefilled request first, then
+        running requests, latest admitted first. A lone request that still does not fit is failed."""
+        while self.running and self._available() < len(self.running):
+            if self.chunked is not None:
+                req, self.chunked = self.chunked, None
+            elif len(self.running) > 1:
+                req = self.running.pop()
+            else:
+                req = self.running.pop()
+                self._release(req)
+                reason = {"type": "abort", "message": "KV cache too small for this request"}
+                self._retract_outputs.append(self._finish_output(req, reason))
+                break
+            self._release(req)
+            req.retracted_count += 1
+            self.stats.num_retractions += 1
+            self.waiting.appendleft(req)
+            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
+            logger.debug("retracted %s (%d tokens so far)", req.rid, len(req.output_ids))
+
+    def _drain_retract_outputs(self) -> list[ReqOutput]:
+        out, self._retract_outputs = self._retract_outputs, []
+        return out
+
+    # ------------------------------------------------------------------ sampling and finishing
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+        """logits [B, V] (one row per req) -> sample, append, check finish, release finished."""
+        info = SamplingBatchInfo.from_params(
+            [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
+        )
+        next_ids = sample(logits, info)
+        lp = self._logprobs(reqs, logits, next_ids)
+        next_list = next_ids.tolist()
+        outputs = []
+        for i, (req, tok) in enumerate(zip(reqs, next_list, strict=True)):
+            if lp is not None and req.wants_logprobs():
+                req.logprobs.append((float(lp[0][i]), tok))
+                req.top_logprobs.append(lp[1][i])
+            n_before = len(req.logprobs) - 1
+            self._append_token(req, tok)
+            self.stats.generated_tokens += 1
+            if req.finished:
+                self._release(req)
+            outputs.append(self._step_output(req, [tok], n_before))
+        return outputs
+
+    def _logprobs(self, reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor):
+        if not any(r.wants_logprobs() for r in reqs):
+            return None
+        top_n = [r.params.top_logprobs_num if r.wants_logprobs() else 0 for r in reqs]
+        return compute_logprobs(logits, next_ids, top_n)
+
+    def _append_token(self, req: Req, tok: int) -> None:
+        """Append one sampled token and decide whether req finishes on it."""
+        req.output_ids.append(tok)
+        p = req.params
+        past_min = len(req.output_ids) >= p.min_new_tokens
+        matched = None
+        if req.stop_checker is not None:
+            text, matched = req.stop_checker.add([tok], allow_match=past_min)
+            req.pending_text += text
+        if past_min and tok in req.stop_ids:
+            req.finished_reason = {"type": "stop", "matched": tok}
+        elif matched is not None:
+            req.finished_reason = {"type": "stop", "matched": matched}
+            return
+        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
+            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+        if req.finished and req.stop_checker is not None:
+            req.pending_text += req.stop_checker.flush()
+
+    def _step_output(self, req: Req, new_ids: list[int], logprob_start: int) -> ReqOutput:
+        return ReqOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            new_logprobs=req.logprobs[logprob_start:] if req.wants_logprobs() else [],
+            new_top_logprobs=req.top_logprobs[logprob_start:] if req.wants_logprobs() else [],
+            new_text=self._take_text(req),
+        )
+
+    @staticmethod
+    def _take_text(req: Req) -> str | None:
+        if req.stop_checker is None:
+            return None
+        text, req.pending_text = req.pending_text, ""
+        return text
+
+    def _finish_output(self, req: Req, reason: dict) -> ReqOutput:
+        req.finished_reason = reason
+        return self._step_output(req, [], len(req.logprobs))

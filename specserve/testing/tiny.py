@@ -1,0 +1,133 @@
+"""Tiny HF-format models with random weights, built locally (no downloads) for tests and benchmarks.
+
+``build_tokenizer`` trains a small byte-level BPE tokenizer (with a chat template) on text that ships with
+every Python install; ``make_model_dir`` writes a transformers-initialised random model of a chosen
+architecture next to it. Logits are made peaky (the final norm is scaled) so greedy choices do not flip
+between numerically different but equivalent computations (batched vs single, chunked vs whole).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"]
+
+
+def corpus_text(max_chars: int = 200_000) -> str:
+    """Python source from the running interpreter's standard library (present on every machine)."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    parts, size = [], 0
+    for name in ("textwrap.py", "string.py", "heapq.py", "bisect.py", "fractions.py", "statistics.py"):
+        path = os.path.join(stdlib, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                parts.append(f.read())
+            size += len(parts[-1])
+        if size >= max_chars:
+            break
+    parts.append("héllo wörld ✓ 日本語 🙂 naïve café\n")
+    return "".join(parts)[:max_chars]
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer and save it (tokenizer.json + config) into out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([corpus_text()], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides):
+    import transformers
+
+    cfg_cls = getattr(transformers, ARCH_CONFIGS[arch][0])
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=6,
+    )
+    if arch == "qwen3":
+        kw["head_dim"] = 32
+    kw.update(overrides)
+    cfg = cfg_cls(**kw)
+    cfg.architectures = [ARCH_CONFIGS[arch][1]]
+    return cfg
+
+
+def make_model_dir(
+    out_dir: str,
+    arch: str = "llama",
+    seed: int = 0,
+    logit_scale: float = 4.0,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_dir: str | None = None,
+    **config_overrides,
+) -> str:
+    """Write a random `arch` model (+ tokenizer) as an HF folder; returns out_dir."""
+    import transformers
+
+    os.makedirs(out_dir, exist_ok=True)
+    if tokenizer_dir is None:
+        tok = build_tokenizer(out_dir)
+    else:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok.save_pretrained(out_dir)
+    vocab = config_overrides.pop("vocab_size", len(tok))
+    cfg = tiny_config(arch, vocab_size=vocab, **config_overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(logit_scale)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    _set_dtype(out_dir, dtype)
+    return out_dir
+
+
+def _set_dtype(out_dir: str, dtype: torch.dtype) -> None:
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
