@@ -145,7 +145,7 @@ class SamplingParams:
         self.stop_str_max_len = max((len(s) for s in self.stop), default=0)
         if self.top_k == 0:
             self.top_k = -1
-        if _is_number(self.temperature) and self.temperature < GREEDY_TEMPERATURE_EPS:
+        if _is_number(self.temperature) and 0 <= self.temperature < GREEDY_TEMPERATURE_EPS:
             self.temperature = 0.0
         if self.logit_bias is not None:
             self.logit_bias = {_bias_key_to_int(k): float(v) for k, v in self.logit_bias.items()}

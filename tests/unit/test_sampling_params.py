@@ -154,3 +154,9 @@ def test_is_greedy():
     assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(top_k=1).is_greedy
     assert not SamplingParams(temperature=0.7, top_k=2).is_greedy
+
+
+def test_normalize_does_not_hide_a_negative_temperature():
+    p = SamplingParams(temperature=-1.0).normalize()
+    with pytest.raises(ValueError, match="^temperature"):
+        p.verify()

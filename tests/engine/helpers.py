@@ -1,0 +1,51 @@
+"""Helpers for engine tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from specserve import Engine
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def push(self, item):",
+    "The quick brown fox",
+    "for i in range(10):\n    print(i)\n# now sum the squares of",
+    "x = 1",
+    "while True:\n    line = input()\n    if not line:\n        break\n    total +=",
+    "# a long comment that goes on and on about heaps, bisection, fractions and statistics",
+]
+
+
+def greedy(max_new_tokens: int = 16, **extra) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **extra}
+
+
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        do_sample=False, pad_token_id=0,
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def assert_no_kv_leak(engine: Engine) -> None:
+    """Every slot is either free or held by the prefix cache, nothing is locked, all rows are free."""
+
+    def check(s):
+        assert not s.running and not s.waiting and s.chunked is None
+        assert s.tree.protected_size() == 0
+        s.tree._check_invariants()
+        free = s.allocator.free_slots_sorted()
+        cached = s.tree.all_values()
+        everything = torch.sort(torch.cat([free, cached])).values
+        assert torch.equal(everything, torch.arange(1, s.runner.max_total_tokens + 1)), "slot leak or double free"
+        assert s.req_pool.available_size() == s.req_pool.max_reqs
+        return True
+
+    assert engine.loop.call(check)
+    assert engine.flush_cache()
+    assert engine.get_server_info()["free_slots"] == engine.server_args.max_total_tokens

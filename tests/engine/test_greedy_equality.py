@@ -1,0 +1,90 @@
+"""Greedy output: equal to transformers, and invariant to batching, chunked prefill, radix reuse, retraction."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def path(model_factory):
+    return model_factory("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def solo(path):
+    """Each prompt's greedy output, generated alone (batch of one, no cache reuse, no chunking)."""
+    with Engine(model_path=path, max_total_tokens=4096, disable_radix_cache=True) as e:
+        return [e.generate(p, greedy(24))["output_ids"] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_generate(model_factory, arch):
+    path = model_factory(arch)
+    with Engine(model_path=path, max_total_tokens=2048) as e:
+        for prompt in PROMPTS[:4]:
+            ids = e.tokenizer.encode(prompt)
+            ours = e.generate(input_ids=ids, sampling_params=greedy(20))["output_ids"]
+            assert ours == hf_greedy(path, ids, 20), prompt
+
+
+def test_batch_of_8_mixed_lengths_equals_solo(path, solo):
+    with Engine(model_path=path, max_total_tokens=4096, disable_radix_cache=True) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == solo
+        assert_no_kv_leak(e)
+
+
+def test_chunked_prefill_size_4_equals_solo(path, solo):
+    with Engine(model_path=path, max_total_tokens=4096, chunked_prefill_size=4) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == solo
+        assert e.scheduler.stats.num_prefill_steps > len(PROMPTS)  # prompts really were split
+        assert_no_kv_leak(e)
+
+
+def test_radix_reuse_reports_cached_tokens_and_same_output(path, solo):
+    with Engine(model_path=path, max_total_tokens=4096) as e:
+        first = e.generate(PROMPTS[4], greedy(24))
+        again = e.generate(PROMPTS[4], greedy(24))
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert again["meta_info"]["cached_tokens"] > 0
+        assert first["output_ids"] == again["output_ids"] == solo[4]
+        # a different continuation of a shared prefix: reuses the prefix, output as if alone
+        shared = e.generate(PROMPTS[4] + " the", greedy(24))
+        assert shared["meta_info"]["cached_tokens"] > 0
+        assert_no_kv_leak(e)
+
+
+def test_lpm_policy_same_outputs(path, solo):
+    with Engine(model_path=path, max_total_tokens=4096, schedule_policy="lpm", max_running_requests=3) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == solo
+        assert_no_kv_leak(e)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_retraction_under_a_small_pool_keeps_outputs(path, solo, radix):
+    with Engine(model_path=path, max_total_tokens=160, disable_radix_cache=not radix, chunked_prefill_size=16) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert e.scheduler.stats.num_retractions > 0, "the pool was meant to force retraction"
+        assert [o["output_ids"] for o in outs] == solo
+        assert all(o["meta_info"]["completion_tokens"] == 24 for o in outs)
+        assert_no_kv_leak(e)
+
+
+def test_max_running_requests_limits_concurrency(path, solo):
+    with Engine(model_path=path, max_total_tokens=4096, max_running_requests=2) as e:
+        seen = []
+        orig = e.scheduler._run_decode
+
+        def spy():
+            seen.append(len(e.scheduler.running))
+            return orig()
+
+        e.scheduler._run_decode = spy
+        outs = e.generate(PROMPTS, greedy(24))
+        assert max(seen) == 2
+        assert [o["output_ids"] for o in outs] == solo
