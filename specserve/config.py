@@ -123,6 +123,8 @@ class ServerArgs:
             raise ConfigError(f"--cpu-memory-budget-gb must be > 0, got {self.cpu_memory_budget_gb}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.enable_torch_compile:
+            raise ConfigError("--enable-torch-compile is not available in this build yet (lands with the speed work)")
         self._validate_speculative()
         return self
 

@@ -51,6 +51,11 @@ class ModelRunner:
         # +1 row so a retracted-and-resumed request never waits for a row while others hold them all
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
         self.eos_token_ids = self._eos_ids()
+        if args.cuda_graph_max_bs is not None or args.disable_cuda_graph:
+            logger.info("CUDA graphs are not implemented yet; --cuda-graph-max-bs / --disable-cuda-graph ignored")
+        window = self.spec.raw.get("sliding_window")
+        if window and self.spec.raw.get("use_sliding_window", True) and window < self.context_len:
+            logger.warning("sliding_window=%d is not implemented: attention is full up to the context length", window)
         logger.info(
             "loaded %s (%s, %s) on %s: context %d, KV capacity %d tokens",
             self.spec.architecture, self.model_dir, self.dtype, self.device, self.context_len,

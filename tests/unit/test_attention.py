@@ -1,0 +1,83 @@
+"""The SDPA backend: metadata on hand-checked inputs, and masked attention against a per-query reference."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.attention import ForwardBatch, ForwardMode, attention, build_attn_metadata
+from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+
+
+def test_padding_indices_hand_checked():
+    md = build_attn_metadata(torch.arange(1, 13).view(2, 6), kv_lens=[5, 3], q_lens=[2, 1])
+    # request 0 has 2 new tokens (rows 0,1), request 1 one (row 2); pad row = T = 3
+    assert md.q_index.tolist() == [[0, 1], [2, 3]]
+    assert md.out_index.tolist() == [0, 1, 2]
+    m = md.mask[:, 0].int().tolist()
+    assert m[0] == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]  # prefix 3, then causal over the 2 new keys
+    assert m[1] == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]  # 3 keys; padded query row sees key 0 only
+
+
+def test_fast_paths():
+    slots = torch.arange(1, 9).view(2, 4)
+    decode = build_attn_metadata(slots, [4, 4], [1, 1])
+    assert decode.mask is None and not decode.is_causal and decode.q_index is None
+    prefill = build_attn_metadata(slots, [4, 4], [4, 4])
+    assert prefill.mask is None and prefill.is_causal
+    ragged = build_attn_metadata(slots, [4, 2], [1, 1])
+    assert ragged.mask[:, 0, 0].tolist() == [[True] * 4, [True, True, False, False]]
+
+
+def _reference(q, k_all, v_all, visible, scale):
+    """q [n, H, D]; k_all/v_all [K, Hkv, D]; visible [n, K] bool -> [n, H*D], one query at a time."""
+    rep = q.shape[1] // k_all.shape[1]
+    k = k_all.repeat_interleave(rep, dim=1)
+    v = v_all.repeat_interleave(rep, dim=1)
+    outs = []
+    for i in range(q.shape[0]):
+        idx = visible[i].nonzero().flatten()
+        att = torch.einsum("hd,khd->hk", q[i], k[idx]) * scale
+        outs.append(torch.einsum("hk,khd->hd", att.softmax(-1), v[idx]).reshape(-1))
+    return torch.stack(outs)
+
+
+def test_custom_tree_mask_equals_per_query_attention():
+    torch.manual_seed(0)
+    H, Hkv, D, prefix = 4, 2, 8, 5
+    pool = KVPool(1, 32, Hkv, D, torch.float32, "cpu")
+    alloc = SlotAllocator(32, "cpu")
+    table = ReqToTokenPool(2, 32, "cpu")
+    # a 5-node tree: 0 -> {1, 2}, 1 -> 3, 2 -> 4 (each node sees the prefix and its ancestors)
+    parents = [-1, 0, 0, 1, 2]
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for n, p in enumerate(parents):
+        tree[n, n] = True
+        while p >= 0:
+            tree[n, p] = True
+            p = parents[p]
+    row = table.alloc()
+    slots = alloc.alloc(prefix + 5)
+    table.write(row, 0, slots)
+    k_prefix, v_prefix = torch.randn(prefix, Hkv, D), torch.randn(prefix, Hkv, D)
+    pool.k[0][slots[:prefix]], pool.v[0][slots[:prefix]] = k_prefix, v_prefix
+    q, k, v = torch.randn(5, H, D), torch.randn(5, Hkv, D), torch.randn(5, Hkv, D)
+    md = build_attn_metadata(table.req_to_token[[row]], [prefix + 5], [5], custom_masks=[tree])
+    fb = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long),
+                      slots[prefix:], md, pool)
+    got = attention(q, k, v, 0, fb, scale=D**-0.5)
+    visible = torch.cat([torch.ones(5, prefix, dtype=torch.bool), tree], dim=1)
+    want = _reference(q, torch.cat([k_prefix, k]), torch.cat([v_prefix, v]), visible, D**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_slot_allocator_and_table():
+    alloc = SlotAllocator(4, "cpu")
+    a = alloc.alloc(3)
+    assert sorted(a.tolist()) == [1, 2, 3] and alloc.alloc(2) is None and alloc.available_size() == 1
+    alloc.free(a[:2])
+    assert alloc.available_size() == 3 and len(alloc.alloc(3)) == 3
+    table = ReqToTokenPool(2, 8, "cpu")
+    r1, r2 = table.alloc(), table.alloc()
+    assert {r1, r2} == {0, 1} and table.alloc() is None
+    table.free(r1)
+    assert table.available_size() == 1
