@@ -80,8 +80,8 @@ class ModelRunner:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.device.type == "cuda":  # free memory now + what the weights took = what was free before them
+            total = torch.cuda.mem_get_info(self.device)[0] + self.weight_bytes()
         else:
             total = int(self.args.cpu_memory_budget_gb * 2**30)
         budget = int(total * frac) - self.weight_bytes()
