@@ -71,6 +71,9 @@ class ServerArgs:
     torch_compile_max_bs: int = field(default=32, metadata={"help": "Max batch size compiled."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={"help": "Max batch size captured in CUDA graphs."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Turn off CUDA graphs."})
+    disable_cpu_weight_packing: bool = field(
+        default=False, metadata={"help": "Keep plain bf16/fp16 linears on CPU (no oneDNN pre-packing)."}
+    )
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)."})
     # --- speculative decoding (see docs/formats.md) ---
     speculative_algorithm: str | None = field(

@@ -198,13 +198,14 @@ class Engine:
             if not single:
                 raise RequestError("stream=True takes a single prompt with n=1", "stream")
             return self._stream(prepared[0])
-        self.loop.submit(prepared, _thread_deliver)
+        self.loop.submit(prepared, _collect_deliver)
         results = [self._wait(p.state) for p in prepared]
         return results[0] if single else results
 
-    def _wait(self, state: RequestState) -> dict:
-        while not state.finished:
-            state.apply(state.queue.get())
+    @staticmethod
+    def _wait(state: RequestState) -> dict:
+        state.queue.done.wait()
+        state.apply_all(state.queue.items)
         return state.result()
 
     def _stream(self, p: PreparedRequest) -> Iterator[dict]:
@@ -279,6 +280,24 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class _Collector:
+    """Non-streaming delivery: outputs are appended on the loop thread; the caller wakes once, at finish."""
+
+    def __init__(self) -> None:
+        self.items: list[ReqOutput] = []
+        self.done = threading.Event()
+
+    def put(self, out: ReqOutput) -> None:
+        self.items.append(out)
+        if out.finished_reason is not None:
+            self.done.set()
+
+
+def _collect_deliver(state: RequestState):
+    state.queue = _Collector()
+    return state.queue.put
 
 
 def _thread_deliver(state: RequestState):

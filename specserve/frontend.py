@@ -134,6 +134,11 @@ class RequestState:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def apply_all(self, outs: list[ReqOutput]) -> None:
+        """Fold many outputs in at once (non-streaming callers): one detokenizer call for all tokens."""
+        if outs:
+            self.apply(merge_outputs(outs))
+
     def apply(self, out: ReqOutput) -> dict:
         """Fold one scheduler output in; returns the incremental chunk (text/ids delta + meta)."""
         if out.new_token_ids and self.first_token_time is None:
@@ -178,3 +183,16 @@ class RequestState:
 
     def result(self) -> dict:
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+
+
+def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
+    """Consecutive outputs of one request as one (ids, logprobs and text deltas concatenated)."""
+    last = outs[-1]
+    texts = [o.new_text for o in outs]
+    return dataclasses.replace(
+        last,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_logprobs=[x for o in outs for x in o.new_logprobs],
+        new_top_logprobs=[x for o in outs for x in o.new_top_logprobs],
+        new_text=None if last.new_text is None else "".join(t or "" for t in texts),
+    )

@@ -69,13 +69,13 @@ class RotaryEmbedding(nn.Module):
         self._cos = (freqs.cos() * self.scale).to(dtype)
         self._sin = (freqs.sin() * self.scale).to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H, D]; k [T, Hkv, D] -> rotated (q, k)."""
-        if self._cos is None or self._cos.device != q.device or self._cos.dtype != q.dtype:
-            self._table(q.device, q.dtype, 0)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, heads, D] (q and k heads together) -> rotated x."""
+        if self._cos is None or self._cos.device != x.device or self._cos.dtype != x.dtype:
+            self._table(x.device, x.dtype, 0)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self._sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,13 +100,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = self.rotary(positions, qk)  # q and k heads rotated in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         return self.o_proj(attention(q, k, v, self.layer_id, fb, self.scale))  # [T, hidden]
 
 

