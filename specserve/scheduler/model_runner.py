@@ -15,8 +15,8 @@ import torch
 from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
-from specserve.models.llama import ModelOutput
 from specserve.models.cpu_packing import pack_linears_for_cpu
+from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
 
 logger = logging.getLogger(__name__)
