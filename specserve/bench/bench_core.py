@@ -286,20 +286,28 @@ class Timing:
                 "tokens_per_s": self.tokens_per_s}
 
 
-def measure(run: Callable[[], tuple[list[list[int]], int]], reps: int, label: str,
-            setup: Callable[[], None] | None = None) -> Timing:
-    """One warm-up, then `reps` timed runs. run() -> (generated ids per request, useful tokens)."""
-    timing = Timing()
+def measure_pair(run_a: Callable, run_b: Callable, reps: int, label: str,
+                 setup_a: Callable[[], None] | None = None) -> tuple[Timing, Timing, list[float]]:
+    """One warm-up of each, then `reps` rounds timing A then B back to back (A B A B ...), so drift of a
+    shared machine hits both alike. run() -> (generated ids per request, useful tokens). Also returns the
+    per-round speed ratios A/B (time_b / time_a)."""
+    a, b, ratios = Timing(), Timing(), []
     for i in tqdm(range(reps + 1), desc=label, leave=False):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        outputs, tokens = run()
-        dt = time.perf_counter() - t0
+        ta = _timed(run_a, a, setup_a)
+        tb = _timed(run_b, b, None)
         if i > 0:
-            timing.times_s.append(dt)
-        timing.outputs, timing.tokens = outputs, tokens
-    return timing
+            a.times_s.append(ta)
+            b.times_s.append(tb)
+            ratios.append(tb / ta)
+    return a, b, ratios
+
+
+def _timed(run: Callable, timing: Timing, setup: Callable[[], None] | None) -> float:
+    if setup is not None:
+        setup()
+    t0 = time.perf_counter()
+    timing.outputs, timing.tokens = run()
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- specserve
@@ -327,20 +335,6 @@ def specserve_run(engine, wl: Workload) -> tuple[list[list[int]], int]:
     return [r["output_ids"] for r in results], sum(r["meta_info"]["completion_tokens"] for r in results)
 
 
-def run_specserve(model_dir: str, dtype: str, args: argparse.Namespace, workloads: list[Workload]) -> dict:
-    """Timings per workload plus the model's weight bytes and the thread count of the scheduler thread."""
-    engine = specserve_engine(model_dir, dtype, args, workloads)
-    try:
-        out = {"weight_bytes": weight_bytes(engine.scheduler.runner.model),
-               "scheduler_threads": engine.loop.call(lambda s: torch.get_num_threads())}
-        for wl in workloads:
-            out[wl.name] = measure(lambda wl=wl: specserve_run(engine, wl), args.reps, f"specserve {wl.name}",
-                                   setup=lambda: flush_prefix_cache(engine))
-    finally:
-        engine.shutdown()
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- transformers
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> input_ids [B, L] left-padded with pad_id, attention_mask [B, L] (1 = real token)."""
@@ -366,16 +360,13 @@ def hf_run(model, wl: Workload, pad_id: int) -> tuple[list[list[int]], int]:
     return outputs, sum(len(o) for o in outputs)
 
 
-def run_hf(model_dir: str, dtype: str, args: argparse.Namespace, workloads: list[Workload]) -> dict:
+def load_hf(model_dir: str, dtype: str):
+    """-> (transformers model, pad id)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     pad_id = read_config(model_dir).get("pad_token_id")
-    pad_id = 0 if pad_id is None else pad_id
-    out = {"attn_implementation": getattr(model.config, "_attn_implementation", None)}
-    for wl in workloads:
-        out[wl.name] = measure(lambda wl=wl: hf_run(model, wl, pad_id), args.reps, f"transformers {wl.name}")
-    return out
+    return model, (0 if pad_id is None else pad_id)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -391,13 +382,14 @@ def compare_ids(a: list[list[int]], b: list[list[int]]) -> dict:
             "rows": len(first), "first_mismatch": first}
 
 
-def make_row(name: str, model: str, kind: str, target: float, wl: Workload, ss: Timing, hf: Timing) -> dict:
-    ratio = ss.tokens_per_s / hf.tokens_per_s
+def make_row(name: str, model: str, kind: str, target: float, wl: Workload, ss: Timing, hf: Timing,
+             ratios: list[float]) -> dict:
+    ratio = statistics.median(ratios)  # median of per-round ratios (paired runs), not a ratio of medians
     return {
         "name": name, "model": model, "kind": kind, "workload": wl.describe(),
         "specserve": ss.to_json(), "transformers": hf.to_json(),
         "specserve_tokens_per_s": ss.tokens_per_s, "transformers_tokens_per_s": hf.tokens_per_s,
-        "ratio": ratio, "target": target, "meets_target": ratio >= target,
+        "ratio": ratio, "ratio_per_round": ratios, "target": target, "meets_target": ratio >= target,
         "greedy_ids": compare_ids(ss.outputs, hf.outputs),
     }
 
@@ -419,23 +411,27 @@ def bench_model(label: str, model_dir: str, dtype: str, args: argparse.Namespace
     """All rows of one model: batch-1 decode (+ bandwidth fraction when bw is given) and optionally batch."""
     vocab = read_config(model_dir)["vocab_size"]
     workloads = [decode_workload(args, vocab)] + ([batch_workload(args, vocab)] if with_batch else [])
-    _log(f"{label}: specserve ({dtype}, {args.threads} threads) ...")
-    ss = run_specserve(model_dir, dtype, args, workloads)
-    gc.collect()  # free the engine's weights and KV pool before transformers loads its copy
-    _log(f"{label}: transformers ({dtype}) ...")
-    hf = run_hf(model_dir, dtype, args, workloads)
-    gc.collect()
+    _log(f"{label}: specserve vs transformers ({dtype}, {args.threads} threads), runs alternating ...")
+    engine = specserve_engine(model_dir, dtype, args, workloads)
+    hf_model, pad_id = load_hf(model_dir, dtype)
+    try:
+        threads = engine.loop.call(lambda s: torch.get_num_threads())
+        results = [
+            measure_pair(lambda wl=wl: specserve_run(engine, wl), lambda wl=wl: hf_run(hf_model, wl, pad_id),
+                         args.reps, f"{label} {wl.name}", setup_a=lambda: flush_prefix_cache(engine))
+            for wl in workloads
+        ]
+    finally:
+        engine.shutdown()
+    wbytes = weight_bytes(hf_model)  # same checkpoint; specserve's packed linears are not parameters
     dec = workloads[0]
-    row = make_row(f"{label}_decode_b1", label, "batch1_decode", TARGETS[f"{label}_decode"], dec,
-                   ss[dec.name], hf[dec.name])
-    row.update(dtype=dtype, specserve_scheduler_threads=ss["scheduler_threads"],
-               transformers_attn=hf["attn_implementation"])
+    row = make_row(f"{label}_decode_b1", label, "batch1_decode", TARGETS[f"{label}_decode"], dec, *results[0])
+    row.update(dtype=dtype, specserve_scheduler_threads=threads)
     if bw is not None:
-        add_bandwidth(row, ss["weight_bytes"], bw, llc)
+        add_bandwidth(row, wbytes, bw, llc)
     rows = [row]
-    for wl in workloads[1:]:
-        rows.append(make_row(f"{label}_{wl.name}", label, "batch_throughput", TARGETS["batch"], wl,
-                             ss[wl.name], hf[wl.name]))
+    for wl, res in zip(workloads[1:], results[1:], strict=True):
+        rows.append(make_row(f"{label}_{wl.name}", label, "batch_throughput", TARGETS["batch"], wl, *res))
         rows[-1]["dtype"] = dtype
     return rows
 

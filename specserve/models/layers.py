@@ -24,6 +24,9 @@ class RMSNorm(nn.Module):
         self.eps, self.shape = eps, (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if x.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # low precision: normalise in float32, cast, then scale (the reference implementations' order)
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
 
@@ -59,22 +62,20 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, scaling)
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
+        self._cos_sin: torch.Tensor | None = None  # [P, D] = cos | sin, built on first use
 
-    def _table(self, device, dtype, needed: int) -> None:
-        n = max(self.max_positions, needed)
-        t = torch.arange(n, dtype=torch.float32, device=device)
+    def _table(self, device, dtype) -> None:
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2] float32
-        self._cos = (freqs.cos() * self.scale).to(dtype)
-        self._sin = (freqs.sin() * self.scale).to(dtype)
+        self._cos_sin = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.scale).to(dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T]; x [T, heads, D] (q and k heads together) -> rotated x."""
-        if self._cos is None or self._cos.device != x.device or self._cos.dtype != x.dtype:
-            self._table(x.device, x.dtype, 0)
-        cos = self._cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self._sin[positions].unsqueeze(1)
+        table = self._cos_sin
+        if table is None or table.device != x.device or table.dtype != x.dtype:
+            self._table(x.device, x.dtype)
+            table = self._cos_sin
+        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(x, cos, sin)
 
 

@@ -70,6 +70,12 @@ class LlamaForCausalLM(nn.Module):
         rows = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
         return ModelOutput(self.compute_logits(rows), hidden, aux)
 
+    def set_max_positions(self, n: int) -> None:
+        """Size the RoPE table for positions up to n (e.g. a --context-length above the config's)."""
+        rotary = self.model.layers[0].self_attn.rotary  # shared by all layers
+        rotary.max_positions = max(rotary.max_positions, n)
+        rotary._cos_sin = None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
         return self.model.embed_tokens(input_ids)
 

@@ -45,6 +45,7 @@ class ModelRunner:
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(self.model)
         self.context_len = self._context_len()
+        self.model.set_max_positions(self.context_len + 8)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(

@@ -88,3 +88,10 @@ def test_max_running_requests_limits_concurrency(path, solo):
         outs = e.generate(PROMPTS, greedy(24))
         assert max(seen) == 2
         assert [o["output_ids"] for o in outs] == solo
+
+
+def test_context_length_above_config_positions(model_factory):
+    path = model_factory("llama", max_position_embeddings=64)
+    with Engine(model_path=path, max_total_tokens=1024, context_length=200) as e:
+        out = e.generate(input_ids=list(range(10, 70)), sampling_params=greedy(100))
+        assert out["meta_info"]["completion_tokens"] == 100
