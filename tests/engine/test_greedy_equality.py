@@ -95,3 +95,28 @@ def test_context_length_above_config_positions(model_factory):
     with Engine(model_path=path, max_total_tokens=1024, context_length=200) as e:
         out = e.generate(input_ids=list(range(10, 70)), sampling_params=greedy(100))
         assert out["meta_info"]["completion_tokens"] == 100
+
+
+def test_request_joins_while_another_decodes(path, solo):
+    """Continuous batching: a short request submitted mid-generation of a long one finishes first."""
+    import threading
+    import time
+
+    with Engine(model_path=path, max_total_tokens=4096, disable_radix_cache=True) as e:
+        long_out, done_order = {}, []
+
+        def long_request():
+            long_out["r"] = e.generate(PROMPTS[0], greedy(300))
+            done_order.append("long")
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        deadline = time.time() + 30
+        while e.get_server_info()["generated_tokens"] < 5 and time.time() < deadline:
+            time.sleep(0.005)
+        short = e.generate(PROMPTS[1], greedy(24))
+        done_order.append("short")
+        t.join(timeout=120)
+        assert done_order == ["short", "long"]
+        assert short["output_ids"] == solo[1]
+        assert long_out["r"]["output_ids"][:24] == solo[0]
