@@ -64,6 +64,11 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, scaling)
         self._cos_sin: torch.Tensor | None = None  # [P, D] = cos | sin, built on first use
 
+    def cover(self, n: int) -> None:
+        """Make the table reach positions up to n (rebuilt lazily on next use)."""
+        if n > self.max_positions:
+            self.max_positions, self._cos_sin = n, None
+
     def _table(self, device, dtype) -> None:
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2] float32

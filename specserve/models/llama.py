@@ -72,9 +72,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_max_positions(self, n: int) -> None:
         """Size the RoPE table for positions up to n (e.g. a --context-length above the config's)."""
-        rotary = self.model.layers[0].self_attn.rotary  # shared by all layers
-        rotary.max_positions = max(rotary.max_positions, n)
-        rotary._cos_sin = None
+        self.model.layers[0].self_attn.rotary.cover(n)  # one rotary module is shared by all layers
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
         return self.model.embed_tokens(input_ids)

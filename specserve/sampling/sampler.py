@@ -16,11 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specserve.sampling.params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from specserve.sampling.params import SamplingParams
 
 
-def _row_is_greedy(p: SamplingParams) -> bool:
-    return p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1
+def is_plain_greedy(p: SamplingParams, num_output: int) -> bool:
+    """True when the row is greedy and nothing changes its logits (no penalty, bias or min-token ban):
+    its next token is then just the argmax, with no SamplingBatchInfo needed."""
+    return (p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens)
 
 
 def _effective_top_k(p: SamplingParams, vocab_size: int) -> int:
@@ -70,7 +73,7 @@ class SamplingBatchInfo:
                           ("output_ids", output_ids), ("stop_ids", stop_ids)):
             if len(seq) != B:
                 raise ValueError(f"{name} has {len(seq)} rows, params has {B}")
-        greedy = [_row_is_greedy(p) for p in params]
+        greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         top_ks = [_effective_top_k(p, V) for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]

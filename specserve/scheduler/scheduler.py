@@ -26,7 +26,7 @@ import torch
 from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
-from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, sample
+from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
 
@@ -273,9 +273,9 @@ class Scheduler:
         slots = self._alloc(len(reqs))
         positions = [r.seq_len - 1 for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
-        self.req_pool.req_to_token[rows, torch.tensor(positions, device=self.device)] = slots
-        kv_lens = [p + 1 for p in positions]
         ids_pos = torch.tensor([[r.last_token for r in reqs], positions], device=self.device)  # [2, B]
+        self.req_pool.req_to_token[rows, ids_pos[1]] = slots
+        kv_lens = [p + 1 for p in positions]
         fb = ForwardBatch(
             ForwardMode.DECODE,
             ids_pos[0],
@@ -319,7 +319,7 @@ class Scheduler:
     # ------------------------------------------------------------------ sampling and finishing
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         """logits [B, V] (one row per req) -> sample, append, check finish, release finished."""
-        if all(_plain_greedy(r) for r in reqs):
+        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
             next_ids = logits.argmax(dim=-1)  # nothing to process: skip building the sampling batch
         else:
             info = SamplingBatchInfo.from_params(
@@ -391,9 +391,3 @@ class Scheduler:
         req.finished_reason = reason
         return self._step_output(req, [], len(req.logprobs))
 
-
-def _plain_greedy(req: Req) -> bool:
-    """Greedy with nothing that changes the logits (penalties, bias, min-token bans)."""
-    p = req.params
-    return (p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and len(req.output_ids) >= p.min_new_tokens)
