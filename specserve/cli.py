@@ -1,4 +1,4 @@
-"""Command line: ``specserve generate`` (and, as they land, ``serve``, benchmarks, training).
+"""Command line: ``specserve generate`` and ``specserve serve`` (and, as they land, benchmarks, training).
 
 Flags are generated from the ``ServerArgs`` dataclass (SGLang spelling, with SGLang's aliases), so the
 help text, the defaults and the validation live in one place.
@@ -103,7 +103,14 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate}
+def cmd_serve(argv: list[str]) -> int:
+    """``specserve serve``: ``python -m specserve.launch_server``, serving the demo model without --model-path."""
+    from specserve.launch_server import main as launch_main
+
+    return launch_main(argv, prog="specserve serve", default_model=demo_model_dir)
+
+
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from specserve.config import ConfigError, ServerArgs
-from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState
+from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, prepare_requests
 from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
 
@@ -154,30 +154,8 @@ class Engine:
 
     # ------------------------------------------------------------------ request preparation
     def _prepare(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid):
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt and input_ids", "prompt")
-        batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(
-            input_ids[0], list)
-        prompts = (prompt if batched else [prompt]) if prompt is not None else None
-        ids_list = [self.factory.tokenize(p) for p in prompts] if prompts is not None else (
-            input_ids if batched else [input_ids])
-        if not ids_list:
-            raise RequestError("the batch is empty", "prompt")
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
-        if len(sps) != len(ids_list):
-            raise RequestError("sampling_params has a different length than the batch", "sampling_params")
-        rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
-        prepared: list[PreparedRequest] = []
-        for ids, sp, r in zip(ids_list, sps, rids, strict=True):
-            self.factory.check_ids(ids)
-            sp = dict(sp or {})
-            if return_logprob is not None:
-                sp["return_logprob"] = return_logprob
-            if top_logprobs_num is not None:
-                sp["top_logprobs_num"] = top_logprobs_num
-            prepared.extend(self.factory.build(ids, self.factory.params(sp, len(ids)), r))
-        single = not batched and len(prepared) == 1
-        return prepared, single
+        return prepare_requests(self.factory, prompt, sampling_params, input_ids, return_logprob,
+                                top_logprobs_num, rid)
 
     # ------------------------------------------------------------------ sync API
     def generate(

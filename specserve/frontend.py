@@ -196,3 +196,52 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
         new_top_logprobs=[x for o in outs for x in o.new_top_logprobs],
         new_text=None if last.new_text is None else "".join(t or "" for t in texts),
     )
+
+
+def prepare_requests(
+    factory: RequestFactory,
+    prompt: str | list[str] | None,
+    sampling_params: dict | list[dict] | None,
+    input_ids: list[int] | list[list[int]] | None,
+    return_logprob: bool | None = None,
+    top_logprobs_num: int | None = None,
+    rid: str | list[str] | None = None,
+) -> tuple[list[PreparedRequest], bool]:
+    """The SGLang ``generate`` input (text or ids, single or batch, per-prompt or shared sampling params) as
+    prepared requests, n samples of each prompt in a row. Returns (prepared, single): single is True when
+    the caller gets one result dict (one prompt, n == 1) rather than a list. Shared by Engine and /generate.
+    """
+    if (prompt is None) == (input_ids is None):
+        raise RequestError("give exactly one of prompt and input_ids", "prompt")
+    batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], list)
+    prompts = (prompt if batched else [prompt]) if prompt is not None else None
+    ids_list = [factory.tokenize(p) for p in prompts] if prompts is not None else (
+        input_ids if batched else [input_ids])
+    if not ids_list:
+        raise RequestError("the batch is empty", "prompt")
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
+    if len(sps) != len(ids_list):
+        raise RequestError("sampling_params has a different length than the batch", "sampling_params")
+    rids = _batch_rids(rid, len(ids_list), batched)
+    prepared: list[PreparedRequest] = []
+    for ids, sp, r in zip(ids_list, sps, rids, strict=True):
+        factory.check_ids(ids)
+        if sp is not None and not isinstance(sp, dict):
+            raise RequestError(f"sampling_params must be an object, got {type(sp).__name__}", "sampling_params")
+        sp = dict(sp or {})
+        if return_logprob is not None:
+            sp["return_logprob"] = return_logprob
+        if top_logprobs_num is not None:
+            sp["top_logprobs_num"] = top_logprobs_num
+        prepared.extend(factory.build(ids, factory.params(sp, len(ids)), r))
+    return prepared, not batched and len(prepared) == 1
+
+
+def _batch_rids(rid: str | list[str] | None, n: int, batched: bool) -> list[str | None]:
+    if isinstance(rid, list):
+        if len(rid) != n:
+            raise RequestError("rid has a different length than the batch", "rid")
+        return rid
+    if rid is not None and batched:
+        return [f"{rid}-{i}" for i in range(n)]
+    return [rid] * n

@@ -1,0 +1,285 @@
+"""The request manager of the HTTP process: tokenizes, admits, routes worker outputs to requests, detokenizes.
+
+``RequestManager`` owns the tokenizer (with the chat template), the ``RequestFactory`` shared with the
+offline Engine, and the model worker process. Endpoints turn a request into prepared requests (on a
+tokenizer thread, off the event loop), ``submit`` them as one ``Job``, then either await the results or
+iterate the job's chunks. Outputs arrive from the worker on a reader thread and are routed on the event
+loop; detokenization happens when a job's consumer applies them, so the model loop never waits for text.
+
+Admission: with ``--max-queued-requests`` set, at most max-running + max-queued samples may be in flight;
+beyond that ``submit`` raises ``Overloaded`` at once (the endpoint answers 503). While draining (SIGTERM)
+or after the worker died every new request is refused the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from specserve.config import ConfigError, ServerArgs
+from specserve.engine import load_tokenizer
+from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, merge_outputs
+from specserve.models.loader import ModelLoadError, resolve_model_path
+from specserve.scheduler.req import ReqOutput
+from specserve.server.metrics import ServerMetrics
+from specserve.server.worker import ReqSpec
+from specserve.server.worker_client import WorkerProcess
+
+logger = logging.getLogger(__name__)
+
+WORKER_START_TIMEOUT_S = 1800.0
+CALL_TIMEOUT_S = 120.0
+
+
+class Overloaded(Exception):
+    """The request cannot be admitted now (queue full, draining, worker gone): HTTP 503."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Job:
+    """The samples of one HTTP request (prompts x n), as submitted together."""
+
+    def __init__(self, rid: str, prepared: list[PreparedRequest], stream: bool) -> None:
+        self.rid = rid
+        self.created = time.monotonic()
+        self.states: list[RequestState] = [p.state for p in prepared]
+        self.rids = [p.req.rid for p in prepared]
+        self.stream = stream
+        self._events: asyncio.Queue[tuple[int, ReqOutput]] = asyncio.Queue()
+        self._buffered: list[list[ReqOutput]] = [[] for _ in prepared]
+        self._unfinished = len(prepared)
+        self.done = asyncio.Event()  # every sample's final output has arrived (not necessarily consumed)
+        self._done_callbacks: list[Callable[[], Any]] = []
+        self.watcher: asyncio.Task | None = None  # the client-disconnect watcher (see streaming.py)
+
+    def push(self, index: int, out: ReqOutput) -> None:
+        if self.stream:
+            self._events.put_nowait((index, out))
+        else:
+            self._buffered[index].append(out)
+        if out.finished_reason is not None:
+            self._unfinished -= 1
+            if self._unfinished == 0:
+                self.done.set()
+                for cb in self._done_callbacks:
+                    cb()
+
+    def on_done(self, cb: Callable[[], Any]) -> None:
+        if self.done.is_set():
+            cb()
+        else:
+            self._done_callbacks.append(cb)
+
+    async def results(self) -> list[dict]:
+        """Non-streaming: waits for every sample, detokenizes each in one call, returns the result dicts."""
+        await self.done.wait()
+        for state, outs in zip(self.states, self._buffered, strict=True):
+            state.apply_all(outs)
+        return [s.result() for s in self.states]
+
+    async def chunks(self) -> AsyncIterator[list[tuple[int, dict]]]:
+        """Streaming: yields lists of (sample index, incremental chunk dict). Outputs that piled up while the
+        consumer was busy are merged, so a slow client gets fewer, larger chunks rather than falling behind."""
+        while not all(s.finished for s in self.states):
+            batch = [await self._events.get()]
+            while not self._events.empty():
+                batch.append(self._events.get_nowait())
+            by_index: dict[int, list[ReqOutput]] = {}
+            for index, out in batch:
+                by_index.setdefault(index, []).append(out)
+            yield [(i, self.states[i].apply(merge_outputs(outs))) for i, outs in sorted(by_index.items())]
+
+
+class RequestManager:
+    def __init__(self, args: ServerArgs) -> None:
+        """Starts the model worker and loads the tokenizer meanwhile; blocks until the model is loaded."""
+        self.args = args
+        self.served_model_name = args.served_model_name or args.model_path
+        self.worker = WorkerProcess(args)
+        try:
+            self.tokenizer = self._load_tokenizer()
+            self.info = self.worker.wait_ready(WORKER_START_TIMEOUT_S)
+        except BaseException:
+            self.worker.kill()
+            raise
+        self.context_len: int = self.info["context_length"]
+        self.factory = RequestFactory(self.tokenizer, self.info["vocab_size"], self.context_len,
+                                      set(self.info["eos_token_ids"]), args.random_seed, torch.device("cpu"))
+        queued = args.max_queued_requests
+        self.capacity = None if queued is None else self.info["max_running_requests"] + queued
+        self.metrics = ServerMetrics() if args.enable_metrics else None
+        self.draining = False
+        self.worker_alive = True
+        self.on_worker_exit: Callable[[], Any] | None = None
+        self._routes: dict[str, tuple[Job, int]] = {}  # sample rid -> (job, index)
+        self._jobs: dict[str, Job] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tokenizer")
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _load_tokenizer(self):
+        try:
+            model_dir = resolve_model_path(self.args.model_path)
+        except ModelLoadError:
+            model_dir = self.args.model_path  # the worker reports the real problem
+        tokenizer = load_tokenizer(self.args, model_dir)
+        if self.args.chat_template:
+            tokenizer.chat_template = read_chat_template(self.args.chat_template)
+        return tokenizer
+
+    # ------------------------------------------------------------------ lifecycle
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Binds to the server's event loop and starts reading the worker's messages."""
+        self.loop = loop
+        self.worker.start_reader(self._from_reader, self._reader_exited)
+
+    async def shutdown(self) -> None:
+        self.draining = True
+        code = await asyncio.to_thread(self.worker.stop)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        logger.info("model worker stopped (exit code %s)", code)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._routes)
+
+    # ------------------------------------------------------------------ requests
+    async def run_in_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(*args) (tokenization, chat templates, request building) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def submit(self, rid: str, prepared: list[PreparedRequest], stream: bool, bypass_limit: bool = False) -> Job:
+        self._check_admission(len(prepared), bypass_limit)
+        if rid in self._jobs or any(p.req.rid in self._routes for p in prepared):
+            raise RequestError(f"a request with rid {rid!r} is already running", "rid")
+        job = Job(rid, prepared, stream)
+        self._jobs[rid] = job
+        for i, p in enumerate(prepared):
+            self._routes[p.req.rid] = (job, i)
+        self.worker.send(("add", [ReqSpec.from_req(p.req) for p in prepared]))
+        return job
+
+    def _check_admission(self, n: int, bypass_limit: bool) -> None:
+        if self.draining:
+            self._reject("the server is shutting down", "shutting_down")
+        if not self.worker_alive:
+            self._reject("the model worker is not running", "worker_down")
+        if not bypass_limit and self.capacity is not None and len(self._routes) + n > self.capacity:
+            self._reject(f"the server is at capacity ({self.capacity} requests running or queued; "
+                         "--max-running-requests + --max-queued-requests); retry later", "queue_full")
+
+    def _reject(self, message: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
+        raise Overloaded(message, reason)
+
+    def abort(self, rid: str) -> bool:
+        """Aborts a job (by its rid) or one sample (by its sample rid). False when nothing matched."""
+        job = self._jobs.get(rid)
+        rids = [r for r in job.rids if r in self._routes] if job is not None else (
+            [rid] if rid in self._routes else [])
+        for r in rids:
+            self.worker.send(("abort", r))
+        return bool(rids)
+
+    def abort_all(self) -> int:
+        rids = list(self._routes)
+        for r in rids:
+            self.worker.send(("abort", r))
+        return len(rids)
+
+    async def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """Runs a named query on the worker's loop thread ("server_info", "flush_cache")."""
+        if not self.worker_alive:
+            raise RuntimeError("the model worker is not running")
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self.worker.send(("call", call_id, name))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ------------------------------------------------------------------ worker messages
+    def _from_reader(self, msg: tuple) -> None:  # reader thread
+        try:
+            self.loop.call_soon_threadsafe(self._on_message, msg)
+        except RuntimeError:  # the event loop is closed: shutting down
+            pass
+
+    def _reader_exited(self) -> None:  # reader thread
+        try:
+            self.loop.call_soon_threadsafe(self._on_worker_exit)
+        except RuntimeError:
+            pass
+
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            self._route(msg[1])
+        elif kind == "reply":
+            _, call_id, ok, value = msg
+            fut = self._calls.get(call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(RuntimeError(value))
+
+    def _route(self, outs: list[ReqOutput]) -> None:
+        now = time.monotonic()
+        for out in outs:
+            route = self._routes.get(out.rid)
+            if route is None:
+                continue
+            job, index = route
+            if self.metrics is not None:
+                self.metrics.on_output(out, job.created, now)
+            job.push(index, out)
+            if out.finished_reason is not None:
+                del self._routes[out.rid]
+                if job.done.is_set():
+                    self._jobs.pop(job.rid, None)
+
+    def _on_worker_exit(self) -> None:
+        """The worker is gone: fail every open request and its pending calls."""
+        self.worker_alive = False
+        if not self.draining:
+            logger.error("the model worker exited unexpectedly (exit code %s)", self.worker.proc.poll())
+        reason = {"type": "abort", "message": "the model worker exited"}
+        for rid, (job, _) in list(self._routes.items()):
+            state = job.states[job.rids.index(rid)]
+            self._route([ReqOutput(rid, [], reason, state.prompt_tokens, len(state.output_ids), 0)])
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError("the model worker exited"))
+        if self.on_worker_exit is not None and not self.draining:
+            self.on_worker_exit()
+
+    # ------------------------------------------------------------------ info
+    def model_names(self) -> set[str]:
+        return {self.served_model_name, self.args.model_path}
+
+    async def server_info(self) -> dict:
+        state = await self.call("server_info")
+        return {**state, "num_inflight_reqs": self.num_inflight, "draining": self.draining}
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template")

@@ -1,0 +1,148 @@
+"""SGLang's native endpoints: /generate, health checks, model/server info, cache flush, abort, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import specserve
+from specserve.frontend import PreparedRequest, prepare_requests
+from specserve.server.errors import APIError, parse_body
+from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
+from specserve.server.manager import Job, Overloaded, RequestManager
+from specserve.server.protocol import AbortRequest, GenerateRequest
+
+router = APIRouter()
+
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+SECRET_FIELDS = ("api_key",)
+
+
+def _manager(request: Request) -> RequestManager:
+    return request.app.state.manager
+
+
+# ---------------------------------------------------------------------------------------------- generate
+@router.post("/generate")
+async def generate(request: Request):
+    """Like ``Engine.generate``: one result dict, or a list for a batch / n > 1. Streaming sends the
+    cumulative result so far as each event (SGLang's format), with "index" for a batch, then [DONE]."""
+    manager = _manager(request)
+    req = await parse_body(request, GenerateRequest)
+    rid = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
+    single_box: list[bool] = []
+
+    def build() -> list[PreparedRequest]:
+        prepared, single = prepare_requests(manager.factory, req.text, req.sampling_params, req.input_ids,
+                                            req.return_logprob, req.top_logprobs_num, req.rid)
+        single_box.append(single)
+        return prepared
+
+    job = await submit_job(manager, build, rid, req.stream)
+    single = single_box[0]
+    if req.stream:
+        return stream_response(request, manager, job, _generate_events(job, single))
+    results = await wait_results(request, manager, job)
+    return JSONResponse(results[0] if single else results)
+
+
+async def _generate_events(job: Job, single: bool) -> AsyncIterator[str]:
+    async for batch in job.chunks():
+        for i, _ in batch:
+            out = job.states[i].result()
+            if not single:
+                out["index"] = i
+            yield sse(out)
+    yield DONE
+
+
+# ---------------------------------------------------------------------------------------------- health
+@router.get("/health")
+async def health(request: Request) -> Response:
+    manager = _manager(request)
+    if manager.draining or not manager.worker_alive:
+        raise APIError(503, "the server is shutting down" if manager.draining else "the model worker is down",
+                       code="unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Runs a one-token generation through the whole stack."""
+    manager = _manager(request)
+    tok = manager.tokenizer.bos_token_id if manager.tokenizer.bos_token_id is not None else 0
+    try:
+        prepared, _ = prepare_requests(manager.factory, None, {"max_new_tokens": 1, "temperature": 0}, [tok])
+        job = manager.submit(prepared[0].req.rid, prepared, stream=False, bypass_limit=True)
+        results = await asyncio.wait_for(job.results(), HEALTH_GENERATE_TIMEOUT_S)
+    except (Overloaded, TimeoutError) as e:
+        raise APIError(503, f"health generation failed: {e or 'timed out'}", code="unavailable") from e
+    if results[0]["meta_info"]["completion_tokens"] != 1:
+        raise APIError(503, f"health generation failed: {results[0]['meta_info']['finish_reason']}",
+                       code="unavailable")
+    return Response(status_code=200)
+
+
+# ---------------------------------------------------------------------------------------------- info
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict:
+    m = _manager(request)
+    return {
+        "model_path": m.args.model_path,
+        "tokenizer_path": m.args.tokenizer_path or m.info["model_dir"],
+        "served_model_name": m.served_model_name,
+        "is_generation": True,
+        "architecture": m.info["architecture"],
+        "context_length": m.context_len,
+        "vocab_size": m.info["vocab_size"],
+        "dtype": m.info["dtype"],
+        "device": m.info["device"],
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict:
+    """Server arguments (secrets hidden) and the worker's runtime state. The state is also under
+    "internal_states" (a one-element list) where SGLang clients look for e.g. avg_spec_accept_length."""
+    m = _manager(request)
+    args = dataclasses.asdict(m.args)
+    for name in SECRET_FIELDS:
+        if args.get(name) is not None:
+            args[name] = "***"
+    state = await m.server_info()
+    return {**args, **state, "internal_states": [state], "version": specserve.__version__}
+
+
+# ---------------------------------------------------------------------------------------------- control
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    if not await _manager(request).call("flush_cache"):
+        raise APIError(400, "the cache was not flushed: requests are running or queued; retry when idle",
+                       code="busy")
+    return Response("Cache flushed.\n", status_code=200)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict:
+    manager = _manager(request)
+    req = await parse_body(request, AbortRequest)
+    if req.abort_all:
+        return {"aborted": manager.abort_all()}
+    if req.rid is None:
+        raise APIError(400, "give rid or abort_all", param="rid")
+    return {"aborted": int(manager.abort(req.rid))}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    manager = _manager(request)
+    if manager.metrics is None:
+        raise APIError(404, "metrics are off; start the server with --enable-metrics", code="not_found")
+    body = manager.metrics.render(await manager.server_info())
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
