@@ -32,6 +32,15 @@ class RequestError(ValueError):
         self.param = param
 
 
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _param_of(message: str) -> str:
+    """SamplingParams messages start with the field's name; others (unknown keys...) blame the dict."""
+    first = message.split(" ")[0]
+    return first if first in _PARAM_NAMES else "sampling_params"
+
+
 @dataclass
 class PreparedRequest:
     req: Req
@@ -71,7 +80,7 @@ class RequestFactory:
         except RequestError:
             raise
         except ValueError as e:
-            raise RequestError(str(e), str(e).split(" ")[0]) from e
+            raise RequestError(str(e), _param_of(str(e))) from e
         if prompt_len + p.max_new_tokens > self.context_len:
             raise RequestError(
                 f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "

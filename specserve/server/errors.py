@@ -43,10 +43,13 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def from_request_error(e: RequestError, openai_names: bool = False) -> APIError:
-    param = e.param
-    if openai_names and param in OPENAI_PARAM_NAMES:
-        param = OPENAI_PARAM_NAMES[param]
-    return APIError(400, str(e), param=param, code="invalid_value")
+    """A RequestError as 400; for the OpenAI endpoints, SGLang parameter names become the OpenAI fields."""
+    param, message = e.param, str(e)
+    if openai_names:
+        param = OPENAI_PARAM_NAMES.get(param, param)
+        for sglang_name, openai_name in OPENAI_PARAM_NAMES.items():
+            message = message.replace(sglang_name, openai_name)
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 # ---------------------------------------------------------------------------------------------- parsing

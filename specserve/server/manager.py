@@ -132,8 +132,8 @@ class RequestManager:
     def _load_tokenizer(self):
         try:
             model_dir = resolve_model_path(self.args.model_path)
-        except ModelLoadError:
-            model_dir = self.args.model_path  # the worker reports the real problem
+        except ModelLoadError as e:
+            raise ConfigError(f"--model-path: {e}") from e
         tokenizer = load_tokenizer(self.args, model_dir)
         if self.args.chat_template:
             tokenizer.chat_template = read_chat_template(self.args.chat_template)

@@ -65,11 +65,21 @@ def start_server(model_dir: str, log_path: str, *extra: str, api_key: str | None
     return server
 
 
+CONTEXT = 4096
+MAX_TOTAL_TOKENS = 65536
+
+
 @pytest.fixture(scope="session")
-def server(llama_dir, tmp_path_factory):
-    """The shared server: default limits, metrics on, room for 50+ concurrent long requests."""
-    s = start_server(llama_dir, str(tmp_path_factory.mktemp("server") / "server.log"),
-                     "--max-total-tokens", "32768", "--enable-metrics")
+def server_model(model_factory) -> str:
+    """The tiny random Llama with a long context, so a request can run long enough to be caught running."""
+    return model_factory("llama", max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def server(server_model, tmp_path_factory):
+    """The shared server: default limits, metrics on, KV room for 50 concurrent long requests."""
+    s = start_server(server_model, str(tmp_path_factory.mktemp("server") / "server.log"),
+                     "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--enable-metrics")
     yield s
     terminate_process(s.proc)
 

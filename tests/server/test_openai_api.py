@@ -7,6 +7,7 @@ import math
 import pytest
 import transformers
 
+from tests.server.conftest import CONTEXT
 from tests.server.helpers import GREEDY, sse_json
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three primes."}]
@@ -14,8 +15,8 @@ PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(llama_dir):
-    return transformers.AutoTokenizer.from_pretrained(llama_dir)
+def tokenizer(server_model):
+    return transformers.AutoTokenizer.from_pretrained(server_model)
 
 
 def chat_prompt_len(tokenizer, messages) -> int:
@@ -26,7 +27,7 @@ def chat_prompt_len(tokenizer, messages) -> int:
 def test_models_lists_the_served_model(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [server.model]
-    assert models[0].max_model_len == 512
+    assert models[0].max_model_len == CONTEXT
 
 
 def test_chat_stream_equals_non_stream_greedy(client, server, tokenizer):
@@ -130,7 +131,8 @@ def test_completion_logprobs_and_offsets(client, server):
                                     echo=False, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
-    assert all(max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    pairs = zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    assert all(max(top.values()) == pytest.approx(v) for top, v in pairs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
 
 
