@@ -1,10 +1,10 @@
-# The two set-up commands of the README: `make serve` (main job) and `make test` (the test suite).
+# The two set-up commands of the README: `make serve` (main job: the HTTP server) and `make test` (the test suite).
 # Each creates .venv on first use, installing the pinned CPU torch wheel before the project.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
-PROMPT ?= def fibonacci(n):
+SERVE_ARGS ?=
 
 .PHONY: serve test lint venv clean
 
@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 serve: venv
-	$(BIN)/specserve generate --demo "$(PROMPT)"
+	$(BIN)/specserve serve $(SERVE_ARGS)
 
 test: venv
 	$(BIN)/ruff check specserve tests

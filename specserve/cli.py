@@ -107,7 +107,14 @@ def cmd_serve(argv: list[str]) -> int:
     """``specserve serve``: ``python -m specserve.launch_server``, serving the demo model without --model-path."""
     from specserve.launch_server import main as launch_main
 
-    return launch_main(argv, prog="specserve serve", default_model=demo_model_dir)
+    return launch_main(argv, prog="specserve serve", default_model=_demo_model_noted)
+
+
+def _demo_model_noted() -> str:
+    path = demo_model_dir()
+    print("note: no --model-path given: serving the random-weight demo model (its text is gibberish)",
+          file=sys.stderr)
+    return path
 
 
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve}

@@ -93,7 +93,7 @@ async def _chat_events(manager: RequestManager, req: ChatCompletionRequest, job:
             finished = job.states[i].finished
             lps = fmt.chat_logprobs(manager.tokenizer, meta) if req.logprobs and meta["output_token_logprobs"] \
                 else None
-            if not c["text"] and not finished and lps is None:
+            if not (c["text"] or finished or lps or (continuous and c["output_ids"])):  # nothing to tell
                 continue
             reason, matched = fmt.finish_reason(meta["finish_reason"] if finished else None)
             delta = DeltaMessage(content=c["text"]) if c["text"] else DeltaMessage()
@@ -106,8 +106,9 @@ async def _chat_events(manager: RequestManager, req: ChatCompletionRequest, job:
 
 
 def _stream_usage(job: Job, n: int):
-    metas = [s.meta_info() for s in job.states]
-    return fmt.results_usage(metas, n)
+    counts = [{"prompt_tokens": s.prompt_tokens, "completion_tokens": len(s.output_ids),
+               "cached_tokens": s.cached_tokens} for s in job.states]
+    return fmt.results_usage(counts, n)
 
 
 # ---------------------------------------------------------------------------------------------- completions
@@ -181,7 +182,7 @@ async def _completion_events(manager: RequestManager, req: CompletionRequest, jo
             if req.logprobs is not None and meta["output_token_logprobs"]:
                 lps = fmt.completion_logprobs(manager.tokenizer, meta, offsets[i])
                 offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
-            if not c["text"] and not finished and lps is None:
+            if not (c["text"] or finished or lps or (continuous and c["output_ids"])):  # nothing to tell
                 continue
             reason, matched = fmt.finish_reason(meta["finish_reason"] if finished else None)
             yield chunk(CompletionChoice(index=i, text=c["text"], logprobs=lps, finish_reason=reason,

@@ -165,3 +165,14 @@ def test_sglang_extras_top_k_1_is_greedy(client, server):
     topk1 = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=5,
                                       extra_body={"top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0})
     assert topk1.choices[0].text == greedy.choices[0].text
+
+
+def test_continuous_usage_stats_report_every_chunk(server):
+    body = {"prompt": PROMPT, "max_tokens": 10, "stream": True, **GREEDY,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with server.post("/v1/completions", json=body, stream=True) as resp:
+        events = sse_json(resp)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 10 and counts[0] >= 1
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + c for e, c in zip(events, counts,
+                                                                                             strict=True))
