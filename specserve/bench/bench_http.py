@@ -5,7 +5,8 @@ Measured side by side in one run, on the same model, thread count and batch:
 1. Throughput: a batch of B requests (token-id prompts, greedy, ``ignore_eos`` so each makes exactly its
    ``max_tokens``) run (a) by the offline ``Engine`` in this process (``generate`` on the whole batch) and
    (b) as B concurrent SSE streams through ``/v1/completions`` of a ``python -m specserve.launch_server``
-   subprocess, read by an asyncio ``httpx`` client in this process. Rounds alternate A B A B after one
+   subprocess, read by a bare asyncio HTTP client in this process (lean, so that the client, which
+   shares the machine, takes as little CPU from the server as possible). Rounds alternate A B A B after one
    warm-up each; the prefix cache is flushed before every run; ``ratio`` = HTTP tokens/s / Engine tokens/s,
    median of the per-round ratios (target >= 0.9).
 2. Latency seen by a streaming client: time to first token (request sent -> first chunk with text) and
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from specserve.bench.bench_core import (
     Workload,
@@ -93,19 +95,32 @@ class StreamStats:
     itl_s: list[float] = field(default_factory=list)
 
 
-async def stream_one(client, url: str, prompt: list[int], max_tokens: int) -> StreamStats:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+async def stream_one(host: str, port: int, prompt: list[int], max_tokens: int) -> StreamStats:
+    """One streamed /v1/completions request over a bare asyncio connection (HTTP/1.1, chunked SSE): the
+    client does as little work as possible, so it perturbs the server it shares the machine with little."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
     stats = StreamStats()
+    reader, writer = await asyncio.open_connection(host, port)
     sent = last = time.perf_counter()
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"HTTP error: {status!r}")
+    while (await reader.readline()) not in (b"\r\n", b""):  # headers (uvicorn streams chunked)
+        pass
+    buf = b""
+    while size := int((await reader.readline()).strip() or b"0", 16):
+        buf += (await reader.readexactly(size + 2))[:-2]
+        *events, buf = buf.split(b"\n\n")
+        now = time.perf_counter()
+        for event in events:
+            if not event.startswith(b"data: {"):
                 continue
-            now = time.perf_counter()
-            usage = json.loads(line[6:])["usage"]
-            new = usage["completion_tokens"] - stats.tokens
+            done = json.loads(event[6:])["usage"]["completion_tokens"]
+            new = done - stats.tokens
             if new <= 0:
                 continue
             if stats.ttft_s is None:
@@ -113,17 +128,15 @@ async def stream_one(client, url: str, prompt: list[int], max_tokens: int) -> St
                 stats.itl_s.extend([0.0] * (new - 1))  # tokens that came with the first one
             else:
                 stats.itl_s.extend([(now - last) / new] * new)
-            stats.tokens, last = usage["completion_tokens"], now
+            stats.tokens, last = done, now
+    writer.close()
     return stats
 
 
 async def stream_batch(url: str, wl: Workload) -> list[StreamStats]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(wl.prompts) + 4, max_keepalive_connections=len(wl.prompts) + 4)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        return await asyncio.gather(*[stream_one(client, url, p, n)
-                                      for p, n in zip(wl.prompts, wl.new_tokens, strict=True)])
+    u = urlparse(url)
+    return await asyncio.gather(*[stream_one(u.hostname, u.port, p, n)
+                                  for p, n in zip(wl.prompts, wl.new_tokens, strict=True)])
 
 
 def http_run(url: str, wl: Workload) -> tuple[float, int, list[StreamStats]]:
@@ -133,10 +146,10 @@ def http_run(url: str, wl: Workload) -> tuple[float, int, list[StreamStats]]:
 
 
 def flush_server(url: str) -> None:
-    import httpx
+    import requests
 
     for _ in range(500):
-        if httpx.post(url + "/flush_cache", timeout=60).status_code == 200:
+        if requests.post(url + "/flush_cache", timeout=60).status_code == 200:
             return
         time.sleep(0.01)
     raise RuntimeError("the server stayed busy; could not flush its prefix cache")

@@ -98,7 +98,8 @@ class Job:
             by_index: dict[int, list[ReqOutput]] = {}
             for index, out in batch:
                 by_index.setdefault(index, []).append(out)
-            yield [(i, self.states[i].apply(merge_outputs(outs))) for i, outs in sorted(by_index.items())]
+            yield [(i, self.states[i].apply(outs[0] if len(outs) == 1 else merge_outputs(outs)))
+                   for i, outs in sorted(by_index.items())]
 
 
 class RequestManager:
