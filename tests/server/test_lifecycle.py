@@ -24,14 +24,25 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = 2000
 
 
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
 @pytest.fixture(scope="module")
-def limited(server_model, monkeypatch_module):
+def template_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def limited(server_model, monkeypatch_module, template_file):
     for name, value in server_env().items():
         monkeypatch_module.setenv(name, value)
     proc, port = launch_server_cmd(
         f"""
 python3 -m specserve.launch_server --model-path {server_model} --host 127.0.0.1 \\
-    --max-running-requests 1 --max-queued-requests 1 --api-key {KEY} --num-threads 1 --log-level warning
+    --max-running-requests 1 --max-queued-requests 1 --api-key {KEY} --num-threads 1 --log-level warning \\
+    --chat-template {template_file} --served-model-name tiny-chat
 """,
         host="127.0.0.1",
     )
@@ -59,6 +70,22 @@ def test_api_key_is_required(limited):
         assert requests.get(url + "/v1/models", headers=headers, timeout=60).status_code == 401
     assert requests.get(url + "/health", timeout=60).status_code == 200  # health checks need no key
     assert requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+
+
+def test_chat_template_flag_and_served_name(limited, server_model):
+    import transformers
+
+    _, url = limited
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    body = {"model": "tiny-chat", "messages": messages, "max_tokens": 2}
+    r = requests.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "tiny-chat"
+    tok = transformers.AutoTokenizer.from_pretrained(server_model)
+    rendered = "[system] Be brief.\n[user] Name a prime.\n[assistant]"
+    assert tok.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False) == rendered
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(rendered, add_special_tokens=False))
+    models = requests.get(url + "/v1/models", headers=AUTH, timeout=60).json()["data"]
+    assert [m["id"] for m in models] == ["tiny-chat"]
 
 
 def test_overload_answers_503_at_once(limited):
