@@ -21,12 +21,13 @@ def register_model(architecture: str, cls: type[nn.Module]) -> None:
     MODEL_REGISTRY[architecture] = cls
 
 
-def resolve_architecture(cfg: dict) -> type[nn.Module]:
+def resolve_architecture(cfg: dict, registry: dict[str, type[nn.Module]] | None = None) -> type[nn.Module]:
+    registry = MODEL_REGISTRY if registry is None else registry
     archs = cfg.get("architectures") or []
     if not archs:
         raise UnsupportedModelError("config.json has no 'architectures' entry; cannot pick a model class")
-    cls = MODEL_REGISTRY.get(archs[0])
+    cls = registry.get(archs[0])
     if cls is None:
-        supported = ", ".join(sorted(MODEL_REGISTRY))
+        supported = ", ".join(sorted(registry))
         raise UnsupportedModelError(f"architecture {archs[0]!r} is not supported; supported: {supported}")
     return cls

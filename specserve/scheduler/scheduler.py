@@ -29,6 +29,8 @@ from specserve.config import ServerArgs
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
+from specserve.scheduler.spec_decode import SpecDecoder
+from specserve.spec.base import PrefillChunk, create_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,15 @@ class SchedulerStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     generated_tokens: int = 0
+    spec_verify_ct: int = 0  # per request per verify step
+    spec_accepted_drafts: int = 0
+    spec_drafted: int = 0
+    spec_tokens: int = 0  # tokens produced by verify steps (accepted drafts + bonus, after finish trimming)
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        """Tokens per request per verify step since start (1.0 = no gain)."""
+        return self.spec_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
 
 class Scheduler:
@@ -62,6 +73,11 @@ class Scheduler:
         self._retract_outputs: list[ReqOutput] = []
         self.vocab_size = self.runner.spec.vocab_size
         self.context_len = self.runner.context_len
+        self.spec: SpecDecoder | None = None
+        if args.speculative_algorithm:
+            self.spec = SpecDecoder(self, create_proposer(args, self.runner, self._alloc))
+        self.capture_layers = self.spec.proposer.capture_layers if self.spec else ()
+        self._slots_per_decode = self.spec.slots_per_request() if self.spec else 1
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: Req) -> None:
@@ -131,7 +147,8 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
-        return sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) for r in reqs)
+        reserve = sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) for r in reqs)
+        return reserve + (len(reqs) * self._slots_per_decode if self.spec else 0)
 
     def _release(self, req: Req) -> None:
         """Give back req's KV: into the radix cache (freeing duplicates) or straight to the free list."""
@@ -146,6 +163,7 @@ class Scheduler:
             self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(row)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+        req.spec_state = None  # drafting state is rebuilt by the prefill that resumes the request
 
     # ------------------------------------------------------------------ prefill
     def _select_prefill(self) -> list[tuple[Req, int]]:
@@ -247,9 +265,13 @@ class Scheduler:
         fb = ForwardBatch(
             ForwardMode.EXTEND, ids, positions, out_loc,
             build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, q_lens), self.runner.kv_pool,
-            logits_indices=last,
+            logits_indices=last, capture_layers=self.capture_layers,
         )
-        logits = self.runner.forward(fb).logits  # [B, V]
+        out = self.runner.forward(fb)
+        logits = out.logits  # [B, V]
+        row_starts = (last + 1 - torch.tensor(q_lens, device=self.device)).tolist()
+        chunks = [PrefillChunk(r, r.kv_len, t, row, r is not self.chunked)
+                  for (r, t), row in zip(batch, row_starts, strict=True)]
         done_rows, done_reqs = [], []
         for i, (req, take) in enumerate(batch):
             req.kv_len += take
@@ -260,6 +282,8 @@ class Scheduler:
         if done_reqs:
             outputs = self._sample_and_append(done_reqs, logits[done_rows])
             self.running.extend(r for r in done_reqs if not r.finished)
+        if self.spec:
+            self.spec.proposer.after_prefill(chunks, out)
         return outputs
 
     # ------------------------------------------------------------------ decode
@@ -269,6 +293,10 @@ class Scheduler:
             return self._drain_retract_outputs()
         self.stats.num_decode_steps += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if self.spec:
+            outputs = self.spec.run(self.running)
+            self.running = [r for r in self.running if not r.finished]
+            return outputs + self._drain_retract_outputs()
         reqs = self.running
         slots = self._alloc(len(reqs))
         positions = [r.seq_len - 1 for r in reqs]
@@ -292,9 +320,10 @@ class Scheduler:
         return outputs + self._drain_retract_outputs()
 
     def _ensure_decode_room(self) -> None:
-        """Retract until one new slot per running request fits: a part-prefilled request first, then
-        running requests, latest admitted first. A lone request that still does not fit is failed."""
-        while self.running and self._available() < len(self.running):
+        """Retract until the step's slots fit (one per running request; with speculation, its drafting and
+        verify slots): a part-prefilled request first, then running requests, latest admitted first. A lone
+        request that still does not fit is failed."""
+        while self.running and self._available() < len(self.running) * self._slots_per_decode:
             if self.chunked is not None:
                 req, self.chunked = self.chunked, None
             elif len(self.running) > 1:
@@ -378,6 +407,7 @@ class Scheduler:
             new_logprobs=req.logprobs[logprob_start:] if req.wants_logprobs() else [],
             new_top_logprobs=req.top_logprobs[logprob_start:] if req.wants_logprobs() else [],
             new_text=self._take_text(req),
+            spec=req.spec_meta() if self.spec else {},
         )
 
     @staticmethod

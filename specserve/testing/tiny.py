@@ -102,9 +102,13 @@ def make_model_dir(
     logit_scale: float = 4.0,
     dtype: torch.dtype = torch.float32,
     tokenizer_dir: str | None = None,
+    unit_embeddings: bool = False,
     **config_overrides,
 ) -> str:
-    """Write a random `arch` model (+ tokenizer) as an HF folder; returns out_dir."""
+    """Write a random `arch` model (+ tokenizer) as an HF folder; returns out_dir.
+
+    unit_embeddings: rescale every embedding row to RMS 1 (so the first input norm is the identity; this is what
+    lets ``make_eagle_head_dir(kind="self")`` build a head that mirrors a one-layer target)."""
     import transformers
 
     os.makedirs(out_dir, exist_ok=True)
@@ -119,6 +123,9 @@ def make_model_dir(
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         model.model.norm.weight.mul_(logit_scale)
+        if unit_embeddings:
+            emb = model.model.embed_tokens.weight
+            emb.div_(emb.pow(2).mean(dim=-1, keepdim=True).sqrt())
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     _set_dtype(out_dir, dtype)
     return out_dir
@@ -131,3 +138,43 @@ def _set_dtype(out_dir: str, dtype: torch.dtype) -> None:
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def make_eagle_head_dir(out_dir: str, target_dir: str, kind: str = "self", seed: int = 0) -> str:
+    """Write an EAGLE-1/2 draft head (``LlamaForCausalLMEagle`` format) for the target in target_dir.
+
+    kind="self": fc picks the token embedding and ignores the hidden state, and layer 0 is a copy of the target's
+    layer 0. For a ONE-layer target built with ``unit_embeddings=True`` the head then reproduces the target's next
+    token prediction (up to the first token of the sequence, which the EAGLE shift never shows it), so drafts are
+    mostly accepted: a draft whose acceptance is known to be high, for tests.
+    kind="random": random weights (drafts mostly rejected).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(target_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tensors = {}
+    with safe_open(os.path.join(target_dir, "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if name.startswith("model.layers.0.") and "input_layernorm" not in name:
+                tensors[name.removeprefix("model.")] = f.get_tensor(name).float()
+    h = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "self":
+        fc = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    elif kind == "random":
+        fc = torch.randn(h, 2 * h, generator=gen) * 0.05
+        for name, t in tensors.items():
+            if "layernorm" not in name:
+                tensors[name] = torch.randn(t.shape, generator=gen) * 0.05
+    else:
+        raise ValueError(f"kind must be 'self' or 'random', got {kind!r}")
+    tensors["fc.weight"], tensors["fc.bias"] = fc, torch.zeros(h)
+    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "model.safetensors"))
+    cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out_dir
