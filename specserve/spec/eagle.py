@@ -88,10 +88,16 @@ class EagleProposer(Proposer):
         """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h]."""
         return self.head(fb, self.target.embed(fb.input_ids), hidden)
 
+    def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
+        draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
+        return self.target.compute_logits(draft_hidden), None
+
     def _topk(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """draft hidden [R, h] -> top-K (probabilities [R, K] float32, target token ids [R, K] int64)."""
-        probs = torch.softmax(self.target.compute_logits(draft_hidden), dim=-1)  # [R, V]
-        return probs.topk(self.topk, dim=-1)
+        """draft hidden [R, h] -> top-K (probabilities [R, K] float32, TARGET token ids [R, K] int64)."""
+        logits, to_target = self._draft_logits(draft_hidden)
+        p, ids = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        return p, (ids if to_target is None else to_target[ids])
 
     def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:
         """The target hidden states the head consumes, at flattened forward rows [R] -> [R, h]."""
