@@ -69,13 +69,17 @@ class EagleProposer(Proposer):
             args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
             args.speculative_draft_model_revision, registry=self.head_registry,
         )
+        self.head = head
+        self._check_head(spec)
+        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
+            pack_linears_for_cpu(head)
+        return head, spec
+
+    def _check_head(self, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:
             raise ValueError(
                 f"draft head hidden_size {spec.hidden_size} != target hidden_size {self.runner.spec.hidden_size}"
             )
-        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
-            pack_linears_for_cpu(head)
-        return head, spec
 
     def draft_slots_per_request(self) -> int:
         return self.topk * (self.steps - 1)

@@ -103,12 +103,16 @@ def make_model_dir(
     dtype: torch.dtype = torch.float32,
     tokenizer_dir: str | None = None,
     unit_embeddings: bool = False,
+    identity_layers: bool = False,
     **config_overrides,
 ) -> str:
     """Write a random `arch` model (+ tokenizer) as an HF folder; returns out_dir.
 
     unit_embeddings: rescale every embedding row to RMS 1 (so the first input norm is the identity; this is what
-    lets ``make_eagle_head_dir(kind="self")`` build a head that mirrors a one-layer target)."""
+    lets ``make_eagle_head_dir(kind="self")`` build a head that mirrors a one-layer target).
+    identity_layers: zero every layer's o_proj and down_proj, so each layer passes its input through and the model
+    is a bigram model, logits = lm_head(norm(embed(token))): the target ``make_eagle3_head_dir(kind="self")``
+    mirrors."""
     import transformers
 
     os.makedirs(out_dir, exist_ok=True)
@@ -126,6 +130,10 @@ def make_model_dir(
         if unit_embeddings:
             emb = model.model.embed_tokens.weight
             emb.div_(emb.pow(2).mean(dim=-1, keepdim=True).sqrt())
+        if identity_layers:
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     _set_dtype(out_dir, dtype)
     return out_dir
@@ -175,6 +183,81 @@ def make_eagle_head_dir(out_dir: str, target_dir: str, kind: str = "self", seed:
     dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "model.safetensors"))
     cfg.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out_dir
+
+
+def make_eagle3_head_dir(out_dir: str, target_dir: str, kind: str = "self", draft_vocab: list[int] | None = None,
+                         seed: int = 0, aux_layer_ids: list[int] | None = None) -> str:
+    """Write an EAGLE-3 draft head (``LlamaForCausalLMEagle3`` format) for the target in target_dir.
+
+    draft_vocab: target ids of the draft vocabulary, in draft-id order (written as ``d2t``); None = the target's
+    vocabulary and LM head.
+    kind="self": mirrors a target built with ``identity_layers=True, unit_embeddings=True`` (a bigram model):
+    ``fc`` is zero (so the residual is zero), the attention is multi-head with q = 16*[I|0] and k = v = [I|0] over
+    [embed | hidden] and o = I, so every query attends (softmax margin > 20 on unit embeddings) to its own token
+    and the head outputs that token's embedding; the MLP is zero and the LM head holds the target's rows. Fed the
+    target's captured layers (first draft level) the head predicts exactly the target's next token, so that draft
+    is accepted whenever the token is in the draft vocabulary; deeper levels receive the head's own output as
+    hidden, which this construction does not cancel, so they are mostly rejected. kind="random": random weights.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(target_dir, "config.json")) as f:
+        cfg = json.load(f)
+    with safe_open(os.path.join(target_dir, "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        lm_head = f.get_tensor("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight").float()
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = h // heads
+    eye, zero = torch.eye(h), torch.zeros(h, h)
+    gen = torch.Generator().manual_seed(seed)
+    rows = lm_head if draft_vocab is None else lm_head[torch.tensor(draft_vocab)]
+    t = {
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": rows,
+    }
+    if kind == "self":
+        t.update({
+            "fc.weight": torch.zeros(h, 3 * h),
+            "midlayer.self_attn.q_proj.weight": 16.0 * torch.cat([eye, zero], 1),
+            "midlayer.self_attn.k_proj.weight": torch.cat([eye, zero], 1),
+            "midlayer.self_attn.v_proj.weight": torch.cat([eye, zero], 1),
+            "midlayer.self_attn.o_proj.weight": eye.clone(),
+            "midlayer.mlp.gate_proj.weight": torch.zeros(inter, h),
+            "midlayer.mlp.up_proj.weight": torch.zeros(inter, h),
+            "midlayer.mlp.down_proj.weight": torch.zeros(h, inter),
+        })
+    elif kind == "random":
+        shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (h, 2 * h),
+                  "midlayer.self_attn.k_proj.weight": (h, 2 * h), "midlayer.self_attn.v_proj.weight": (h, 2 * h),
+                  "midlayer.self_attn.o_proj.weight": (h, h), "midlayer.mlp.gate_proj.weight": (inter, h),
+                  "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter)}
+        t.update({k: torch.randn(shape, generator=gen) * 0.05 for k, shape in shapes.items()})
+        t["lm_head.weight"] = torch.randn(rows.shape, generator=gen) * 0.05
+    else:
+        raise ValueError(f"kind must be 'self' or 'random', got {kind!r}")
+    if draft_vocab is None:
+        del t["lm_head.weight"]
+    else:
+        ids = torch.tensor(draft_vocab, dtype=torch.int64)
+        t["d2t"] = ids - torch.arange(len(ids))
+    dtype = getattr(torch, cfg.get("torch_dtype") or "float32")
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in t.items()},
+              os.path.join(out_dir, "model.safetensors"))
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, num_key_value_heads=heads,
+               head_dim=head_dim)
+    if draft_vocab is not None:
+        cfg["draft_vocab_size"] = len(draft_vocab)
+    if aux_layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return out_dir
