@@ -163,7 +163,8 @@ class Scheduler:
             self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(row)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
-        req.spec_state = None  # drafting state is rebuilt by the prefill that resumes the request
+        if self.spec:  # drafting state is rebuilt by the prefill that resumes a retracted request
+            self.spec.proposer.release(req)
 
     # ------------------------------------------------------------------ prefill
     def _select_prefill(self) -> list[tuple[Req, int]]:

@@ -49,8 +49,8 @@ class SpecDecoder:
         self.threshold_acc = args.speculative_accept_threshold_acc
 
     def slots_per_request(self) -> int:
-        """KV slots one request may need during a step (drafting scratch and verify nodes are not live at once)."""
-        return max(self.proposer.num_draft_tokens, self.proposer.draft_slots_per_request())
+        """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
+        return self.proposer.num_draft_tokens + self.proposer.draft_slots_per_request()
 
     # ------------------------------------------------------------------ the step
     def run(self, reqs: list[Req]) -> list[ReqOutput]:
@@ -162,7 +162,6 @@ class SpecDecoder:
             self._count(req, len(token_lists[b]) - 1, len(appended), n_nodes[b] - 1)
             if req.finished:
                 sched._release(req)
-                self.proposer.release(req)
             else:
                 steps.append(VerifiedStep(req, root_pos[b], accepted, appended, row_offset))
             outputs.append(sched._step_output(req, appended, n_before))

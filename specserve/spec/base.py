@@ -97,7 +97,7 @@ def create_proposer(args, runner, alloc) -> Proposer:
     alloc(n) -> n free KV slot indices (evicting from the prefix cache when needed) or None.
     """
     from specserve.config import ConfigError
-    from specserve.spec import eagle, eagle3  # noqa: F401 - registration side effects
+    from specserve.spec import eagle, eagle3, standalone  # noqa: F401 - registration side effects
 
     algo = args.speculative_algorithm
     cls = PROPOSERS.get(algo)

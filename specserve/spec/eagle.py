@@ -42,11 +42,15 @@ class DraftState:
     topk_p: torch.Tensor  # [K] float32 draft probabilities of the root's best children
     topk_ids: torch.Tensor  # [K] int64 their target token ids
     hidden: torch.Tensor  # [h] draft hidden to feed with those children at the next draft level
+    root_slot: torch.Tensor | None = None  # [1] a drafter's own KV slot for the root (STANDALONE), else None
 
 
 @register_proposer("EAGLE")
 class EagleProposer(Proposer):
     head_registry = EAGLE_HEADS
+    #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
+    #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
+    root_offset = 0
 
     def __init__(self, args, runner, alloc) -> None:
         self.runner, self.alloc = runner, alloc
@@ -57,8 +61,9 @@ class EagleProposer(Proposer):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.head, self.head_spec = self._load_head(args)
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
-        self.kv_pool = KVPool(  # the head has one attention layer; same slot indices as the target
-            1, runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim, runner.dtype, self.device,
+        self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
+            self._num_kv_layers(), runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim,
+            runner.dtype, self.device,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -75,6 +80,9 @@ class EagleProposer(Proposer):
             pack_linears_for_cpu(head)
         return head, spec
 
+    def _num_kv_layers(self) -> int:
+        return 1  # EAGLE heads have one attention layer
+
     def _check_head(self, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:
             raise ValueError(
@@ -85,7 +93,7 @@ class EagleProposer(Proposer):
         return self.topk * (self.steps - 1)
 
     def max_positions_ahead(self) -> int:
-        return max(self.num_draft_tokens, self.topk * self.steps) + 1
+        return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset
 
     # ------------------------------------------------------------------ the draft network
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -179,7 +187,7 @@ class EagleProposer(Proposer):
         h_dim = live_hidden.shape[-1]
         table = self.runner.req_to_token_pool.req_to_token
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)  # [B]
-        root_pos = torch.tensor([r.seq_len - 1 for r in reqs], device=dev)  # [B]
+        base = torch.tensor([r.seq_len - 1 + self.root_offset for r in reqs], device=dev)  # [B] level-1 position
         scratch = self.alloc(B * K * (S - 1))
         if scratch is None:
             raise RuntimeError("no KV slots for drafting (the scheduler should have reserved them)")
@@ -189,13 +197,13 @@ class EagleProposer(Proposer):
         try:
             for j in range(1, S):
                 slots = scratch[:, j - 1]  # [B, K]
-                # scratch columns of req_to_token past the root hold the draft-tree slots of levels 1..j
-                cols = root_pos.view(B, 1) + (j - 1) * K + torch.arange(K, device=dev).view(1, K)  # [B, K]
+                # scratch columns of req_to_token from `base` on hold the draft-tree slots of levels 1..j
+                cols = base.view(B, 1) + (j - 1) * K + torch.arange(K, device=dev).view(1, K)  # [B, K]
                 table[rows.view(B, 1), cols] = slots
                 mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K]
-                kv_lens = (root_pos + j * K).tolist()
+                kv_lens = (base + j * K).tolist()
                 attn = build_attn_metadata(table[rows], kv_lens, [K] * B, custom_masks=list(mask.unbind(0)))
-                positions = (root_pos + j - 1).repeat_interleave(K)  # [B*K] draft position of level j
+                positions = (base + j - 1).repeat_interleave(K)  # [B*K] draft position of level j
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions, slots.reshape(-1),
                                   attn, self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)

@@ -129,7 +129,7 @@ def make_model_dir(
         model.model.norm.weight.mul_(logit_scale)
         if unit_embeddings:
             emb = model.model.embed_tokens.weight
-            emb.div_(emb.pow(2).mean(dim=-1, keepdim=True).sqrt())
+            emb.div_(emb.pow(2).mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-6))  # the pad row stays zero
         if identity_layers:
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.zero_()

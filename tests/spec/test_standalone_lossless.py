@@ -1,0 +1,61 @@
+"""STANDALONE: a separate small LM drafts; the lossless gate with a vacuity guard. A self-draft (draft = target)
+must accept (nearly) everything; a foreign draft must still give identical output."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+
+
+@pytest.fixture(scope="module")
+def target(model_factory):
+    return model_factory("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def other(model_factory):
+    return model_factory("llama", num_hidden_layers=1, seed=5)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        return [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 4), (4, 3, 8)])
+def test_self_draft_accepts_everything(target, plain, tree):
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("STANDALONE", target, *tree)) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length=2.5)
+        if tree[1] == 1:  # a chain drafted by the target itself: every drafted token is the target's choice
+            assert all(o["meta_info"]["spec_accept_rate"] > 0.95 for o in outs)
+        assert_no_kv_leak(e)
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 4), (3, 3, 6)])
+def test_foreign_draft_equals_plain(target, other, plain, tree):
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("STANDALONE", other, *tree)) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+        assert_no_kv_leak(e)
+
+
+def test_chunked_prefill_radix_reuse_and_retraction(target, plain):
+    kw = spec_kwargs("STANDALONE", target, 3, 2, 5)
+    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **kw) as e:
+        first, again = e.generate(PROMPTS, greedy(24)), e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again] == plain
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+        assert_drafting_happened(first + again, min_accept_length=2.0)
+        assert_no_kv_leak(e)
+    with Engine(model_path=target, max_total_tokens=200, **kw) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        assert e.get_server_info()["num_retractions"] > 0
+        assert_no_kv_leak(e)
