@@ -304,3 +304,23 @@ def test_gate_bf16_target_with_packed_lm_head(model_factory, tmp_path):
         outs = e.generate(PROMPTS, greedy(24))
     assert [o["output_ids"] for o in outs] == want
     assert_drafting_happened(outs, min_accept_length=1.5)
+
+
+def test_eagle3_ignores_the_token_map(model_factory, tmp_path, caplog):
+    """EAGLE-3 heads have their own draft vocabulary: the flag is dropped with a warning. The map here is smaller
+    than topk, so using it would fail at start-up; the output equals plain decoding and drafts are accepted."""
+    from specserve.testing.tiny import make_eagle3_head_dir
+
+    path = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
+    head = make_eagle3_head_dir(str(tmp_path / "h3"), path, kind="self")
+    save_token_map(torch.tensor([5, 6]), str(tmp_path / "map.pt"))
+    with Engine(model_path=path, max_total_tokens=4096) as e:
+        want = [o["output_ids"] for o in e.generate(PROMPTS, greedy(20))]
+    kw = spec_kwargs("EAGLE3", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
+    with caplog.at_level(logging.WARNING, logger="specserve.config"):
+        with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
+            assert e.scheduler.spec.proposer.hot_head is None
+            outs = e.generate(PROMPTS, greedy(20))
+    assert "--speculative-token-map is ignored with EAGLE3" in caplog.text
+    assert [o["output_ids"] for o in outs] == want
+    assert_drafting_happened(outs, min_accept_length=1.2)
