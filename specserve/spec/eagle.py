@@ -30,6 +30,7 @@ from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.loader import load_model
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.heads.eagle import EAGLE_HEADS
+from specserve.spec.token_map import HotVocabHead
 from specserve.spec.tree import DraftTree, EagleCandidates
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class EagleProposer(Proposer):
         self.topk = args.speculative_eagle_topk
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.head, self.head_spec = self._load_head(args)
+        # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
+        self.hot_head = HotVocabHead.for_target(args.speculative_token_map, runner, self.topk) \
+            if args.speculative_token_map else None
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
             self._num_kv_layers(), runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim,
@@ -103,6 +107,8 @@ class EagleProposer(Proposer):
     def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
         draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
+        if self.hot_head is not None:
+            return self.hot_head(draft_hidden)
         return self.target.compute_logits(draft_hidden), None
 
     def _topk(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
