@@ -62,8 +62,7 @@ class EagleProposer(Proposer):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
-        self.hot_head = HotVocabHead.for_target(args.speculative_token_map, runner, self.topk) \
-            if args.speculative_token_map else None
+        self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
             self._num_kv_layers(), runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim,
@@ -74,7 +73,7 @@ class EagleProposer(Proposer):
     def _load_head(self, args):
         if not args.speculative_draft_model_path:
             raise ValueError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
-        head, spec, _ = load_model(
+        head, spec, self.head_dir = load_model(
             args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
             args.speculative_draft_model_revision, registry=self.head_registry,
         )
@@ -83,6 +82,10 @@ class EagleProposer(Proposer):
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(head)
         return head, spec
+
+    def _make_hot_head(self, path: str) -> HotVocabHead:
+        """FR-Spec: the LM head the drafts are scored with, restricted to the hot ids (EAGLE: the target's)."""
+        return HotVocabHead.for_target(path, self.runner, self.topk)
 
     def _num_kv_layers(self) -> int:
         return 1  # EAGLE heads have one attention layer

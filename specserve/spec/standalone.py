@@ -20,6 +20,7 @@ import torch
 from specserve.models.registry import MODEL_REGISTRY
 from specserve.spec.base import PrefillChunk, VerifiedStep, register_proposer
 from specserve.spec.eagle import EagleProposer
+from specserve.spec.token_map import HotVocabHead
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,13 @@ class StandaloneProposer(EagleProposer):
     def _forward(self, fb, hidden) -> torch.Tensor:
         return self.head.model(fb)[0]  # final (normed) hidden [T, h]; no logits for rows we do not sample
 
+    def _make_hot_head(self, path: str) -> HotVocabHead:
+        return HotVocabHead.for_model(path, self.head, self.head_dir, self.head_spec, self.device, self.runner.dtype,
+                                      min_size=self.topk)
+
     def _draft_logits(self, draft_hidden: torch.Tensor):
+        if self.hot_head is not None:
+            return self.hot_head(draft_hidden)
         logits = self.head.compute_logits(draft_hidden)  # [R, Vd]
         return logits[:, : self.runner.spec.vocab_size], None
 

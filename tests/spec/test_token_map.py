@@ -324,3 +324,18 @@ def test_eagle3_ignores_the_token_map(model_factory, tmp_path, caplog):
     assert "--speculative-token-map is ignored with EAGLE3" in caplog.text
     assert [o["output_ids"] for o in outs] == want
     assert_drafting_happened(outs, min_accept_length=1.2)
+
+
+def test_gate_standalone_draft_restricted_to_the_map(target, plain, tmp_path):
+    """STANDALONE restricts the DRAFT model's own LM head; a self-draft with a map covering the output accepts."""
+    emitted = sorted({t for out in plain for t in out})
+    path = str(tmp_path / "map.pt")
+    save_token_map(torch.tensor(emitted + [i for i in range(40) if i not in emitted]), path)
+    kw = spec_kwargs("STANDALONE", target, 3, 2, 5, speculative_token_map=path)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        drafted = _record_drafts(e)
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length=2.0)
+        assert_no_kv_leak(e)
+    assert drafted and set(drafted) <= set(emitted) | set(range(40))
