@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ INIT_NEW_TOKEN_RATIO = 0.5
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 RETRACT_RATIO_BUMP = 0.3
+DECODE_LOG_INTERVAL = 40  # decode steps between two progress log lines (SGLang's default)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class Scheduler:
         if args.speculative_algorithm:
             self.spec = SpecDecoder(self, create_proposer(args, self.runner, self._alloc))
         self.capture_layers = self.spec.proposer.capture_layers if self.spec else ()
+        self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, spec tokens, verify count)
         self._slots_per_decode = self.spec.slots_per_request() if self.spec else 1
 
     # ------------------------------------------------------------------ public API
@@ -293,6 +296,8 @@ class Scheduler:
         if not self.running:
             return self._drain_retract_outputs()
         self.stats.num_decode_steps += 1
+        if self.stats.num_decode_steps % DECODE_LOG_INTERVAL == 0:
+            self._log_progress()
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if self.spec:
             outputs = self.spec.run(self.running)
@@ -319,6 +324,17 @@ class Scheduler:
         outputs = self._sample_and_append(reqs, logits)
         self.running = [r for r in reqs if not r.finished]
         return outputs + self._drain_retract_outputs()
+
+    def _log_progress(self) -> None:
+        """One line per DECODE_LOG_INTERVAL decode steps: batch, queue, KV use, throughput (and accept length)."""
+        st, now = self.stats, time.monotonic()
+        t0, gen0, spec0, ver0 = self._log_mark
+        self._log_mark = (now, st.generated_tokens, st.spec_tokens, st.spec_verify_ct)
+        line = (f"decode: #running-req {len(self.running)}, #queue-req {len(self.waiting)}, "
+                f"KV usage {self.kv_usage():.1%}, gen throughput {(st.generated_tokens - gen0) / (now - t0):.1f} tok/s")
+        if self.spec and st.spec_verify_ct > ver0:
+            line += f", accept len {(st.spec_tokens - spec0) / (st.spec_verify_ct - ver0):.2f}"
+        logger.info(line)
 
     def _ensure_decode_room(self) -> None:
         """Retract until the step's slots fit (one per running request; with speculation, its drafting and

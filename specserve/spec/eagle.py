@@ -54,7 +54,7 @@ class EagleProposer(Proposer):
     root_offset = 0
 
     def __init__(self, args, runner, alloc) -> None:
-        self.runner, self.alloc = runner, alloc
+        self.args, self.runner, self.alloc = args, runner, alloc
         self.target = runner.model
         self.device = runner.device
         self.steps = args.speculative_num_steps

@@ -25,6 +25,27 @@ from specserve.spec.token_map import HotVocabHead
 logger = logging.getLogger(__name__)
 
 
+def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | None, trust_remote_code: bool):
+    """A standalone draft must tokenize exactly like the target: same token -> id map (special tokens included)."""
+    from transformers import AutoTokenizer
+
+    from specserve.config import ConfigError
+
+    def vocab(path: str) -> dict[str, int]:
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).get_vocab()
+        except Exception as e:  # noqa: BLE001 - any loading failure is reported the same way
+            raise ConfigError(f"--speculative-draft-model-path: cannot load the draft's tokenizer: {e}") from e
+
+    target, draft = vocab(tokenizer_path or target_dir), vocab(draft_dir)
+    if target != draft:
+        differing = sum(1 for tok, i in target.items() if draft.get(tok) != i) + len(set(draft) - set(target))
+        raise ConfigError(
+            f"--speculative-draft-model-path: the draft's tokenizer differs from the target's ({differing} tokens "
+            f"differ; vocabularies of {len(draft)} and {len(target)}); STANDALONE needs the same tokenizer"
+        )
+
+
 @register_proposer("STANDALONE")
 class StandaloneProposer(EagleProposer):
     head_registry = MODEL_REGISTRY
@@ -35,9 +56,11 @@ class StandaloneProposer(EagleProposer):
 
     def _check_head(self, spec) -> None:
         target_vocab = self.runner.spec.vocab_size
-        if spec.vocab_size != target_vocab:
-            logger.warning("draft vocab_size %d != target's %d: drafts are limited to the shared ids",
-                           spec.vocab_size, target_vocab)
+        if spec.vocab_size != target_vocab:  # e.g. Qwen2.5 0.5B vs 7B: same tokenizer, padded differently
+            logger.info("draft vocab_size %d != target's %d: drafts are limited to the shared ids",
+                        spec.vocab_size, target_vocab)
+        check_same_tokenizer(self.runner.model_dir, self.head_dir, self.args.tokenizer_path,
+                             self.args.trust_remote_code)
 
     def draft_slots_per_request(self) -> int:
         return self.topk * (self.steps - 1) + 1  # tree scratch + the held root slot

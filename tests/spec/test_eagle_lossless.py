@@ -4,13 +4,16 @@ drafting and acceptance really happened; finishing inside an accepted run; logpr
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import Engine
 from specserve.testing.tiny import make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.spec.helpers import assert_drafting_happened, spec_kwargs
 
-TREES = [(3, 1, 4), (5, 4, 8), (2, 3, 5)]  # (num_steps, topk, num_draft_tokens)
+TREES = [(3, 1, 4), (5, 4, 8), (4, 2, 7), (5, 8, 32)]  # (num_steps, topk, num_draft_tokens)
+# 16 mixed-length prompts: the 8 shared ones and variations of them
+PROMPTS_16 = PROMPTS + [p + " and then" for p in PROMPTS[::-1]]
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +48,45 @@ def test_greedy_batch_of_8_equals_plain(target, heads, plain, tree, kind):
         assert_no_kv_leak(e)
 
 
-def test_greedy_batch_of_1_equals_plain(target, heads, plain):
-    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE", heads["self"], 5, 4, 8)) as e:
-        outs = [e.generate(p, greedy(24)) for p in PROMPTS[:3]]
-    assert [o["output_ids"] for o in outs] == plain[:3]
-    assert_drafting_happened(outs, min_accept_length=1.5)
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_greedy_batch_sizes_equal_plain(target, heads, batch):
+    prompts = PROMPTS_16[:batch] if batch > 1 else PROMPTS_16[5:6]
+    with Engine(model_path=target, max_total_tokens=8192) as e:
+        want = [o["output_ids"] for o in e.generate(prompts, greedy(24))]
+    with Engine(model_path=target, max_total_tokens=8192, **spec_kwargs("EAGLE", heads["self"], 5, 4, 8)) as e:
+        outs = e.generate(prompts, greedy(24))
+        assert [o["output_ids"] for o in outs] == want
+        assert_drafting_happened(outs, min_accept_length=1.5)
+        assert_no_kv_leak(e)
+
+
+def test_always_wrong_draft_accepts_nothing_and_changes_nothing(target, heads, plain):
+    """A drafter whose every first token is known to be wrong (the plain output's next token + 1): verification
+    must reject everything, each step yields exactly the bonus token, and the output is unchanged."""
+    from specserve.spec.tree import build_chain
+
+    kw = spec_kwargs("EAGLE", heads["self"], 3, 1, 4)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        proposer = e.scheduler.spec.proposer
+        truth = {p: out for p, out in zip(PROMPTS, plain, strict=True)}
+        by_prompt_ids = {tuple(e.tokenizer.encode(p)): truth[p] for p in PROMPTS}
+
+        def wrong(reqs):
+            roots = torch.tensor([r.last_token for r in reqs])
+            drafts = []
+            for r in reqs:
+                want = by_prompt_ids[tuple(r.origin_input_ids)]
+                nxt = want[len(r.output_ids)] if len(r.output_ids) < len(want) else 0
+                drafts.append([(nxt + 1) % 300, 7, 7])
+            return build_chain(roots, torch.tensor(drafts))
+
+        proposer.propose = wrong
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        for o in outs:
+            assert o["meta_info"]["spec_verify_ct"] == 23  # one token per verify after the prefill's first
+            assert o["meta_info"]["spec_accept_histogram"] == [23]
+        assert_no_kv_leak(e)
 
 
 def test_chunked_prefill_and_radix_reuse(target, heads, plain):
@@ -164,3 +201,13 @@ def test_sampled_distribution_matches_plain(target, heads):
     assert max(len(c) for c in cells) == 2
     p_value = chi2_contingency(table).pvalue
     assert p_value > 1e-3, (p_value, table)
+
+
+def test_periodic_log_line_reports_accept_length(target, heads, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specserve.scheduler.scheduler"):
+        with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE", heads["self"], 3, 1, 4)) as e:
+            e.generate(PROMPTS[0], greedy(200))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode:")]
+    assert lines and "accept len" in lines[0] and "gen throughput" in lines[0]

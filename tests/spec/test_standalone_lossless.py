@@ -32,8 +32,10 @@ def test_self_draft_accepts_everything(target, plain, tree):
         outs = e.generate(PROMPTS, greedy(24))
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, min_accept_length=2.5)
-        if tree[1] == 1:  # a chain drafted by the target itself: every drafted token is the target's choice
-            assert all(o["meta_info"]["spec_accept_rate"] > 0.95 for o in outs)
+        if tree[1] == 1:  # a chain drafted by the target itself: every step accepts all S drafts (S + 1 tokens)
+            for o in outs:
+                hist = o["meta_info"]["spec_accept_histogram"]
+                assert hist[tree[0]] == sum(hist) and o["meta_info"]["spec_accept_rate"] == 1.0
         assert_no_kv_leak(e)
 
 
@@ -59,3 +61,20 @@ def test_chunked_prefill_radix_reuse_and_retraction(target, plain):
         assert [o["output_ids"] for o in outs] == plain
         assert e.get_server_info()["num_retractions"] > 0
         assert_no_kv_leak(e)
+
+
+def test_draft_with_another_tokenizer_fails_at_start_up(target, tmp_path):
+    import json
+    import shutil
+
+    from specserve.config import ConfigError
+
+    draft = tmp_path / "draft"
+    shutil.copytree(target, draft)
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, different tokenizer
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the draft's tokenizer differs"):
+        Engine(model_path=target, **spec_kwargs("STANDALONE", str(draft), 3, 1, 4))
