@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from specserve.models.llama import LlamaForCausalLM
+from specserve.models.mimo import MiMoForCausalLM
 from specserve.models.qwen2 import Qwen2ForCausalLM
 from specserve.models.qwen3 import Qwen3ForCausalLM
 from specserve.models.spec import UnsupportedModelError
@@ -12,6 +13,7 @@ from specserve.models.spec import UnsupportedModelError
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MiMoForCausalLM": MiMoForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

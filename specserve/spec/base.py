@@ -97,10 +97,24 @@ def create_proposer(args, runner, alloc) -> Proposer:
     alloc(n) -> n free KV slot indices (evicting from the prefix cache when needed) or None.
     """
     from specserve.config import ConfigError
-    from specserve.spec import eagle, eagle3, standalone  # noqa: F401 - registration side effects
+    from specserve.spec import eagle, eagle3, mtp, standalone  # noqa: F401 - registration side effects
 
     algo = args.speculative_algorithm
+    if algo == "EAGLE" and not args.speculative_draft_model_path:
+        algo = _builtin_draft_algorithm(runner.spec)
     cls = PROPOSERS.get(algo)
     if cls is None:
         raise ConfigError(f"--speculative-algorithm {algo} is not available in this build yet")
     return cls(args, runner, alloc)
+
+
+def _builtin_draft_algorithm(spec) -> str:
+    """EAGLE (or NEXTN) without a draft path: the target must draft with its own MTP layers."""
+    from specserve.config import ConfigError
+
+    if int(spec.raw.get("num_nextn_predict_layers") or 0) > 0:
+        return "MTP"
+    raise ConfigError(
+        "--speculative-draft-model-path is required with --speculative-algorithm EAGLE: the target "
+        f"({spec.architecture}) has no built-in MTP layers (num_nextn_predict_layers) to draft with"
+    )

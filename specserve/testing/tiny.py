@@ -261,3 +261,60 @@ def make_eagle3_head_dir(out_dir: str, target_dir: str, kind: str = "self", draf
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return out_dir
+
+
+MTP_LAYER_NAMES = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                   "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def make_mimo_dir(out_dir: str, kind: str = "self", seed: int = 0, tokenizer_dir: str | None = None,
+                  mtp_layers: int = 1, **config_overrides) -> str:
+    """Write a tiny ``MiMoForCausalLM`` folder: a random Qwen2 body (one layer unless overridden, unit-RMS
+    embeddings) plus ``mtp_layers`` MTP layers under the published names ``model.mtp_layers.{i}.*``.
+
+    kind="self": every MTP layer mirrors the target, so its drafts are mostly accepted. ``input_proj`` = [0 | I]
+    keeps the token half of cat(hidden, token) and drops the hidden half; ``token_layernorm`` = ones is the
+    identity on unit-RMS embeddings; the decoder layer is a copy of the target's layer 0; ``final_layernorm`` is a
+    copy of the target's final norm. At position i the MTP layer then runs the target's own layer on token i + 1
+    with the target's RoPE (relative, so one position lower changes nothing) and attends over the MTP KV of
+    tokens 2 .. i + 1 (position 0 holds the zeroed embedding), then applies the target's final norm: for a
+    ONE-layer target this is the target's prediction after token i + 1 with only tokens 0 and 1 missing from the
+    context, through the same LM head. kind="random": random MTP weights (drafts mostly rejected).
+    """
+    from safetensors.torch import load_file, save_file
+
+    config_overrides.setdefault("num_hidden_layers", 1)
+    make_model_dir(out_dir, "qwen2", seed=seed, tokenizer_dir=tokenizer_dir, unit_embeddings=True,
+                   **config_overrides)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    dtype = tensors["model.norm.weight"].dtype
+    h = tensors["model.norm.weight"].shape[0]
+    gen = torch.Generator().manual_seed(seed + 1)
+    for i in range(mtp_layers):
+        p = f"model.mtp_layers.{i}."
+        layer = {k.removeprefix("model.layers.0."): v for k, v in tensors.items() if k.startswith("model.layers.0.")}
+        assert {k.rsplit(".", 1)[0] for k in layer} == set(MTP_LAYER_NAMES), sorted(layer)
+        mtp = {"token_layernorm.weight": torch.ones(h), "hidden_layernorm.weight": torch.ones(h)}
+        if kind == "self":
+            mtp["input_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)  # [h, 2h]: token half
+            mtp["final_layernorm.weight"] = tensors["model.norm.weight"].clone()
+            mtp.update({k: v.clone() for k, v in layer.items()})
+        elif kind == "random":  # norm weights away from 1, so mixing up the two input norms shows
+            mtp["token_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=gen)
+            mtp["hidden_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=gen)
+            mtp["input_proj.weight"] = torch.randn(h, 2 * h, generator=gen) * 0.1
+            mtp["final_layernorm.weight"] = tensors["model.norm.weight"].clone()
+            mtp.update({k: (v.clone() if "layernorm" in k else torch.randn(v.shape, generator=gen) * 0.05)
+                        for k, v in layer.items()})
+        else:
+            raise ValueError(f"kind must be 'self' or 'random', got {kind!r}")
+        tensors.update({p + k: v.to(dtype).contiguous() for k, v in mtp.items()})
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=mtp_layers)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return out_dir
