@@ -45,6 +45,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from itertools import islice
+from typing import Any
 
 MATCH_TYPES = ("BFS", "PROB")
 _ROOT = 0
@@ -142,6 +143,21 @@ class NgramCache:
         ]
         self.reset()
 
+    @classmethod
+    def from_server_args(cls, args: Any, num_draft_tokens: int) -> NgramCache:
+        """The cache for ``ServerArgs`` (``--speculative-ngram-*``) and the resolved N (tree nodes verified
+        per step, root included, so ``max_draft_nodes = N - 1``)."""
+        return cls(
+            capacity=args.speculative_ngram_capacity,
+            branch_length=args.speculative_ngram_branch_length,
+            min_window=args.speculative_ngram_min_match_window_size,
+            max_window=args.speculative_ngram_max_match_window_size,
+            min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+            match_type=args.speculative_ngram_match_type,
+            max_draft_nodes=num_draft_tokens - 1,
+        )
+
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Drop every node (the root stays)."""
@@ -214,7 +230,7 @@ class NgramCache:
         num_new = n if num_new is None else min(num_new, n)
         if num_new <= 0:
             return
-        seq = list(tokens[max(0, n - num_new - (self.branch_length - 1)) :])
+        seq = list(map(int, tokens[max(0, n - num_new - (self.branch_length - 1)) :]))  # plain ints for the dicts
         n = len(seq)
         first_new = n - num_new
         kids_of, branch = self._kids, self.branch_length
@@ -387,7 +403,7 @@ class NgramCache:
     def _anchors(self, context: Sequence[int]) -> list[tuple[int, int]]:
         """``(node, window)`` of every matched suffix window that has children, longest window first."""
         n = len(context)
-        tail = list(context[max(0, n - self.max_window):])
+        tail = list(map(int, context[max(0, n - self.max_window) :]))
         out = []
         for window in range(min(self.max_window, n), self.min_window - 1, -1):
             node = self._walk(tail[len(tail) - window:])

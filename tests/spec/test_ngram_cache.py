@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
+from specserve.config import ServerArgs
 from specserve.spec.ngram_cache import NgramCache, bfs_breadth
 
 
@@ -316,3 +318,22 @@ def test_reset_empties_the_cache():
 def test_bad_parameters_are_rejected(overrides):
     with pytest.raises(ValueError):
         small(**overrides)
+
+
+def test_from_server_args_maps_every_flag():
+    args = ServerArgs(speculative_ngram_capacity=500, speculative_ngram_branch_length=6,
+                      speculative_ngram_min_match_window_size=2, speculative_ngram_max_match_window_size=5,
+                      speculative_ngram_min_bfs_breadth=2, speculative_ngram_max_bfs_breadth=4,
+                      speculative_ngram_match_type="PROB")
+    cache = NgramCache.from_server_args(args, num_draft_tokens=8)
+    got = (cache.capacity, cache.branch_length, cache.min_window, cache.max_window, cache.min_bfs_breadth,
+           cache.max_bfs_breadth, cache.match_type, cache.max_draft_nodes)
+    assert got == (500, 6, 2, 5, 2, 4, "PROB", 7)
+
+
+def test_numpy_ids_work_like_python_ints():
+    from_np = small()
+    from_np.insert(np.array([10, 11, 12, 13, 14, 15]))
+    # same trie as test_prompt_lookup_drafts_the_continuation_of_the_prompt
+    assert from_np.match(np.array([99, 10, 11])) == ([12, 13, 14], [-1, 0, 1])
+    assert all(type(t) is int for t in from_np.match([99, 10, 11])[0])
