@@ -105,7 +105,7 @@ class SpecDecoder:
         if all(plain):
             return verify_greedy(tree, logits.argmax(dim=-1))
         info, processed = self._processed(reqs, tree, logits)  # processed [B, N, V]
-        greedy = [r.params.is_greedy for r in reqs]
+        greedy = [r.params.is_greedy or self.proposer.force_greedy_verify for r in reqs]
         if all(greedy):
             return verify_greedy(tree, processed.argmax(dim=-1))
         B, N, V = processed.shape

@@ -57,6 +57,8 @@ class Proposer(ABC):
     num_draft_tokens: int
     #: residual-stream layers the target must capture in prefill and verify forwards (EAGLE-3)
     capture_layers: tuple[int, ...] = ()
+    #: verify sampled requests by argmax too (NGRAM's documented lossy switch); False = lossless
+    force_greedy_verify: bool = False
 
     def draft_slots_per_request(self) -> int:
         """Scratch KV slots per request the drafting phase needs (freed before the verify forward)."""
@@ -97,7 +99,7 @@ def create_proposer(args, runner, alloc) -> Proposer:
     alloc(n) -> n free KV slot indices (evicting from the prefix cache when needed) or None.
     """
     from specserve.config import ConfigError
-    from specserve.spec import eagle, eagle3, mtp, standalone  # noqa: F401 - registration side effects
+    from specserve.spec import eagle, eagle3, mtp, ngram, standalone  # noqa: F401 - registration side effects
 
     algo = args.speculative_algorithm
     if algo == "EAGLE" and not args.speculative_draft_model_path:

@@ -24,10 +24,11 @@ def drafts(target, tmp_path_factory):
         "EAGLE": make_eagle_head_dir(str(d / "eagle"), target, kind="random"),
         "EAGLE3": make_eagle3_head_dir(str(d / "eagle3"), target, kind="random"),
         "STANDALONE": target,
+        "NGRAM": None,
     }
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
 def test_mixed_work_leaves_no_leak(target, drafts, algorithm):
     kw = spec_kwargs(algorithm, drafts[algorithm], 3, 2, 5)
     sampled = {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 24, "seed": 7, "ignore_eos": True}
