@@ -26,6 +26,7 @@ import torch
 
 from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
 from specserve.cache.kv_pool import KVPool
+from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.loader import load_model
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
@@ -72,7 +73,7 @@ class EagleProposer(Proposer):
     # ------------------------------------------------------------------ set-up
     def _load_head(self, args):
         if not args.speculative_draft_model_path:
-            raise ValueError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
+            raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
         head, spec, self.head_dir = load_model(
             args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
             args.speculative_draft_model_revision, registry=self.head_registry,
@@ -92,8 +93,9 @@ class EagleProposer(Proposer):
 
     def _check_head(self, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:
-            raise ValueError(
-                f"draft head hidden_size {spec.hidden_size} != target hidden_size {self.runner.spec.hidden_size}"
+            raise ConfigError(
+                f"--speculative-draft-model-path: the draft head's hidden_size {spec.hidden_size} does not fit the "
+                f"target's hidden_size {self.runner.spec.hidden_size}"
             )
 
     def draft_slots_per_request(self) -> int:

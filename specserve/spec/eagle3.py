@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from specserve.config import ConfigError
 from specserve.spec.base import register_proposer
 from specserve.spec.eagle import EagleProposer
 from specserve.spec.heads.eagle3 import Eagle3Head
@@ -46,15 +47,18 @@ class Eagle3Proposer(EagleProposer):
         if head_vocab:
             self.d2t_ids = torch.arange(head_vocab, device=self.device) + self.head.d2t  # [Vd] target ids
             if int(self.d2t_ids.max()) >= runner.spec.vocab_size or int(self.d2t_ids.min()) < 0:
-                raise ValueError("EAGLE-3 head: d2t maps draft ids outside the target vocabulary")
+                raise ConfigError(
+                    "--speculative-draft-model-path: the EAGLE-3 head's d2t maps draft ids outside the target "
+                    f"vocabulary of {runner.spec.vocab_size}"
+                )
         logger.info("EAGLE-3 head: capture layers %s, draft vocabulary %s", self.capture_layers,
                     head_vocab or "= target's")
 
     def _check_head(self, spec) -> None:
         if self.head.target_hidden_size != self.runner.spec.hidden_size:
-            raise ValueError(
-                f"EAGLE-3 head expects target_hidden_size {self.head.target_hidden_size}, "
-                f"the target has {self.runner.spec.hidden_size}"
+            raise ConfigError(
+                f"--speculative-draft-model-path: the EAGLE-3 head expects target_hidden_size "
+                f"{self.head.target_hidden_size}, the target has {self.runner.spec.hidden_size}"
             )
 
     def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:

@@ -65,3 +65,16 @@ def test_capture_layers():
     assert eagle3_capture_layers(32, [1, 15, 28]) == (2, 16, 29)  # config ids are layer OUTPUTS
     assert eagle3_capture_layers(4, None) == (2, 2, 1)
     assert eagle3_capture_layers(2, None) == (2, 1, 0)  # clamped into 0..L
+
+
+def test_heads_that_do_not_fit_the_target_fail_at_start_up(target, model_factory, tmp_path):
+    from specserve.config import ConfigError
+    from specserve.testing.tiny import make_eagle_head_dir
+
+    narrow = model_factory("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    eagle = make_eagle_head_dir(str(tmp_path / "e"), narrow, kind="random")
+    with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the draft head's hidden_size 32"):
+        Engine(model_path=target, **spec_kwargs("EAGLE", eagle, 3, 1, 4))
+    eagle3 = make_eagle3_head_dir(str(tmp_path / "e3"), narrow, kind="random", draft_vocab=[1, 2, 3, 4])
+    with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the EAGLE-3 head expects"):
+        Engine(model_path=target, **spec_kwargs("EAGLE3", eagle3, 3, 1, 4))
