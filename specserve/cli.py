@@ -1,4 +1,5 @@
-"""Command line: ``specserve generate`` and ``specserve serve`` (and, as they land, benchmarks, training).
+"""Command line: ``specserve generate``, ``specserve serve``, ``specserve build-token-map`` (and, as they land,
+benchmarks, training).
 
 Flags are generated from the ``ServerArgs`` dataclass (SGLang spelling, with SGLang's aliases), so the
 help text, the defaults and the validation live in one place.
@@ -103,6 +104,41 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def cmd_build_token_map(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="specserve build-token-map",
+        description="Write an FR-Spec token map (--speculative-token-map): the N most frequent target token ids "
+                    "over a corpus. Plain-text files are read as is; .jsonl files hold one record per line with "
+                    "chat 'messages' or ShareGPT 'conversations' (rendered with the chat template) or 'text'.",
+    )
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="target model folder (tokenizer "
+                   "and config.json are read, not the weights)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument("--corpus", nargs="+", required=True, help="corpus files (.txt or anything else: plain text; "
+                   ".jsonl: chat records)")
+    p.add_argument("--size", type=int, required=True, help="number of hot token ids N (e.g. 32768)")
+    p.add_argument("--out", default=None, help="output file (default: freq_N.pt)")
+    p.add_argument("--no-eos", action="store_true", help="do not force the target's EOS ids into the map")
+    ns = p.parse_args(argv)
+    from specserve.models.loader import ModelLoadError
+    from specserve.spec.token_map import build_token_map, save_token_map
+
+    out = ns.out or f"freq_{ns.size}.pt"
+    missing = [f for f in ns.corpus if not os.path.isfile(f)]
+    if missing:
+        print(f"error: --corpus: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        ids = build_token_map(ns.model, ns.corpus, ns.size, include_eos=not ns.no_eos,
+                              tokenizer_path=ns.tokenizer_path)
+    except (OSError, ValueError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    save_token_map(ids, out)
+    print(f"wrote {ids.numel()} hot token ids to {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(argv: list[str]) -> int:
     """``specserve serve``: ``python -m specserve.launch_server``, serving the demo model without --model-path."""
     from specserve.launch_server import main as launch_main
@@ -117,7 +153,7 @@ def _demo_model_noted() -> str:
     return path
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "build-token-map": cmd_build_token_map}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+# Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 class ConfigError(ValueError):
@@ -136,10 +138,88 @@ class ServerArgs:
             return
         self.speculative_algorithm = self.speculative_algorithm.upper()
         _choice(self, "speculative_algorithm", SPEC_ALGORITHMS)
-        raise ConfigError(
-            "--speculative-algorithm: speculative decoding is not available in this build yet "
-            "(it lands with the speculative-decoding work)"
-        )
+        if self.speculative_algorithm == "NEXTN":  # SGLang's alias: same machinery as EAGLE
+            self.speculative_algorithm = "EAGLE"
+        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ConfigError(f"{flag_name(name)} must be in (0, 1] (1.0 = lossless), got {value}")
+        if self.speculative_algorithm == "NGRAM":
+            self._validate_ngram()
+            return
+        if self.speculative_algorithm in ("EAGLE3", "STANDALONE") and not self.speculative_draft_model_path:
+            raise ConfigError(
+                f"--speculative-draft-model-path is required with --speculative-algorithm {self.speculative_algorithm}"
+            )
+        if self.speculative_token_map and self.speculative_algorithm == "EAGLE3":
+            logger.warning("--speculative-token-map is ignored with EAGLE3 (its head has its own draft vocabulary)")
+            self.speculative_token_map = None
+        self._validate_tree_shape()
+
+    def _validate_tree_shape(self) -> None:
+        """S, K, N: all three or none (then chosen from the target's architecture at load time)."""
+        names = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+        given = [getattr(self, n) is not None for n in names]
+        if any(given) and not all(given):
+            missing = ", ".join(flag_name(n) for n, g in zip(names, given, strict=True) if not g)
+            raise ConfigError(
+                f"{missing}: give --speculative-num-steps, --speculative-eagle-topk and "
+                "--speculative-num-draft-tokens together, or none of them"
+            )
+        if not all(given):
+            return
+        for n in names:
+            _positive(self, n)
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        if self.speculative_num_draft_tokens < 2:
+            raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the root plus at least one draft)")
+        if topk == 1 and self.speculative_num_draft_tokens != steps + 1:
+            logger.warning(
+                "--speculative-eagle-topk 1: --speculative-num-draft-tokens set to num_steps + 1 = %d", steps + 1
+            )
+            self.speculative_num_draft_tokens = steps + 1
+        if self.speculative_num_draft_tokens > steps * topk + 1:
+            raise ConfigError(
+                f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} exceeds what the draft tree can "
+                f"hold: num_steps * eagle_topk + 1 = {steps * topk + 1}"
+            )
+
+    def resolve_speculative_defaults(self, architecture: str) -> None:
+        """Fill S, K, N when none was given: Llama-family targets (5, 4, 8), others and STANDALONE (3, 1, 4)."""
+        if self.speculative_algorithm is None or self.speculative_num_steps is not None:
+            return
+        if self.speculative_algorithm == "NGRAM":
+            return
+        llama_family = architecture in LLAMA_FAMILY and self.speculative_algorithm != "STANDALONE"
+        steps, topk, tokens = (5, 4, 8) if llama_family else (3, 1, 4)
+        self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
+        logger.info("speculative tree: num_steps=%d eagle_topk=%d num_draft_tokens=%d", steps, topk, tokens)
+
+    def _validate_ngram(self) -> None:
+        for n in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+                  "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+                  "speculative_ngram_branch_length", "speculative_ngram_capacity"):
+            _positive(self, n)
+        self.speculative_ngram_match_type = self.speculative_ngram_match_type.upper()
+        _choice(self, "speculative_ngram_match_type", ("BFS", "PROB"))
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        branch = self.speculative_ngram_branch_length
+        if branch <= 1:
+            raise ConfigError(f"--speculative-ngram-branch-length must be > 1, got {branch}")
+        if not lo <= hi < branch:
+            raise ConfigError(
+                "--speculative-ngram-max-match-window-size: need 0 < min window <= max window < branch length; "
+                f"got min {lo}, max {hi}, branch length {branch}"
+            )
+        if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
+            raise ConfigError(
+                "--speculative-ngram-min-bfs-breadth must be <= --speculative-ngram-max-bfs-breadth, got "
+                f"{self.speculative_ngram_min_bfs_breadth} > {self.speculative_ngram_max_bfs_breadth}"
+            )
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = hi
+        elif self.speculative_num_draft_tokens < 2:
+            raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the root plus at least one draft)")
 
     # ------------------------------------------------------------------
     @property

@@ -290,7 +290,7 @@ def _async_deliver(loop: asyncio.AbstractEventLoop):
 
 
 def _server_info(s: Scheduler) -> dict:
-    return {
+    info = {
         "max_total_tokens": s.runner.max_total_tokens,
         "context_length": s.context_len,
         "max_running_requests": s.runner.max_running_requests,
@@ -302,3 +302,12 @@ def _server_info(s: Scheduler) -> dict:
         "num_retractions": s.stats.num_retractions,
         "generated_tokens": s.stats.generated_tokens,
     }
+    if s.spec is not None:
+        st = s.stats
+        info.update(
+            speculative_algorithm=s.args.speculative_algorithm,
+            avg_spec_accept_length=st.avg_spec_accept_length,
+            spec_verify_ct=st.spec_verify_ct,
+            spec_accept_rate=st.spec_accepted_drafts / st.spec_drafted if st.spec_drafted else 0.0,
+        )
+    return info

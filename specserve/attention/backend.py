@@ -69,7 +69,10 @@ def build_attn_metadata(
 
     kv_slots: [B, >=Kmax] slots of each request's keys (prefix then new tokens), e.g. rows of req_to_token.
     kv_lens[b]: keys of request b (prefix + new); q_lens[b]: its new tokens (the last q_lens[b] keys).
-    custom_masks[b]: optional [q_len, q_len] bool mask among request b's new tokens (default causal).
+    custom_masks[b]: optional [q_len, t] bool mask (t >= q_len) over request b's LAST t keys, which end with its
+    q_len new tokens: a verify tree uses t == q_len (its nodes among themselves); a draft tree step uses t > q_len
+    (the new branch tokens see their ancestors written by earlier draft steps). Keys before those t are the
+    visible prefix. Default: causal.
     """
     device = kv_slots.device
     bsz = len(q_lens)
@@ -89,8 +92,8 @@ def build_attn_metadata(
     if not no_custom:
         for b, custom in enumerate(custom_masks):
             if custom is not None:
-                prefix = kv_lens[b] - q_lens[b]
-                mask[b, : q_lens[b], prefix : kv_lens[b]] = custom.to(device)
+                tail = custom.shape[-1]
+                mask[b, : q_lens[b], kv_lens[b] - tail : kv_lens[b]] = custom.to(device)
     return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
 
 

@@ -7,15 +7,15 @@ Parameter names follow the HF checkpoints (``model.layers.{i}.self_attn...``) ex
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from specserve.attention import ForwardBatch
-from specserve.models.layers import FUSED_PIECES, DecoderLayer, RMSNorm, RotaryEmbedding, fused_shard_range
+from specserve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specserve.models.spec import ModelSpec
+from specserve.models.weights import CheckpointLoadable
 
 
 @dataclass
@@ -49,7 +49,7 @@ class DecoderModel(nn.Module):
         return self.norm(x), [captured[i] for i in fb.capture_layers]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointLoadable):
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config
     qk_norm: bool = False
 
@@ -81,53 +81,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---------------------------------------------------------------- weights
-    def expected_weights(self) -> set[tuple[str, int]]:
-        """(parameter name, shard) pairs a checkpoint must provide (shard -1 = whole tensor)."""
-        out = set()
-        for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                out.update((name, s) for s in range(3))
-            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
-                out.update((name, s) for s in range(2))
-            else:
-                out.add((name, -1))
-        return out
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        return super().skip_checkpoint_tensor(name) or (name == "lm_head.weight" and self.spec.tie_word_embeddings)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set, list[str]]:
-        """Copy checkpoint tensors in; returns (loaded (name, shard) pairs, unexpected names)."""
-        params = dict(self.named_parameters())
-        loaded: set[tuple[str, int]] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue
-            target = self._load_fused(params, name, tensor)
-            if target is None and name in params:
-                _copy(params[name], tensor, name)
-                target = (name, -1)
-            if target is None:
-                unexpected.append(name)
-            else:
-                loaded.add(target)
-        return loaded, unexpected
-
-    def _load_fused(self, params: dict, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
-        for piece, fused, shard in FUSED_PIECES:
-            if piece in name:
-                fused_name = name.replace(piece, fused)
-                if fused_name not in params:
-                    return None
-                owner = self.get_submodule(fused_name.rsplit(".", 2)[0])
-                lo, hi = fused_shard_range(owner, fused, shard)
-                _copy(params[fused_name].data[lo:hi], tensor, name)
-                return fused_name, shard
-        return None
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(src)
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

@@ -93,18 +93,22 @@ def iter_safetensors(files: list[str], desc: str = "Loading weights") -> Iterato
     bar.close()
 
 
-def load_model(model_path: str, dtype: str = "auto", device: str | torch.device = "cpu", revision=None):
-    """-> (model in eval mode on device, its ModelSpec, the resolved folder)."""
+def load_model(model_path: str, dtype: str = "auto", device: str | torch.device = "cpu", revision=None,
+               registry: dict | None = None):
+    """-> (model in eval mode on device, its ModelSpec, the resolved folder).
+
+    registry: architecture name -> class (default: the target-model registry; draft heads pass their own).
+    """
     model_dir = resolve_model_path(model_path, revision)
     cfg = read_config(model_dir)
-    cls = resolve_architecture(cfg)
+    cls = resolve_architecture(cfg, registry)
     spec = cls.spec_from_config(cfg)
     torch_dtype = resolve_dtype(dtype, spec)
     with torch.device("meta"):
         model = cls(spec)
     model = model.to_empty(device=device).to(torch_dtype)
-    if spec.tie_word_embeddings:  # to_empty breaks the tie; tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()  # to_empty breaks ties; tie again
+    model.init_optional_weights()
     loaded, unexpected = model.load_weights(iter_safetensors(safetensors_files(model_dir)))
     missing = sorted({name for name, _ in model.expected_weights() - loaded})
     if missing:

@@ -45,7 +45,10 @@ class ModelRunner:
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(self.model)
         self.context_len = self._context_len()
-        self.model.set_max_positions(self.context_len + 8)
+        args.resolve_speculative_defaults(self.spec.architecture)
+        # speculation writes a draft tree / verify nodes past a request's last position
+        self.lookahead = _spec_lookahead(args)
+        self.model.set_max_positions(self.context_len + self.lookahead + 8)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(
@@ -54,7 +57,8 @@ class ModelRunner:
         )
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
         # +1 row so a retracted-and-resumed request never waits for a row while others hold them all
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len + 8, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, self.context_len + self.lookahead + 8, self.device)
         self.eos_token_ids = self._eos_ids()
         if args.cuda_graph_max_bs is not None or args.disable_cuda_graph:
             logger.info("CUDA graphs are not implemented yet; --cuda-graph-max-bs / --disable-cuda-graph ignored")
@@ -112,3 +116,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
         return self.model(fb)
+
+
+def _spec_lookahead(args: ServerArgs) -> int:
+    """Columns past a request's root that one speculative step may write (draft scratch, then verify nodes)."""
+    if not args.speculative_algorithm:
+        return 0
+    steps, topk = args.speculative_num_steps or 1, args.speculative_eagle_topk or 1
+    return max(args.speculative_num_draft_tokens or 1, steps * topk) + 1

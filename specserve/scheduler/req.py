@@ -57,6 +57,12 @@ class Req:
         self.created = time.monotonic()
         self.admitted_once = False
         self.pending_text = ""  # stop-string requests: text produced since the last output
+        # speculative decoding: the proposer's per-request state and the request's counters
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0  # verify forwards this request took part in
+        self.spec_accepted_drafts = 0  # drafted tokens the target accepted
+        self.spec_drafted = 0  # drafted tokens offered for verification
+        self.spec_accept_histogram: list[int] = []  # [k] = verify steps that accepted k drafted tokens
 
     @property
     def fill_ids(self) -> list[int]:
@@ -80,3 +86,13 @@ class Req:
 
     def wants_logprobs(self) -> bool:
         return bool(self.params.return_logprob)
+
+    def spec_meta(self) -> dict[str, Any]:
+        """Speculative metrics reported in meta_info (SGLang's names)."""
+        ct = self.spec_verify_ct
+        return {
+            "spec_verify_ct": ct,
+            "spec_accept_length": len(self.output_ids) / ct if ct else 0.0,
+            "spec_accept_rate": self.spec_accepted_drafts / self.spec_drafted if self.spec_drafted else 0.0,
+            "spec_accept_histogram": list(self.spec_accept_histogram),
+        }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from specserve.config import ServerArgs
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
+from specserve.scheduler.spec_decode import SpecDecoder
+from specserve.spec.base import PrefillChunk, create_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ INIT_NEW_TOKEN_RATIO = 0.5
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 RETRACT_RATIO_BUMP = 0.3
+DECODE_LOG_INTERVAL = 40  # decode steps between two progress log lines (SGLang's default)
 
 
 @dataclass
@@ -44,6 +48,15 @@ class SchedulerStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     generated_tokens: int = 0
+    spec_verify_ct: int = 0  # per request per verify step
+    spec_accepted_drafts: int = 0
+    spec_drafted: int = 0
+    spec_tokens: int = 0  # tokens produced by verify steps (accepted drafts + bonus, after finish trimming)
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        """Tokens per request per verify step since start (1.0 = no gain)."""
+        return self.spec_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
 
 
 class Scheduler:
@@ -62,6 +75,12 @@ class Scheduler:
         self._retract_outputs: list[ReqOutput] = []
         self.vocab_size = self.runner.spec.vocab_size
         self.context_len = self.runner.context_len
+        self.spec: SpecDecoder | None = None
+        if args.speculative_algorithm:
+            self.spec = SpecDecoder(self, create_proposer(args, self.runner, self._alloc))
+        self.capture_layers = self.spec.proposer.capture_layers if self.spec else ()
+        self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, spec tokens, verify count)
+        self._slots_per_decode = self.spec.slots_per_request() if self.spec else 1
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: Req) -> None:
@@ -131,7 +150,8 @@ class Scheduler:
         return self.allocator.alloc(n)
 
     def _decode_reserve(self, reqs: list[Req]) -> int:
-        return sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) for r in reqs)
+        reserve = sum(math.ceil(r.remaining_new_tokens() * self.new_token_ratio) for r in reqs)
+        return reserve + (len(reqs) * self._slots_per_decode if self.spec else 0)
 
     def _release(self, req: Req) -> None:
         """Give back req's KV: into the radix cache (freeing duplicates) or straight to the free list."""
@@ -146,6 +166,8 @@ class Scheduler:
             self.tree.dec_lock_ref(req.last_node)
         self.req_pool.free(row)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+        if self.spec:  # drafting state is rebuilt by the prefill that resumes a retracted request
+            self.spec.proposer.release(req)
 
     # ------------------------------------------------------------------ prefill
     def _select_prefill(self) -> list[tuple[Req, int]]:
@@ -247,9 +269,13 @@ class Scheduler:
         fb = ForwardBatch(
             ForwardMode.EXTEND, ids, positions, out_loc,
             build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, q_lens), self.runner.kv_pool,
-            logits_indices=last,
+            logits_indices=last, capture_layers=self.capture_layers,
         )
-        logits = self.runner.forward(fb).logits  # [B, V]
+        out = self.runner.forward(fb)
+        logits = out.logits  # [B, V]
+        row_starts = (last + 1 - torch.tensor(q_lens, device=self.device)).tolist()
+        chunks = [PrefillChunk(r, r.kv_len, t, row, r is not self.chunked)
+                  for (r, t), row in zip(batch, row_starts, strict=True)]
         done_rows, done_reqs = [], []
         for i, (req, take) in enumerate(batch):
             req.kv_len += take
@@ -260,6 +286,8 @@ class Scheduler:
         if done_reqs:
             outputs = self._sample_and_append(done_reqs, logits[done_rows])
             self.running.extend(r for r in done_reqs if not r.finished)
+        if self.spec:
+            self.spec.proposer.after_prefill(chunks, out)
         return outputs
 
     # ------------------------------------------------------------------ decode
@@ -268,7 +296,13 @@ class Scheduler:
         if not self.running:
             return self._drain_retract_outputs()
         self.stats.num_decode_steps += 1
+        if self.stats.num_decode_steps % DECODE_LOG_INTERVAL == 0:
+            self._log_progress()
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if self.spec:
+            outputs = self.spec.run(self.running)
+            self.running = [r for r in self.running if not r.finished]
+            return outputs + self._drain_retract_outputs()
         reqs = self.running
         slots = self._alloc(len(reqs))
         positions = [r.seq_len - 1 for r in reqs]
@@ -291,10 +325,22 @@ class Scheduler:
         self.running = [r for r in reqs if not r.finished]
         return outputs + self._drain_retract_outputs()
 
+    def _log_progress(self) -> None:
+        """One line per DECODE_LOG_INTERVAL decode steps: batch, queue, KV use, throughput (and accept length)."""
+        st, now = self.stats, time.monotonic()
+        t0, gen0, spec0, ver0 = self._log_mark
+        self._log_mark = (now, st.generated_tokens, st.spec_tokens, st.spec_verify_ct)
+        line = (f"decode: #running-req {len(self.running)}, #queue-req {len(self.waiting)}, "
+                f"KV usage {self.kv_usage():.1%}, gen throughput {(st.generated_tokens - gen0) / (now - t0):.1f} tok/s")
+        if self.spec and st.spec_verify_ct > ver0:
+            line += f", accept len {(st.spec_tokens - spec0) / (st.spec_verify_ct - ver0):.2f}"
+        logger.info(line)
+
     def _ensure_decode_room(self) -> None:
-        """Retract until one new slot per running request fits: a part-prefilled request first, then
-        running requests, latest admitted first. A lone request that still does not fit is failed."""
-        while self.running and self._available() < len(self.running):
+        """Retract until the step's slots fit (one per running request; with speculation, its drafting and
+        verify slots): a part-prefilled request first, then running requests, latest admitted first. A lone
+        request that still does not fit is failed."""
+        while self.running and self._available() < len(self.running) * self._slots_per_decode:
             if self.chunked is not None:
                 req, self.chunked = self.chunked, None
             elif len(self.running) > 1:
@@ -378,6 +424,7 @@ class Scheduler:
             new_logprobs=req.logprobs[logprob_start:] if req.wants_logprobs() else [],
             new_top_logprobs=req.top_logprobs[logprob_start:] if req.wants_logprobs() else [],
             new_text=self._take_text(req),
+            spec=req.spec_meta() if self.spec else {},
         )
 
     @staticmethod

@@ -167,13 +167,17 @@ def test_abort_running_and_waiting_requests_free_everything(model_factory):
         def run(rid):
             results[rid] = e.generate(PROMPTS[0], greedy(400), rid=rid)
 
+        def wait_for(key: str) -> None:
+            deadline = time.time() + 30
+            while e.get_server_info()[key] == 0 and time.time() < deadline:
+                time.sleep(0.01)
+
         threads = [threading.Thread(target=run, args=(r,)) for r in ("a", "b")]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 30
-        while e.get_server_info()["num_running_reqs"] == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        e.abort_request("b")  # waiting (only one may run)
+        threads[0].start()
+        wait_for("num_running_reqs")  # "a" runs first ...
+        threads[1].start()
+        wait_for("num_waiting_reqs")  # ... and "b" waits behind it (only one may run)
+        e.abort_request("b")  # waiting
         e.abort_request("a")  # running
         for t in threads:
             t.join(timeout=60)

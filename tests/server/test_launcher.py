@@ -41,7 +41,9 @@ def test_help_lists_the_sglang_flags(capsys, argv):
     (["--dtype", "int4"], "--dtype"),
     (["--max-queued-requests", "0"], "--max-queued-requests"),
     (["--log-level", "chatty"], "--log-level"),
-    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"], "--speculative-eagle-topk"),
     ([], "--model-path"),
 ])
 def test_bad_flag_fails_at_start_naming_it(capsys, argv, flag, llama_dir):

@@ -70,6 +70,29 @@ def test_custom_tree_mask_equals_per_query_attention():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_draft_step_mask_over_earlier_scratch_keys():
+    """A draft-tree step: 2 new branch tokens see the prefix, the 4 scratch keys written by the previous level
+    only along their own path ([q, t] mask with t = 6 > q = 2), and themselves."""
+    torch.manual_seed(1)
+    H, Hkv, D, prefix = 4, 2, 8, 3
+    pool = KVPool(1, 32, Hkv, D, torch.float32, "cpu")
+    slots = SlotAllocator(32, "cpu").alloc(prefix + 6)
+    table = ReqToTokenPool(1, 32, "cpu")
+    table.write(0, 0, slots)
+    k_old, v_old = torch.randn(prefix + 4, Hkv, D), torch.randn(prefix + 4, Hkv, D)  # prefix + previous level
+    pool.k[0][slots[: prefix + 4]], pool.v[0][slots[: prefix + 4]] = k_old, v_old
+    # previous-level keys 0..3 (two levels of K=2); new branch 0 descends from old keys 1 and 2, branch 1 from 0, 3
+    tail = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 0, 0, 1, 0, 1]], dtype=torch.bool)  # [q=2, t=6]
+    q, k, v = torch.randn(2, H, D), torch.randn(2, Hkv, D), torch.randn(2, Hkv, D)
+    md = build_attn_metadata(table.req_to_token[[0]], [prefix + 6], [2], custom_masks=[tail])
+    fb = ForwardBatch(ForwardMode.DRAFT_DECODE, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                      slots[prefix + 4 :], md, pool)
+    got = attention(q, k, v, 0, fb, scale=D**-0.5)
+    visible = torch.cat([torch.ones(2, prefix, dtype=torch.bool), tail], dim=1)
+    want = _reference(q, torch.cat([k_old, k]), torch.cat([v_old, v]), visible, D**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_slot_allocator_and_table():
     alloc = SlotAllocator(4, "cpu")
     a = alloc.alloc(3)

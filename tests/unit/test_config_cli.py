@@ -51,6 +51,48 @@ def test_bad_values_name_the_flag(argv, flag):
         parse(argv)
 
 
+SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (SPEC + ["--speculative-num-steps", "3"], "--speculative-eagle-topk"),
+    (SPEC + ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
+     "--speculative-num-draft-tokens"),
+    (SPEC + ["--speculative-num-steps", "0", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "2"],
+     "--speculative-num-steps"),
+    (SPEC + ["--speculative-accept-threshold-single", "1.5"], "--speculative-accept-threshold-single"),
+    (["--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
+    (["--speculative-algorithm", "STANDALONE"], "--speculative-draft-model-path"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-branch-length", "1"],
+     "--speculative-ngram-branch-length"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "5",
+      "--speculative-ngram-max-match-window-size", "4"], "--speculative-ngram-max-match-window-size"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-match-window-size", "18"],
+     "--speculative-ngram-max-match-window-size"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "4",
+      "--speculative-ngram-max-bfs-breadth", "3"], "--speculative-ngram-min-bfs-breadth"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-match-type", "DFS"], "--speculative-ngram-match-type"),
+])
+def test_bad_speculative_values_name_the_flag(argv, flag):
+    with pytest.raises(ConfigError, match=f"^{flag}"):
+        parse(argv)
+
+
+def test_speculative_tree_shape_rules():
+    # NEXTN is EAGLE; topk 1 forces N = S + 1
+    args = parse(SPEC[:1] + ["NEXTN"] + SPEC[2:] + ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                                   "--speculative-num-draft-tokens", "8"])
+    assert args.speculative_algorithm == "EAGLE" and args.speculative_num_draft_tokens == 4
+    # none given: chosen from the target's architecture
+    llama, other = parse(SPEC), parse(SPEC)
+    llama.resolve_speculative_defaults("LlamaForCausalLM")
+    other.resolve_speculative_defaults("Qwen2ForCausalLM")
+    assert (llama.speculative_num_steps, llama.speculative_eagle_topk, llama.speculative_num_draft_tokens) == (5, 4, 8)
+    assert (other.speculative_num_steps, other.speculative_eagle_topk, other.speculative_num_draft_tokens) == (3, 1, 4)
+    # NGRAM: N defaults to the max match window
+    assert parse(["--speculative-algorithm", "NGRAM"]).speculative_num_draft_tokens == 12
+
+
 def test_speculative_defaults_max_running_requests():
     assert ServerArgs().effective_max_running_requests == 256
     assert dataclasses.replace(ServerArgs(), speculative_algorithm="EAGLE").effective_max_running_requests == 48

@@ -1,0 +1,230 @@
+"""SpecDecoder: the speculative decode step (draft -> one target verify forward -> accept -> commit -> catch up).
+
+For B running requests with roots at positions P_b (= seq_len - 1, the root's KV not yet computed):
+  1. ``proposer.propose(reqs)`` -> DraftTree, n_b real nodes per request (node 0 = the root);
+  2. every real node gets a fresh KV slot, written into req_to_token at columns P_b .. P_b + n_b - 1 (scratch
+     columns: they are rewritten at commit); one TARGET_VERIFY forward at positions P_b + depth with the tree
+     mask gives logits at every node;
+  3. verification: greedy walk (argmax of the processed logits) for greedy rows, lossless tree sampling for the
+     others (``specserve.spec.verify``); the target distributions at each node are processed exactly as plain
+     decoding would at that point (penalties and min_new_tokens see the drafted path as already generated);
+  4. the new tokens (accepted drafts, then the bonus token) are appended one by one through the scheduler's own
+     finish checks, so EOS / stop ids / stop strings / max_new_tokens / context length end the request exactly
+     where plain decoding would; tokens past a finish are never emitted or counted;
+  5. commit: the accepted nodes' slots become positions P_b .. P_b + keep - 1 of the request; all other slots
+     are freed (target and draft KV share slot indices, so this is one operation for both);
+  6. ``proposer.after_verify`` lets the drafter catch up on the accepted tokens of the requests still running.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.sampling.sampler import (
+    SamplingBatchInfo,
+    apply_penalties_and_bias,
+    compute_logprobs,
+    is_plain_greedy,
+    probs_from_logits,
+)
+from specserve.scheduler.req import Req, ReqOutput
+from specserve.spec.base import Proposer, VerifiedStep
+from specserve.spec.tree import DraftTree
+from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling
+
+if TYPE_CHECKING:
+    from specserve.scheduler.scheduler import Scheduler
+
+
+class SpecDecoder:
+    def __init__(self, sched: Scheduler, proposer: Proposer) -> None:
+        self.sched, self.proposer = sched, proposer
+        self.runner = sched.runner
+        self.device = sched.device
+        args = sched.args
+        self.threshold_single = args.speculative_accept_threshold_single
+        self.threshold_acc = args.speculative_accept_threshold_acc
+
+    def slots_per_request(self) -> int:
+        """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
+        return self.proposer.num_draft_tokens + self.proposer.draft_slots_per_request()
+
+    # ------------------------------------------------------------------ the step
+    def run(self, reqs: list[Req]) -> list[ReqOutput]:
+        tree = self.proposer.propose(reqs)
+        n_nodes = tree.num_nodes.tolist()
+        root_pos = [r.seq_len - 1 for r in reqs]
+        slots = self._verify_slots(reqs, root_pos, n_nodes)  # list of [n_b]
+        out = self._verify_forward(reqs, tree, root_pos, n_nodes, slots)
+        logits = self._padded(out.logits, tree)  # [B, N, V]
+        result = self._verify(reqs, tree, logits)
+        return self._commit(reqs, tree, result, logits, root_pos, n_nodes, slots, out)
+
+    def _verify_slots(self, reqs: list[Req], root_pos: list[int], n_nodes: list[int]) -> list[torch.Tensor]:
+        flat = self.sched._alloc(sum(n_nodes))
+        if flat is None:
+            raise RuntimeError("no KV slots for verification (the scheduler should have reserved them)")
+        table = self.sched.req_pool.req_to_token
+        per_req = list(flat.split(n_nodes))
+        for req, pos, s in zip(reqs, root_pos, per_req, strict=True):
+            table[req.req_pool_idx, pos : pos + len(s)] = s
+        return per_req
+
+    def _verify_forward(self, reqs, tree: DraftTree, root_pos, n_nodes, slots):
+        dev = self.device
+        valid = tree.valid  # [B, N]
+        ids = tree.tokens[valid]  # [T] row-major = request by request, node order
+        positions = tree.positions(torch.tensor(root_pos, device=dev))[valid]  # [T]
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
+        kv_lens = [p + n for p, n in zip(root_pos, n_nodes, strict=True)]
+        masks = [tree.mask[b, :n, :n] for b, n in enumerate(n_nodes)]
+        fb = ForwardBatch(
+            ForwardMode.TARGET_VERIFY, ids, positions, torch.cat(slots),
+            build_attn_metadata(self.sched.req_pool.req_to_token[rows], kv_lens, n_nodes, custom_masks=masks),
+            self.runner.kv_pool, capture_layers=self.proposer.capture_layers,
+        )
+        return self.runner.forward(fb)  # logits [T, V]
+
+    @staticmethod
+    def _padded(flat: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """[T, V] rows of the real nodes -> [B, N, V] (padding nodes get zero rows)."""
+        B, N = tree.tokens.shape
+        if flat.shape[0] == B * N:
+            return flat.view(B, N, -1)
+        out = flat.new_zeros(B, N, flat.shape[-1])
+        out[tree.valid] = flat
+        return out
+
+    # ------------------------------------------------------------------ verification
+    def _verify(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        """logits [B, N, V] raw -> VerifyResult, every row judged against its own processed distribution."""
+        plain = [is_plain_greedy(r.params, len(r.output_ids)) for r in reqs]
+        if all(plain):
+            return verify_greedy(tree, logits.argmax(dim=-1))
+        info, processed = self._processed(reqs, tree, logits)  # processed [B, N, V]
+        greedy = [r.params.is_greedy or self.proposer.force_greedy_verify for r in reqs]
+        if all(greedy):
+            return verify_greedy(tree, processed.argmax(dim=-1))
+        B, N, V = processed.shape
+        probs = probs_from_logits(processed.view(B * N, V), info).view(B, N, V)
+        sampled = verify_sampling(tree, probs, [r.generator for r in reqs],
+                                  self.threshold_single, self.threshold_acc)
+        if not any(greedy):
+            return sampled
+        # greedy rows: their probs are one-hot at the processed argmax, but they must not draw coins from a
+        # generator, so they take the greedy walk; results are merged row by row
+        by_argmax = verify_greedy(tree, processed.argmax(dim=-1))
+        pick = torch.tensor(greedy, device=self.device)
+        return _merge_results(pick, by_argmax, sampled)
+
+    def _processed(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor):
+        """Penalties, bias and min-token bans per node: node i of request b is judged as plain decoding would
+        after generating b's output so far plus the drafted tokens on the path root -> i."""
+        B, N, V = logits.shape
+        paths = _node_paths(tree)  # [B][N] token lists (root excluded)
+        params, gens, prompts, outputs, stops = [], [], [], [], []
+        for b, r in enumerate(reqs):
+            for i in range(N):
+                params.append(r.params)
+                gens.append(r.generator)
+                prompts.append(r.origin_input_ids)
+                outputs.append(r.output_ids + paths[b][i])
+                stops.append(r.stop_ids)
+        info = SamplingBatchInfo.from_params(params, gens, prompts, outputs, stops, self.sched.vocab_size, self.device)
+        processed = apply_penalties_and_bias(logits.view(B * N, V), info)
+        return info, processed.view(B, N, V)
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, reqs, tree, result: VerifyResult, logits, root_pos, n_nodes, slots, out) -> list[ReqOutput]:
+        sched = self.sched
+        token_lists = result.token_lists()
+        paths = result.accepted_nodes.tolist()
+        lp = self._logprobs(reqs, logits, paths, token_lists)
+        outputs, steps = [], []
+        row_offset = 0
+        for b, req in enumerate(reqs):
+            accepted = paths[b][: len(token_lists[b])]  # root first, one node per new token
+            n_before = len(req.logprobs)
+            appended = []
+            for k, tok in enumerate(token_lists[b]):
+                if lp is not None and req.wants_logprobs():
+                    req.logprobs.append(lp[b][0][k])
+                    req.top_logprobs.append(lp[b][1][k])
+                sched._append_token(req, tok)
+                appended.append(tok)
+                if req.finished:
+                    break
+            keep = min(len(accepted), len(appended) + 1)  # nodes whose KV stays: root + accepted drafts in output
+            self._keep_slots(req, root_pos[b], slots[b], accepted[:keep])
+            self._count(req, len(token_lists[b]) - 1, len(appended), n_nodes[b] - 1)
+            if req.finished:
+                sched._release(req)
+            else:
+                steps.append(VerifiedStep(req, root_pos[b], accepted, appended, row_offset))
+            outputs.append(sched._step_output(req, appended, n_before))
+            row_offset += n_nodes[b]
+        self.proposer.after_verify(steps, out)
+        return outputs
+
+    def _keep_slots(self, req: Req, root_pos: int, node_slots: torch.Tensor, keep_nodes: list[int]) -> None:
+        keep_idx = torch.tensor(keep_nodes, dtype=torch.int64, device=node_slots.device)
+        table = self.sched.req_pool.req_to_token
+        table[req.req_pool_idx, root_pos : root_pos + len(keep_nodes)] = node_slots[keep_idx]
+        dropped = torch.ones(len(node_slots), dtype=torch.bool, device=node_slots.device)
+        dropped[keep_idx] = False
+        self.sched.allocator.free(node_slots[dropped])
+        req.kv_len = root_pos + len(keep_nodes)
+
+    def _count(self, req: Req, accepted_drafts: int, appended: int, drafted: int) -> None:
+        stats = self.sched.stats
+        stats.spec_verify_ct += 1
+        stats.spec_accepted_drafts += accepted_drafts
+        stats.spec_drafted += drafted
+        stats.generated_tokens += appended
+        stats.spec_tokens += appended
+        req.spec_verify_ct += 1
+        req.spec_accepted_drafts += accepted_drafts
+        req.spec_drafted += drafted
+        hist = req.spec_accept_histogram
+        hist.extend([0] * (accepted_drafts + 1 - len(hist)))
+        hist[accepted_drafts] += 1
+
+    def _logprobs(self, reqs, logits, paths, token_lists):
+        """Per request: (logprobs of the new tokens, their top-n lists), from the raw verify logits at the node
+        each token was produced at (as plain decoding computes them); None when nobody asked."""
+        want = [b for b, r in enumerate(reqs) if r.wants_logprobs()]
+        if not want:
+            return None
+        out: list = [None] * len(reqs)
+        for b in want:
+            nodes = paths[b][: len(token_lists[b])]
+            rows = logits[b, torch.tensor(nodes, device=self.device)]  # [k, V]
+            ids = torch.tensor(token_lists[b], device=self.device)
+            chosen, tops = compute_logprobs(rows, ids, [reqs[b].params.top_logprobs_num] * len(nodes))
+            out[b] = ([(float(c), t) for c, t in zip(chosen.tolist(), token_lists[b], strict=True)], tops)
+        return out
+
+
+def _node_paths(tree: DraftTree) -> list[list[list[int]]]:
+    """Tokens on the path root -> node (root excluded, node included) for every node: [B][N] lists."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for toks, pars in zip(tokens, parents, strict=True):
+        paths: list[list[int]] = []
+        for i, p in enumerate(pars):
+            paths.append([] if p < 0 else paths[p] + [toks[i]])
+        out.append(paths)
+    return out
+
+
+def _merge_results(pick_first: torch.Tensor, first: VerifyResult, second: VerifyResult) -> VerifyResult:
+    """Row b from `first` where pick_first[b], else from `second` (both computed on the same tree)."""
+    def sel(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shape = (-1,) + (1,) * (a.dim() - 1)
+        return torch.where(pick_first.view(shape), a, c)
+
+    return VerifyResult(*(sel(getattr(first, f), getattr(second, f)) for f in
+                          ("accept_len", "accepted_nodes", "bonus_tokens", "last_nodes", "new_tokens")))

@@ -1,0 +1,26 @@
+"""Speculative decoding: draft trees (tree.py) and their verification (verify.py), as pure tensor functions."""
+
+from specserve.spec.tree import (
+    DraftTree,
+    EagleCandidates,
+    LevelExpansion,
+    build_chain,
+    build_tree,
+    expand_level,
+    select_eagle_tree,
+)
+from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling, verify_sampling_with_coins
+
+__all__ = [
+    "DraftTree",
+    "EagleCandidates",
+    "LevelExpansion",
+    "VerifyResult",
+    "build_chain",
+    "build_tree",
+    "expand_level",
+    "select_eagle_tree",
+    "verify_greedy",
+    "verify_sampling",
+    "verify_sampling_with_coins",
+]

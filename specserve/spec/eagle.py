@@ -1,0 +1,234 @@
+"""EAGLE-2 proposer: a draft head fed the target's hidden states drafts a dynamic tree (``--speculative-algorithm
+EAGLE``, alias NEXTN).
+
+Draft KV layout (the EAGLE shift): the draft's KV at position i is computed from the target's hidden state at i
+and the token at i + 1. So after the target has produced its hidden states for positions [a, b) and the token at
+b is known, one draft *extend* over [a, b) brings the draft up to date; its output at the last position gives the
+draft distribution for the token after the root, i.e. the first level of the next tree (kept per request in a
+``DraftState``).
+
+Drafting one tree (``propose``), with S = num_steps, K = topk, N = num_draft_tokens:
+  level 0: the stored top-K tokens (children of the root) with their probabilities;
+  level j = 1 .. S-1: one draft forward over the K live branches of every request (tree attention over scratch
+  KV slots: a branch sees the prefix and its own ancestors), top-K children each, the best K of the K*K by
+  cumulative probability stay live (``EagleCandidates``);
+  then the best N-1 candidates + the root form the verify tree (``select_eagle_tree``).
+After verification, ``after_verify`` runs the draft extend over the accepted tokens with the target's hidden
+states at the accepted nodes (the draft-tree KV written while drafting is scratch and is dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.cache.kv_pool import KVPool
+from specserve.config import ConfigError
+from specserve.models.cpu_packing import pack_linears_for_cpu
+from specserve.models.loader import load_model
+from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.spec.heads.eagle import EAGLE_HEADS
+from specserve.spec.token_map import HotVocabHead
+from specserve.spec.tree import DraftTree, EagleCandidates
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftState:
+    """Per-request drafting state between steps (the draft's view just after the root token)."""
+
+    topk_p: torch.Tensor  # [K] float32 draft probabilities of the root's best children
+    topk_ids: torch.Tensor  # [K] int64 their target token ids
+    hidden: torch.Tensor  # [h] draft hidden to feed with those children at the next draft level
+    root_slot: torch.Tensor | None = None  # [1] a drafter's own KV slot for the root (STANDALONE), else None
+
+
+@register_proposer("EAGLE")
+class EagleProposer(Proposer):
+    head_registry = EAGLE_HEADS
+    #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
+    #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
+    root_offset = 0
+
+    def __init__(self, args, runner, alloc) -> None:
+        self.args, self.runner, self.alloc = args, runner, alloc
+        self.target = runner.model
+        self.device = runner.device
+        self.steps = args.speculative_num_steps
+        self.topk = args.speculative_eagle_topk
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.head, self.head_spec = self._load_head(args)
+        # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
+        self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
+        self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
+        self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
+            self._num_kv_layers(), runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim,
+            runner.dtype, self.device,
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def _load_head(self, args):
+        if not args.speculative_draft_model_path:
+            raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
+        head, spec, self.head_dir = load_model(
+            args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
+            args.speculative_draft_model_revision, registry=self.head_registry,
+        )
+        self.head = head
+        self._check_head(spec)
+        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
+            pack_linears_for_cpu(head)
+        return head, spec
+
+    def _make_hot_head(self, path: str) -> HotVocabHead:
+        """FR-Spec: the LM head the drafts are scored with, restricted to the hot ids (EAGLE: the target's)."""
+        return HotVocabHead.for_target(path, self.runner, self.topk)
+
+    def _num_kv_layers(self) -> int:
+        return 1  # EAGLE heads have one attention layer
+
+    def _check_head(self, spec) -> None:
+        if spec.hidden_size != self.runner.spec.hidden_size:
+            raise ConfigError(
+                f"--speculative-draft-model-path: the draft head's hidden_size {spec.hidden_size} does not fit the "
+                f"target's hidden_size {self.runner.spec.hidden_size}"
+            )
+
+    def draft_slots_per_request(self) -> int:
+        return self.topk * (self.steps - 1)
+
+    def max_positions_ahead(self) -> int:
+        return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset
+
+    # ------------------------------------------------------------------ the draft network
+    def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h]."""
+        return self.head(fb, self.target.embed(fb.input_ids), hidden)
+
+    def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
+        draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
+        if self.hot_head is not None:
+            return self.hot_head(draft_hidden)
+        return self.target.compute_logits(draft_hidden), None
+
+    def _topk(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft hidden [R, h] -> top-K (probabilities [R, K] float32, TARGET token ids [R, K] int64)."""
+        logits, to_target = self._draft_logits(draft_hidden)
+        p, ids = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        return p, (ids if to_target is None else to_target[ids])
+
+    def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:
+        """The target hidden states the head consumes, at flattened forward rows [R] -> [R, h]."""
+        return out.hidden.index_select(0, rows)
+
+    # ------------------------------------------------------------------ extend (catch up)
+    def _extend(self, reqs, starts: list[int], tokens: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
+        """Draft extend: request b's positions [starts[b], starts[b] + len(tokens[b])) with those input tokens
+        and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
+        -> draft hidden at each request's last position [B, h]."""
+        dev = self.device
+        q_lens = [len(t) for t in tokens]
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
+        table = self.runner.req_to_token_pool.req_to_token
+        out_loc = torch.cat([table[r.req_pool_idx, s : s + n] for r, s, n in zip(reqs, starts, q_lens, strict=True)])
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens, strict=True)]).to(dev)
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=dev)
+        kv_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+        fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, ids, positions, out_loc,
+                          build_attn_metadata(table[rows], kv_lens, q_lens), self.kv_pool)
+        with torch.inference_mode():
+            h = self._forward(fb, hidden)  # [T, h]
+        last = torch.tensor(q_lens, device=dev).cumsum(0) - 1
+        return h.index_select(0, last)
+
+    def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
+        with torch.inference_mode():
+            p, ids = self._topk(last_hidden)  # [B, K] each
+        for i, req in enumerate(reqs):
+            req.spec_state = DraftState(p[i], ids[i], last_hidden[i])
+
+    def after_prefill(self, chunks: list[PrefillChunk], out) -> None:
+        chunks = [c for c in chunks if not c.req.finished]
+        if not chunks:
+            return
+        reqs = [c.req for c in chunks]
+        tokens = [c.req.fill_ids[c.start + 1 : c.start + c.length + 1] for c in chunks]
+        rows = torch.cat([torch.arange(c.row_offset, c.row_offset + c.length) for c in chunks]).to(self.device)
+        last = self._extend(reqs, [c.start for c in chunks], tokens, self._target_hidden(out, rows))
+        done = [i for i, c in enumerate(chunks) if c.completed]
+        if done:
+            self._store_states([reqs[i] for i in done], last[done])
+
+    def after_verify(self, steps: list[VerifiedStep], out) -> None:
+        if not steps:
+            return
+        rows = torch.cat([
+            torch.tensor(s.accepted_nodes[: len(s.new_tokens)]) + s.row_offset for s in steps
+        ]).to(self.device)
+        reqs = [s.req for s in steps]
+        last = self._extend(reqs, [s.root_pos for s in steps], [s.new_tokens for s in steps],
+                            self._target_hidden(out, rows))
+        self._store_states(reqs, last)
+
+    def release(self, req) -> None:
+        req.spec_state = None
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, reqs) -> DraftTree:
+        dev, K, B = self.device, self.topk, len(reqs)
+        states = [r.spec_state for r in reqs]
+        roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
+        cands = EagleCandidates(torch.stack([s.topk_p for s in states]), torch.stack([s.topk_ids for s in states]))
+        if self.steps > 1:
+            hidden = torch.stack([s.hidden for s in states])  # [B, h]
+            live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
+            live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
+            with torch.inference_mode():
+                self._draft_levels(reqs, cands, live_tokens, live_hidden)
+        return cands.select(roots, self.num_draft_tokens)
+
+    def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden) -> None:
+        """Levels 1 .. S-1: one draft forward each over the K live branches of every request."""
+        dev, K, B, S = self.device, self.topk, len(reqs), self.steps
+        h_dim = live_hidden.shape[-1]
+        table = self.runner.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)  # [B]
+        base = torch.tensor([r.seq_len - 1 + self.root_offset for r in reqs], device=dev)  # [B] level-1 position
+        scratch = self.alloc(B * K * (S - 1))
+        if scratch is None:
+            raise RuntimeError("no KV slots for drafting (the scheduler should have reserved them)")
+        scratch = scratch.view(B, S - 1, K)
+        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
+        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        try:
+            for j in range(1, S):
+                slots = scratch[:, j - 1]  # [B, K]
+                # scratch columns of req_to_token from `base` on hold the draft-tree slots of levels 1..j
+                cols = base.view(B, 1) + (j - 1) * K + torch.arange(K, device=dev).view(1, K)  # [B, K]
+                table[rows.view(B, 1), cols] = slots
+                mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K]
+                kv_lens = (base + j * K).tolist()
+                attn = build_attn_metadata(table[rows], kv_lens, [K] * B, custom_masks=list(mask.unbind(0)))
+                positions = (base + j - 1).repeat_interleave(K)  # [B*K] draft position of level j
+                fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions, slots.reshape(-1),
+                                  attn, self.kv_pool)
+                out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
+                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim))  # [B*K, K] each
+                best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
+                if j == S - 1:
+                    break
+                branch = best // K  # [B, K] live branch each new live candidate extends
+                live_tokens = child_ids.view(B, K * K).gather(1, best)
+                live_hidden = out_hidden.gather(1, branch.unsqueeze(-1).expand(B, K, h_dim))
+                ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
+        finally:
+            self.runner.allocator.free(scratch.reshape(-1))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

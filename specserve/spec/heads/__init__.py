@@ -1,0 +1,1 @@
+"""Draft networks (nn.Modules) shared by serving and training."""

@@ -1,0 +1,343 @@
+"""Draft trees for speculative decoding: building, duplicate merging and the EAGLE-2 rerank. Pure tensor code.
+
+A draft tree holds, per request, N nodes in topological order (a parent always has a smaller index than its
+children). Node 0 is the ROOT: the last token already chosen (the bonus token of the previous step), whose KV the
+target has not computed yet. The target's verify forward takes all N nodes, root first, with the tree mask
+(node i attends to the whole prefix plus its ancestors and itself) at positions `prefix_len + depth`.
+
+Padding convention (requests with fewer real nodes than N, e.g. n-gram drafts): node i is real iff
+i < num_nodes[b]. A padding node has token 0, parent -1, depth 0, no children and no siblings, and its mask row
+holds only itself. No real node has it as a parent, so verification (which only walks parent -> child links,
+and checks `valid` besides) can never accept it; the verify forward may still compute it (its output is ignored).
+
+Duplicate siblings (same parent, same token) are MERGED: the later node is dropped and its children are
+re-parented to the first one (recursively, so their own duplicates merge too). Lossless tree sampling needs the
+children of a node to carry distinct tokens, and merging keeps every drafted continuation available.
+
+All functions are batched over B requests and keep the device of their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, N nodes per request (node 0 = root). All tensors on one device."""
+
+    tokens: Tensor  # [B, N] int64: node tokens; tokens[:, 0] = root token; padding nodes hold 0
+    parents: Tensor  # [B, N] int64: parent node index, -1 for the root and for padding; parents[b, i] < i
+    depth: Tensor  # [B, N] int64: root 0 (padding 0); verify positions = prefix_len + depth
+    mask: Tensor  # [B, N, N] bool: mask[b, i, j] = node j is node i or an ancestor of node i
+    first_child: Tensor  # [B, N] int64: smallest-index child, -1 = leaf
+    next_sibling: Tensor  # [B, N] int64: next child of the same parent (index order), -1 = none
+    num_nodes: Tensor  # [B] int64: real nodes per request, root included (1..N); the rest is padding
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        """N: nodes per request, padding included."""
+        return self.tokens.shape[1]
+
+    @property
+    def valid(self) -> Tensor:
+        """[B, N] bool: real (non-padding) nodes."""
+        return _valid_mask(self.num_nodes, self.width)
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest node over the batch (a device sync)."""
+        return int(self.depth.max().item())
+
+    def positions(self, prefix_lens: Tensor) -> Tensor:
+        """prefix_lens [B] = tokens whose KV is cached before the root -> verify positions [B, N] int64."""
+        return prefix_lens.to(torch.int64).view(-1, 1) + self.depth
+
+
+def _valid_mask(num_nodes: Tensor, width: int) -> Tensor:
+    return torch.arange(width, device=num_nodes.device).view(1, -1) < num_nodes.view(-1, 1)  # [B, N]
+
+
+def _first_true(m: Tensor) -> Tensor:
+    """m [..., K] bool -> index of the first True along the last dim, -1 where none [...]."""
+    idx = m.to(torch.uint8).argmax(dim=-1)  # argmax returns the first maximal index
+    return torch.where(m.any(dim=-1), idx, torch.full_like(idx, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Structure from parents
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ancestor_mask(parents: Tensor) -> Tensor:
+    """parents [B, N] (-1 = none) -> mask [B, N, N]: node j is node i or one of its ancestors.
+
+    Pointer jumping: after t rounds, mask[i] covers the ancestors at distance < 2^t and ptr[i] is the ancestor at
+    distance 2^t (or the sentinel N). ceil(log2 N) rounds cover every distance up to N - 1, with no device sync.
+    """
+    B, N = parents.shape
+    dev = parents.device
+    mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).contiguous()  # [B, N, N]
+    sentinel = torch.full((B, 1), N, dtype=torch.int64, device=dev)  # [B, 1]
+    ptr = torch.where(parents < 0, N, parents)  # [B, N]; N = "no ancestor"
+    empty_row = torch.zeros(B, 1, N, dtype=torch.bool, device=dev)  # [B, 1, N]
+    for _ in range(math.ceil(math.log2(N)) if N > 1 else 0):
+        ext = torch.cat([mask, empty_row], dim=1)  # [B, N+1, N]
+        mask = mask | ext.gather(1, ptr.unsqueeze(-1).expand(B, N, N))  # [B, N, N]
+        ptr = torch.cat([ptr, sentinel], dim=1).gather(1, ptr)  # [B, N]
+    return mask
+
+
+def _child_links(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """parents [B, N] -> (first_child [B, N], next_sibling [B, N]), children in index order, -1 = none."""
+    N = parents.shape[1]
+    idx = torch.arange(N, device=parents.device)  # [N]
+    is_child = parents.unsqueeze(1) == idx.view(1, N, 1)  # [B, N(parent p), N(node i)]: parents[i] == p
+    first_child = _first_true(is_child)  # [B, N]
+    same_parent = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (parents >= 0).unsqueeze(2)  # [B, N, N]
+    later = idx.view(1, 1, N) > idx.view(1, N, 1)  # [1, N, N]: j > i
+    next_sibling = _first_true(same_parent & later)  # [B, N]
+    return first_child, next_sibling
+
+
+def _from_parents(tokens: Tensor, parents: Tensor, num_nodes: Tensor) -> DraftTree:
+    """Finished node lists (padding already applied, no duplicate siblings) -> DraftTree."""
+    mask = _ancestor_mask(parents)  # [B, N, N]
+    depth = mask.sum(dim=-1) - 1  # [B, N]: number of strict ancestors
+    first_child, next_sibling = _child_links(parents)
+    return DraftTree(tokens, parents, depth, mask, first_child, next_sibling, num_nodes)
+
+
+def _apply_padding(tokens: Tensor, parents: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Padding nodes get token 0 and parent -1 (see the module docstring)."""
+    return tokens.masked_fill(~valid, 0), parents.masked_fill(~valid, -1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Duplicate siblings
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _canonical_step(canon: Tensor, tokens: Tensor, parents: Tensor, valid: Tensor) -> Tensor:
+    """One round: each real node maps to the first real node with the same token whose parent maps to the same
+    canonical node. After t rounds every node at depth <= t is final (its parent's entry was final a round
+    earlier), and the result is the unique fixed point of this step."""
+    B, N = tokens.shape
+    canon_ext = torch.cat([canon, torch.full((B, 1), -1, dtype=torch.int64, device=canon.device)], dim=1)
+    cparent = canon_ext.gather(1, torch.where(parents < 0, N, parents))  # [B, N]; -1 for the root
+    same = (cparent.unsqueeze(2) == cparent.unsqueeze(1)) & (tokens.unsqueeze(2) == tokens.unsqueeze(1))
+    same = same & valid.unsqueeze(1) & valid.unsqueeze(2)  # [B, N, N]; diagonal True for real nodes
+    first = _first_true(same)  # [B, N]; <= own index for real nodes
+    own = torch.arange(N, device=canon.device).expand(B, N)  # [B, N]
+    return torch.where(valid, first, own)
+
+
+def _merge_duplicates(tokens: Tensor, parents: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Merge duplicate siblings; returns compacted (tokens [B, N], parents [B, N], num_nodes [B]).
+
+    Costs one round and one sync when there is nothing to merge (the usual case)."""
+    B, N = tokens.shape
+    own = torch.arange(N, device=tokens.device).expand(B, N)  # [B, N]
+    canon = own
+    while True:
+        nxt = _canonical_step(canon, tokens, parents, valid)
+        if torch.equal(nxt, canon):
+            break
+        canon = nxt
+    keep = valid & (canon == own)  # [B, N]
+    if torch.equal(keep, valid):
+        return tokens, parents, valid.sum(dim=1)
+    new_index = keep.cumsum(dim=1) - 1  # [B, N]: position of each kept node after compaction
+    canon_parent = canon.gather(1, parents.clamp(min=0))  # [B, N]; kept nodes hang under canonical parents
+    new_parents = torch.where(parents < 0, -1, new_index.gather(1, canon_parent))  # [B, N]
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, N]: kept nodes first, in order
+    num_nodes = keep.sum(dim=1)  # [B]
+    tokens, parents = tokens.gather(1, order), new_parents.gather(1, order)
+    return (*_apply_padding(tokens, parents, _valid_mask(num_nodes, N)), num_nodes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public builders
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(root_tokens: Tensor, tokens: Tensor, parents: Tensor, num_nodes: Tensor) -> None:
+    B, M = tokens.shape
+    if root_tokens.shape != (B,) or parents.shape != (B, M) or num_nodes.shape != (B,):
+        raise ValueError(f"shape mismatch: root {tuple(root_tokens.shape)}, tokens {tuple(tokens.shape)}, "
+                         f"parents {tuple(parents.shape)}, num_nodes {tuple(num_nodes.shape)}")
+    node_idx = torch.arange(1, M + 1, device=tokens.device).view(1, M)  # [1, M]: node index of candidate m
+    real = node_idx < num_nodes.view(B, 1)  # [B, M]
+    bad = real & ((parents < 0) | (parents >= node_idx) | (tokens < 0))  # parents must precede their child
+    if bool(((num_nodes < 1) | (num_nodes > M + 1)).any() | bad.any() | (root_tokens < 0).any()):
+        raise ValueError("invalid draft tree: need 1 <= num_nodes <= M+1, tokens >= 0 and, for every real "
+                         "candidate m (node m+1), 0 <= parents[b, m] <= m")
+
+
+def build_tree(root_tokens: Tensor, tokens: Tensor, parents: Tensor, num_nodes: Tensor | None = None) -> DraftTree:
+    """Build a batch of draft trees.
+
+    root_tokens [B] int64; tokens [B, M] int64: candidate m is node m + 1; parents [B, M] int64: NODE index of
+    each candidate's parent (0 = root), so parents[b, m] <= m; num_nodes [B] int64: real nodes per request
+    including the root (default M + 1 for all); entries of candidates past num_nodes - 1 are ignored.
+    Duplicate siblings are merged (module docstring), which may lower num_nodes. Result width N = M + 1.
+    """
+    B, M = tokens.shape
+    dev = tokens.device
+    if num_nodes is None:
+        num_nodes = torch.full((B,), M + 1, dtype=torch.int64, device=dev)
+    num_nodes = num_nodes.to(device=dev, dtype=torch.int64)
+    _check_inputs(root_tokens, tokens, parents, num_nodes)
+    all_tokens = torch.cat([root_tokens.view(B, 1), tokens], dim=1).to(torch.int64)  # [B, N]
+    all_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), parents.to(torch.int64)], 1)
+    valid = _valid_mask(num_nodes, M + 1)  # [B, N]
+    all_tokens, all_parents = _apply_padding(all_tokens, all_parents, valid)
+    all_tokens, all_parents, num_nodes = _merge_duplicates(all_tokens, all_parents, valid)
+    return _from_parents(all_tokens, all_parents, num_nodes)
+
+
+def build_chain(root_tokens: Tensor, tokens: Tensor, num_nodes: Tensor | None = None) -> DraftTree:
+    """A chain (topk == 1, or a linear n-gram draft): node i's parent is i - 1. No sync, no search.
+
+    root_tokens [B]; tokens [B, M] (node m + 1 = tokens[:, m]); num_nodes [B] as in build_tree (default M + 1).
+    """
+    B, M = tokens.shape
+    N, dev = M + 1, tokens.device
+    idx = torch.arange(N, device=dev)  # [N]
+    all_tokens = torch.cat([root_tokens.view(B, 1), tokens], dim=1).to(torch.int64)  # [B, N]
+    if num_nodes is None:
+        tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()  # [N, N]
+        first_child = torch.where(idx + 1 < N, idx + 1, -1)  # [N]
+        return DraftTree(all_tokens, (idx - 1).expand(B, N).contiguous(), idx.expand(B, N).contiguous(),
+                         tril.expand(B, N, N).contiguous(), first_child.expand(B, N).contiguous(),
+                         torch.full((B, N), -1, dtype=torch.int64, device=dev),
+                         torch.full((B,), N, dtype=torch.int64, device=dev))
+    num_nodes = num_nodes.to(device=dev, dtype=torch.int64)
+    valid = _valid_mask(num_nodes, N)  # [B, N]
+    all_tokens, parents = _apply_padding(all_tokens, (idx - 1).expand(B, N), valid)
+    depth = torch.where(valid, idx, 0)  # [B, N]
+    mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril() & valid.unsqueeze(1) & valid.unsqueeze(2)
+    mask = mask | torch.eye(N, dtype=torch.bool, device=dev)  # [B, N, N]: padding rows see only themselves
+    first_child = torch.where(idx + 1 < num_nodes.view(B, 1), idx + 1, -1)  # [B, N]
+    return DraftTree(all_tokens, parents, depth, mask, first_child,
+                     torch.full((B, N), -1, dtype=torch.int64, device=dev), num_nodes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-2: expansion levels and rerank
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LevelExpansion(NamedTuple):
+    scores: Tensor  # [B, L*K] cumulative path probability of each new candidate (branch-major order)
+    tokens: Tensor  # [B, L*K] their tokens
+    parent_branch: Tensor  # [B, L*K] int64: index (0..L-1) of the live branch each candidate extends
+    best: Tensor  # [B, L] int64: indices into the L*K candidates of the new live branches, best first
+
+
+def _rank_desc(scores: Tensor) -> Tensor:
+    """scores [B, M] -> candidate indices [B, M] ordered by score desc, ties by index asc (stable sort)."""
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices
+
+
+def expand_level(live_scores: Tensor, child_probs: Tensor, child_tokens: Tensor) -> LevelExpansion:
+    """One EAGLE-2 expansion level after level 0.
+
+    live_scores [B, L]: cumulative probabilities of the L live branches; child_probs / child_tokens [B, L, K]:
+    the draft's top-K next-token probabilities and tokens at each live branch. Every branch x child pair is a
+    candidate scored live_score * child_prob; the best L of them (score desc, ties by index asc) become the next
+    live branches. (Level 0 takes the root's top-K directly: scores = probs, no expansion.)
+    """
+    B, L, K = child_probs.shape
+    scores = (live_scores.unsqueeze(2) * child_probs).reshape(B, L * K)  # [B, L*K]
+    parent_branch = torch.arange(L, device=scores.device).repeat_interleave(K).expand(B, L * K)  # [B, L*K]
+    best = _rank_desc(scores)[:, :L]  # [B, L]
+    return LevelExpansion(scores, child_tokens.reshape(B, L * K), parent_branch, best)
+
+
+class EagleCandidates:
+    """Accumulates the candidate list of one EAGLE-2 draft (level by level, parents before children).
+
+    cands = EagleCandidates(root_probs, root_tokens)        # level 0: the root's top-K, all live
+    best = cands.add_level(child_probs, child_tokens)       # per further level; best [B, K] indexes the K*K
+                                                            # new candidates: branch best // K, child best % K
+    tree = cands.select(root_tokens, num_draft_tokens)
+    """
+
+    def __init__(self, root_probs: Tensor, root_tokens: Tensor):  # [B, K] each
+        B, K = root_probs.shape
+        self.topk = K
+        self._scores = [root_probs]  # list of [B, *]
+        self._tokens = [root_tokens.to(torch.int64)]
+        self._parents = [torch.full((B, K), -1, dtype=torch.int64, device=root_probs.device)]
+        self._count = K
+        self.live_index = torch.arange(K, device=root_probs.device).expand(B, K)  # [B, K] candidate indices
+        self.live_scores = root_probs  # [B, K]
+
+    def add_level(self, child_probs: Tensor, child_tokens: Tensor) -> Tensor:
+        """child_probs / child_tokens [B, K, K] at the live branches -> best [B, K] (see expand_level)."""
+        lvl = expand_level(self.live_scores, child_probs, child_tokens)
+        self._scores.append(lvl.scores)
+        self._tokens.append(lvl.tokens.to(torch.int64))
+        self._parents.append(self.live_index.gather(1, lvl.parent_branch))  # [B, K*K] candidate indices
+        self.live_index = self._count + lvl.best  # [B, K]
+        self.live_scores = lvl.scores.gather(1, lvl.best)  # [B, K]
+        self._count += lvl.scores.shape[1]
+        return lvl.best
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(cand_tokens, cand_parents, cand_scores), each [B, M]."""
+        return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), torch.cat(self._scores, 1)
+
+    def select(self, root_tokens: Tensor, num_draft_tokens: int) -> DraftTree:
+        tokens, parents, scores = self.tensors()
+        return select_eagle_tree(root_tokens, tokens, parents, scores, num_draft_tokens, topk=self.topk)
+
+
+def select_eagle_tree(
+    root_tokens: Tensor,
+    cand_tokens: Tensor,
+    cand_parents: Tensor,
+    cand_scores: Tensor,
+    num_draft_tokens: int,
+    *,
+    topk: int | None = None,
+) -> DraftTree:
+    """EAGLE-2 rerank: keep the root plus the best N-1 candidates (N = num_draft_tokens).
+
+    root_tokens [B]; cand_tokens [B, M]; cand_parents [B, M]: CANDIDATE index of each parent, -1 = root;
+    cand_scores [B, M]: cumulative path probability or log-prob, a child never above its parent.
+    N - 1 > M raises ValueError (the scheduler validates N <= S*K + 1 at start-up). topk == 1 (a chain) takes
+    the first N-1 candidates through build_chain, with no sort.
+
+    Why the kept set is ancestor-closed: order the candidates by (score desc, index asc). For a child c of p,
+    score[c] <= score[p] and index[p] < index[c] (candidates are listed level by level), so p sorts strictly
+    before c: either score[p] > score[c], or the scores tie and the smaller index wins. Every candidate's parent
+    therefore precedes it in this total order, so every prefix of the order (in particular the top N-1) contains
+    the parent of each of its members, and by induction all its ancestors. A stable descending sort yields
+    exactly this order, ties included (e.g. a child whose probability is exactly 1.0 ties its parent).
+    The kept candidates are then put back in candidate order, so parents still precede children.
+    """
+    B, M = cand_tokens.shape
+    keep = num_draft_tokens - 1
+    if keep < 0 or keep > M:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} needs 1 <= N <= M+1 = {M + 1} (candidates: {M})")
+    if topk == 1:
+        return build_chain(root_tokens, cand_tokens[:, :keep])
+    kept = _rank_desc(cand_scores)[:, :keep].sort(dim=1).values  # [B, N-1] candidate indices, candidate order
+    # node index of each candidate: 0 if dropped (never read for kept ones), else its position + 1
+    node_of = torch.zeros(B, M + 1, dtype=torch.int64, device=cand_tokens.device)  # [B, M+1]; column M = root
+    pos = torch.arange(1, keep + 1, device=cand_tokens.device).expand(B, keep)  # [B, N-1]
+    node_of.scatter_(1, kept, pos)
+    parents = cand_parents.gather(1, kept)  # [B, N-1] candidate index, -1 = root
+    node_parents = node_of.gather(1, torch.where(parents < 0, M, parents))  # [B, N-1]: root column holds 0
+    return build_tree(root_tokens, cand_tokens.gather(1, kept), node_parents)

@@ -1,0 +1,80 @@
+"""EAGLE-3: the lossless gate (greedy output with speculation == without) with a vacuity guard, across draft
+vocabularies (target's, a permutation through d2t, a strict subset), tree shapes and chunked prefill."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.spec.eagle3 import eagle3_capture_layers
+from specserve.testing.tiny import make_eagle3_head_dir
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+
+
+@pytest.fixture(scope="module")
+def target(model_factory):
+    return model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
+
+
+@pytest.fixture(scope="module")
+def vocab(target) -> int:
+    with open(os.path.join(target, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        return [o["output_ids"] for o in e.generate(PROMPTS, greedy(20))]
+
+
+def _perm(n: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 4), (4, 3, 8)])
+@pytest.mark.parametrize("draft_vocab", ["target", "permuted", "half"])
+def test_greedy_equals_plain_with_self_head(target, vocab, plain, tmp_path, tree, draft_vocab):
+    ids = {"target": None, "permuted": _perm(vocab), "half": sorted(_perm(vocab)[: vocab // 2])}[draft_vocab]
+    head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self", draft_vocab=ids)
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE3", head, *tree)) as e:
+        outs = e.generate(PROMPTS, greedy(20))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length=1.2)
+        assert_no_kv_leak(e)
+
+
+def test_random_head_chunked_prefill_equals_plain(target, vocab, plain, tmp_path):
+    head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="random", draft_vocab=_perm(vocab), seed=1,
+                                aux_layer_ids=[0, 1, 2])
+    kw = spec_kwargs("EAGLE3", head, 3, 2, 6)
+    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **kw) as e:
+        outs = e.generate(PROMPTS, greedy(20))
+        assert [o["output_ids"] for o in outs] == plain
+        assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+        assert_no_kv_leak(e)
+
+
+def test_capture_layers():
+    assert eagle3_capture_layers(32, None) == (2, 16, 29)  # SGLang's default: inputs of [2, L//2, L-3]
+    assert eagle3_capture_layers(32, [1, 15, 28]) == (2, 16, 29)  # config ids are layer OUTPUTS
+    assert eagle3_capture_layers(4, None) == (2, 2, 1)
+    assert eagle3_capture_layers(2, None) == (2, 1, 0)  # clamped into 0..L
+
+
+def test_heads_that_do_not_fit_the_target_fail_at_start_up(target, model_factory, tmp_path):
+    from specserve.config import ConfigError
+    from specserve.testing.tiny import make_eagle_head_dir
+
+    narrow = model_factory("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    eagle = make_eagle_head_dir(str(tmp_path / "e"), narrow, kind="random")
+    with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the draft head's hidden_size 32"):
+        Engine(model_path=target, **spec_kwargs("EAGLE", eagle, 3, 1, 4))
+    eagle3 = make_eagle3_head_dir(str(tmp_path / "e3"), narrow, kind="random", draft_vocab=[1, 2, 3, 4])
+    with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the EAGLE-3 head expects"):
+        Engine(model_path=target, **spec_kwargs("EAGLE3", eagle3, 3, 1, 4))

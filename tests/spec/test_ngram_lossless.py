@@ -1,0 +1,103 @@
+"""NGRAM: the lossless gate (greedy output with speculation == without) on prompts with repetition, with the
+vacuity guard; sampling through the same lossless path; the force-greedy switch; no-match behaviour."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specserve import Engine
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.spec.helpers import assert_drafting_happened
+
+REPETITIVE = [
+    "def f(x):\n    return x\ndef f(x):\n    return x\ndef f(",
+    "a b c d e f a b c d e f a b c",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+    "x = 1\ny = 2\nx = 1\ny = 2\nx =",
+] + PROMPTS[:4]
+NGRAM = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def target(model_factory):
+    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    with Engine(model_path=target, max_total_tokens=8192) as e:
+        return [o["output_ids"] for o in e.generate(REPETITIVE, greedy(48))]
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_greedy_batch_of_8_equals_plain(target, plain, match_type):
+    with Engine(model_path=target, max_total_tokens=8192, speculative_ngram_match_type=match_type, **NGRAM) as e:
+        outs = e.generate(REPETITIVE, greedy(48))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length=1.3)
+        assert_no_kv_leak(e)
+
+
+def test_greedy_batch_of_1_equals_plain(target, plain):
+    with Engine(model_path=target, max_total_tokens=8192, **NGRAM) as e:
+        outs = [e.generate(p, greedy(48)) for p in REPETITIVE[:2]]
+    assert [o["output_ids"] for o in outs] == plain[:2]
+    assert_drafting_happened(outs)
+
+
+def test_chunked_prefill_radix_reuse_retraction(target, plain):
+    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **NGRAM) as e:
+        first, again = e.generate(REPETITIVE, greedy(48)), e.generate(REPETITIVE, greedy(48))
+        assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again] == plain
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+        assert_drafting_happened(first + again)
+        assert_no_kv_leak(e)
+    with Engine(model_path=target, max_total_tokens=260, **NGRAM) as e:
+        outs = e.generate(REPETITIVE, greedy(48))
+        assert [o["output_ids"] for o in outs] == plain
+        assert e.get_server_info()["num_retractions"] > 0
+        assert_no_kv_leak(e)
+
+
+def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, plain):
+    """Sampled verification: top_k=1 must give the greedy output. Seeded runs repeat on a fresh engine with the
+    same workload (NGRAM drafts depend on the shared trie, i.e. on other requests, and the number of coins a
+    step draws depends on the draft, so unlike EAGLE a seeded NGRAM request is NOT reproducible across different
+    batch mates; its distribution is exact either way)."""
+    sp = {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True, "seed": 99}
+    runs = []
+    for _ in range(2):
+        with Engine(model_path=target, max_total_tokens=8192, **NGRAM) as e:
+            outs = e.generate(REPETITIVE, {**greedy(48), "temperature": 0.7, "top_k": 1})
+            assert [o["output_ids"] for o in outs] == plain
+            assert_drafting_happened(outs)
+            runs.append([o["output_ids"] for o in e.generate(REPETITIVE, sp)])
+    assert runs[0] == runs[1]
+
+
+def test_force_greedy_verify_env_is_lossy_argmax(target, plain, monkeypatch):
+    """With the documented lossy switch, a sampled request is verified by argmax: its drafted tokens are judged
+    greedily (so a temperature-1 request accepts drafts a lossless sampler would often reject)."""
+    monkeypatch.setenv("SGLANG_NGRAM_FORCE_GREEDY_VERIFY", "True")
+    with Engine(model_path=target, max_total_tokens=8192, **NGRAM) as e:
+        assert e.scheduler.spec.proposer.force_greedy_verify
+        outs = e.generate(REPETITIVE, {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True, "seed": 3})
+    # every token after the first comes from an argmax walk + argmax bonus: the greedy continuation of token 1
+    with Engine(model_path=target, max_total_tokens=8192) as e:
+        for o, p in zip(outs, REPETITIVE, strict=True):
+            ids = e.tokenizer.encode(p) + o["output_ids"][:1]
+            assert o["output_ids"][1:] == e.generate(input_ids=ids, sampling_params=greedy(47))["output_ids"]
+
+
+def test_no_match_gives_a_root_only_tree(target):
+    with Engine(model_path=target, max_total_tokens=1024, **NGRAM) as e:
+        proposer = e.scheduler.spec.proposer
+        proposer.cache.reset()
+        req = SimpleNamespace(fill_ids=[11, 12, 13, 14], last_token=14)
+        tree = proposer.propose([req])
+        assert tree.num_nodes.tolist() == [1] and tree.tokens[0, 0].item() == 14
+        proposer.cache.insert([5, 14, 15, 16])
+        tree = proposer.propose([req])
+        assert tree.num_nodes.tolist() == [3] and tree.tokens[0, 1:3].tolist() == [15, 16]
