@@ -150,7 +150,7 @@ def test_sigterm_drains_refuses_new_and_leaves_no_child(limited):
     worker_pid = requests.get(url + "/get_server_info", headers=AUTH, timeout=60).json()["worker_pid"]
     assert worker_pid in children
 
-    body = {"prompt": "drain me", "max_tokens": 300, "stream": True, **GREEDY}
+    body = {"prompt": "drain me", "max_tokens": LONG, "stream": True, **GREEDY}
     finish: list = []
     chunks: list = []
     resp = requests.post(url + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=300)
@@ -176,6 +176,7 @@ def test_sigterm_drains_refuses_new_and_leaves_no_child(limited):
         return r.status_code == 503
 
     poll(refused, timeout=60, what="new requests to be refused")
+    assert not any(finish)  # refused while the in-flight request was still streaming
     reader.join(timeout=300)
     resp.close()
     assert finish and finish[-1] == "length"  # the in-flight request ran to its end
