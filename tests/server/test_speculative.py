@@ -64,3 +64,47 @@ def test_streaming_carries_multi_token_steps(spec_server, plain):
     assert counts[-1] == NEW and max(steps) > 1  # accepted drafts arrive as several tokens in one chunk
     full = spec_server.post("/v1/completions", json={"prompt": REPETITIVE[0], "max_tokens": NEW, **GREEDY}).json()
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == full["choices"][0]["text"]
+
+
+def _seed_command_draft(algorithm: str, model_factory, tmp_path) -> tuple[str, list[str]]:
+    """The tiny target and the extra flags of the seed's command for `algorithm` (drafts built to be accepted)."""
+    from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
+
+    tree = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    if algorithm == "EAGLE":
+        target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
+        draft = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
+    elif algorithm == "EAGLE3":
+        target = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
+        draft = make_eagle3_head_dir(str(tmp_path / "eagle3"), target, kind="self")
+    elif algorithm == "STANDALONE":
+        target = draft = model_factory("llama")
+    else:  # MTP: the seed's MiMo example, EAGLE with no draft path and (1, 1, 2)
+        target = make_mimo_dir(str(tmp_path / "mimo"), kind="self")
+        return target, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
+                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+    return target, ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft, *tree]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "MTP"])
+def test_seed_commands_answer_chat_completions(algorithm, model_factory, tmp_path):
+    """The seed's launch commands (module name changed, tiny models) serve chat completions through the official
+    openai client with the same greedy answer as plain decoding, and report accept metrics."""
+    import openai
+
+    target, flags = _seed_command_draft(algorithm, model_factory, tmp_path)
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    answers = []
+    for extra in ([], flags):
+        s = start_server(target, str(tmp_path / f"server{len(answers)}.log"), "--max-total-tokens", "4096", *extra)
+        try:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+            r = client.chat.completions.create(model=target, messages=messages, max_tokens=32, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            answers.append(r.choices[0].message.content)
+            assert r.usage.completion_tokens == 32
+            info = s.info()
+        finally:
+            terminate_process(s.proc)
+    assert answers[0] == answers[1]
+    assert info["avg_spec_accept_length"] > 1.0 and info["spec_verify_ct"] > 0
