@@ -28,3 +28,27 @@ def assert_drafting_happened(outs: list[dict], min_accept_length: float = 1.0) -
     assert accepted > 0, "no drafted token was ever accepted"
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     assert tokens / verify > min_accept_length, (tokens, verify)
+
+
+def assert_chunked_radix_and_retraction_lossless(target: str, engine_kwargs: dict, prompts, params, want,
+                                                 min_accept_length: float = 1.0,
+                                                 retraction_tokens: int | None = None) -> None:
+    """The gate under chunked prefill (size 4) and radix reuse (the same prompts twice: the second time from the
+    prefix cache) and, with retraction_tokens, under a pool small enough to force retraction: every output
+    equals `want`, drafting happened, and no KV slot leaks."""
+    from tests.engine.helpers import assert_no_kv_leak
+
+    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **engine_kwargs) as e:
+        first, again = e.generate(prompts, params), e.generate(prompts, params)
+        assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again] == want
+        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+        assert_drafting_happened(first + again, min_accept_length)
+        assert_no_kv_leak(e)
+    if retraction_tokens is None:
+        return
+    with Engine(model_path=target, max_total_tokens=retraction_tokens, **engine_kwargs) as e:
+        outs = e.generate(prompts, params)
+        assert [o["output_ids"] for o in outs] == want
+        assert e.get_server_info()["num_retractions"] > 0
+        assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+        assert_no_kv_leak(e)

@@ -9,7 +9,7 @@ import torch
 from specserve import Engine
 from specserve.testing.tiny import make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+from tests.spec.helpers import assert_chunked_radix_and_retraction_lossless, assert_drafting_happened, spec_kwargs
 
 TREES = [(3, 1, 4), (5, 4, 8), (4, 2, 7), (5, 8, 32)]  # (num_steps, topk, num_draft_tokens)
 # 16 mixed-length prompts: the 8 shared ones and variations of them
@@ -90,15 +90,8 @@ def test_always_wrong_draft_accepts_nothing_and_changes_nothing(target, heads, p
 
 
 def test_chunked_prefill_and_radix_reuse(target, heads, plain):
-    kw = spec_kwargs("EAGLE", heads["self"], 3, 2, 5)
-    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **kw) as e:
-        first = e.generate(PROMPTS, greedy(24))
-        again = e.generate(PROMPTS, greedy(24))  # prompts now in the radix cache
-        assert [o["output_ids"] for o in first] == plain
-        assert [o["output_ids"] for o in again] == plain
-        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-        assert_drafting_happened(first + again, min_accept_length=1.5)
-        assert_no_kv_leak(e)
+    assert_chunked_radix_and_retraction_lossless(target, spec_kwargs("EAGLE", heads["self"], 3, 2, 5), PROMPTS,
+                                                 greedy(24), plain, min_accept_length=1.5)
 
 
 def test_retraction_under_memory_pressure(target, heads, plain):

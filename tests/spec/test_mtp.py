@@ -18,7 +18,7 @@ from specserve.config import ConfigError
 from specserve.models.loader import load_model
 from specserve.testing.tiny import make_eagle_head_dir, make_mimo_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+from tests.spec.helpers import assert_chunked_radix_and_retraction_lossless, assert_drafting_happened, spec_kwargs
 
 TREES = [(1, 1, 2), (3, 1, 4), (3, 2, 5), (5, 4, 8)]  # (num_steps, topk, num_draft_tokens); (1, 1, 2) = the seed's
 
@@ -185,18 +185,5 @@ def test_random_mtp_weights_still_lossless(mimo):
 
 
 def test_chunked_prefill_radix_reuse_and_retraction(mimo, plain):
-    kw = spec_kwargs("EAGLE", None, 3, 2, 5)
-    with Engine(model_path=mimo["self"], max_total_tokens=4096, chunked_prefill_size=4, **kw) as e:
-        first = e.generate(PROMPTS, greedy(24))
-        again = e.generate(PROMPTS, greedy(24))  # prompts now in the radix cache
-        assert [o["output_ids"] for o in first] == plain
-        assert [o["output_ids"] for o in again] == plain
-        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-        assert_drafting_happened(first + again, min_accept_length=1.5)
-        assert_no_kv_leak(e)
-    with Engine(model_path=mimo["self"], max_total_tokens=128, **kw) as e:
-        outs = e.generate(PROMPTS, greedy(24))
-        assert e.get_server_info()["num_retractions"] > 0
-        assert [o["output_ids"] for o in outs] == plain
-        assert_drafting_happened(outs)
-        assert_no_kv_leak(e)
+    assert_chunked_radix_and_retraction_lossless(mimo["self"], spec_kwargs("EAGLE", None, 3, 2, 5), PROMPTS,
+                                                 greedy(24), plain, min_accept_length=1.5, retraction_tokens=128)

@@ -9,7 +9,7 @@ import pytest
 
 from specserve import Engine
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.spec.helpers import assert_drafting_happened
+from tests.spec.helpers import assert_chunked_radix_and_retraction_lossless, assert_drafting_happened
 
 REPETITIVE = [
     "def f(x):\n    return x\ndef f(x):\n    return x\ndef f(",
@@ -48,17 +48,8 @@ def test_greedy_batch_of_1_equals_plain(target, plain):
 
 
 def test_chunked_prefill_radix_reuse_retraction(target, plain):
-    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **NGRAM) as e:
-        first, again = e.generate(REPETITIVE, greedy(48)), e.generate(REPETITIVE, greedy(48))
-        assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again] == plain
-        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-        assert_drafting_happened(first + again)
-        assert_no_kv_leak(e)
-    with Engine(model_path=target, max_total_tokens=260, **NGRAM) as e:
-        outs = e.generate(REPETITIVE, greedy(48))
-        assert [o["output_ids"] for o in outs] == plain
-        assert e.get_server_info()["num_retractions"] > 0
-        assert_no_kv_leak(e)
+    assert_chunked_radix_and_retraction_lossless(target, NGRAM, REPETITIVE, greedy(48), plain,
+                                                 retraction_tokens=260)
 
 
 def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, plain):

@@ -7,7 +7,7 @@ import pytest
 
 from specserve import Engine
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+from tests.spec.helpers import assert_chunked_radix_and_retraction_lossless, assert_drafting_happened, spec_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +49,8 @@ def test_foreign_draft_equals_plain(target, other, plain, tree):
 
 
 def test_chunked_prefill_radix_reuse_and_retraction(target, plain):
-    kw = spec_kwargs("STANDALONE", target, 3, 2, 5)
-    with Engine(model_path=target, max_total_tokens=4096, chunked_prefill_size=4, **kw) as e:
-        first, again = e.generate(PROMPTS, greedy(24)), e.generate(PROMPTS, greedy(24))
-        assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again] == plain
-        assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-        assert_drafting_happened(first + again, min_accept_length=2.0)
-        assert_no_kv_leak(e)
-    with Engine(model_path=target, max_total_tokens=200, **kw) as e:
-        outs = e.generate(PROMPTS, greedy(24))
-        assert [o["output_ids"] for o in outs] == plain
-        assert e.get_server_info()["num_retractions"] > 0
-        assert_no_kv_leak(e)
+    assert_chunked_radix_and_retraction_lossless(target, spec_kwargs("STANDALONE", target, 3, 2, 5), PROMPTS,
+                                                 greedy(24), plain, min_accept_length=2.0, retraction_tokens=200)
 
 
 def test_draft_with_another_tokenizer_fails_at_start_up(target, tmp_path):
