@@ -6,6 +6,9 @@ from specserve.attention.backend import (
     ForwardMode,
     attention,
     build_attn_metadata,
+    extend_batch,
+    last_token_rows,
 )
 
-__all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attention", "build_attn_metadata"]
+__all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attention", "build_attn_metadata", "extend_batch",
+           "last_token_rows"]

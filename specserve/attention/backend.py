@@ -97,6 +97,26 @@ def build_attn_metadata(
     return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
 
 
+def extend_batch(mode: ForwardMode, table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]],
+                 kv_pool: KVPool, **extra) -> ForwardBatch:
+    """ForwardBatch for requests that each append tokens[b] at positions starts[b].. of row rows[b] of the
+    req_to_token table (whose slots there are already written), attending causally over the row's earlier slots.
+    Used for target prefill chunks and draft extends alike. extra: ForwardBatch's optional fields."""
+    device = table.device
+    q_lens = [len(t) for t in tokens]
+    pieces = list(zip(rows, starts, q_lens, strict=True))
+    ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=device)  # [T]
+    positions = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(device)  # [T]
+    out_loc = torch.cat([table[r, s : s + n] for r, s, n in pieces])  # [T]
+    attn = build_attn_metadata(table[torch.tensor(rows, device=device)], [s + n for _, s, n in pieces], q_lens)
+    return ForwardBatch(mode, ids, positions, out_loc, attn, kv_pool, **extra)
+
+
+def last_token_rows(q_lens: list[int], device) -> torch.Tensor:
+    """[B] row of each request's last token in a forward's flattened [T] rows."""
+    return torch.tensor(q_lens, device=device).cumsum(0) - 1
+
+
 def _padding_indices(q_lens: list[int], max_q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """q_index [B, Qmax] into the T flat rows (T = pad row); out_index [T] into the flat [B*Qmax] output."""
     lens = torch.tensor(q_lens, device=device)

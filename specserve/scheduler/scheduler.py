@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata, extend_batch, last_token_rows
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
@@ -254,26 +254,16 @@ class Scheduler:
 
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
         self.stats.num_prefill_steps += 1
-        reqs = [r for r, _ in batch]
         q_lens = [t for _, t in batch]
-        kv_lens = [r.kv_len + t for r, t in batch]
-        ids = torch.tensor(
-            [tok for r, t in batch for tok in r.fill_ids[r.kv_len : r.kv_len + t]], dtype=torch.int64
-        ).to(self.device)
-        positions = torch.cat([torch.arange(r.kv_len, r.kv_len + t) for r, t in batch]).to(self.device)
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
-        out_loc = torch.cat(
-            [self.req_pool.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + t] for r, t in batch]
-        )
-        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        fb = ForwardBatch(
-            ForwardMode.EXTEND, ids, positions, out_loc,
-            build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, q_lens), self.runner.kv_pool,
-            logits_indices=last, capture_layers=self.capture_layers,
+        fb = extend_batch(
+            ForwardMode.EXTEND, self.req_pool.req_to_token, [r.req_pool_idx for r, _ in batch],
+            [r.kv_len for r, _ in batch], [r.fill_ids[r.kv_len : r.kv_len + t] for r, t in batch],
+            self.runner.kv_pool, logits_indices=last_token_rows(q_lens, self.device),
+            capture_layers=self.capture_layers,
         )
         out = self.runner.forward(fb)
         logits = out.logits  # [B, V]
-        row_starts = (last + 1 - torch.tensor(q_lens, device=self.device)).tolist()
+        row_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
         chunks = [PrefillChunk(r, r.kv_len, t, row, r is not self.chunked)
                   for (r, t), row in zip(batch, row_starts, strict=True)]
         done_rows, done_reqs = [], []

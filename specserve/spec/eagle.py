@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata, extend_batch, last_token_rows
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
@@ -78,8 +78,7 @@ class EagleProposer(Proposer):
             args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
             args.speculative_draft_model_revision, registry=self.head_registry,
         )
-        self.head = head
-        self._check_head(spec)
+        self._check_head(head, spec)
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(head)
         return head, spec
@@ -91,7 +90,7 @@ class EagleProposer(Proposer):
     def _num_kv_layers(self) -> int:
         return 1  # EAGLE heads have one attention layer
 
-    def _check_head(self, spec) -> None:
+    def _check_head(self, head, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:
             raise ConfigError(
                 f"--speculative-draft-model-path: the draft head's hidden_size {spec.hidden_size} does not fit the "
@@ -131,20 +130,11 @@ class EagleProposer(Proposer):
         """Draft extend: request b's positions [starts[b], starts[b] + len(tokens[b])) with those input tokens
         and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
         -> draft hidden at each request's last position [B, h]."""
-        dev = self.device
-        q_lens = [len(t) for t in tokens]
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
-        table = self.runner.req_to_token_pool.req_to_token
-        out_loc = torch.cat([table[r.req_pool_idx, s : s + n] for r, s, n in zip(reqs, starts, q_lens, strict=True)])
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, q_lens, strict=True)]).to(dev)
-        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=dev)
-        kv_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
-        fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, ids, positions, out_loc,
-                          build_attn_metadata(table[rows], kv_lens, q_lens), self.kv_pool)
+        fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.runner.req_to_token_pool.req_to_token,
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h]
-        last = torch.tensor(q_lens, device=dev).cumsum(0) - 1
-        return h.index_select(0, last)
+        return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
 
     def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
         with torch.inference_mode():

@@ -54,11 +54,11 @@ class Eagle3Proposer(EagleProposer):
         logger.info("EAGLE-3 head: capture layers %s, draft vocabulary %s", self.capture_layers,
                     head_vocab or "= target's")
 
-    def _check_head(self, spec) -> None:
-        if self.head.target_hidden_size != self.runner.spec.hidden_size:
+    def _check_head(self, head, spec) -> None:
+        if head.target_hidden_size != self.runner.spec.hidden_size:
             raise ConfigError(
                 f"--speculative-draft-model-path: the EAGLE-3 head expects target_hidden_size "
-                f"{self.head.target_hidden_size}, the target has {self.runner.spec.hidden_size}"
+                f"{head.target_hidden_size}, the target has {self.runner.spec.hidden_size}"
             )
 
     def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,7 @@ class MtpProposer(EagleProposer):
             )
         if len(layers) > 1:
             logger.info("the target has %d MTP layers; drafting re-applies the first one", len(layers))
-        self.head = layers[0]
-        return self.head, self.runner.spec
+        return layers[0], self.runner.spec
 
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Tokens fb.input_ids [T] + target (or previous MTP) hidden [T, h] -> MTP hidden [T, h], final-normed."""

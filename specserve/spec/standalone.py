@@ -54,7 +54,7 @@ class StandaloneProposer(EagleProposer):
     def _num_kv_layers(self) -> int:
         return self.head_spec.num_layers
 
-    def _check_head(self, spec) -> None:
+    def _check_head(self, head, spec) -> None:
         target_vocab = self.runner.spec.vocab_size
         if spec.vocab_size != target_vocab:  # e.g. Qwen2.5 0.5B vs 7B: same tokenizer, padded differently
             logger.info("draft vocab_size %d != target's %d: drafts are limited to the shared ids",
