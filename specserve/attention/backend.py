@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
+    from specserve.attention.training import StepKV
     from specserve.cache.kv_pool import KVPool
 
 
@@ -53,10 +54,11 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     out_cache_loc: torch.Tensor  # [T] int64 slots receiving this forward's K/V
     attn: AttnMetadata
-    kv_pool: KVPool
+    kv_pool: KVPool | None  # None: a pool-free training forward (see specserve.attention.training)
     logits_indices: torch.Tensor | None = None  # [R] token rows that need logits; None = every row
     capture_layers: tuple[int, ...] = field(default_factory=tuple)  # residual stream at the INPUT of these layers
     input_embeds: torch.Tensor | None = None  # [T, h] optional, replaces the embedding lookup
+    step_kv: StepKV | None = None  # pool-free forwards only: K/V of earlier unrolled draft steps
 
 
 def build_attn_metadata(
@@ -151,6 +153,10 @@ def attention(
 
     Writes the new K/V into the pool at fb.out_cache_loc, then attends over each request's slots.
     """
+    if fb.kv_pool is None:
+        from specserve.attention.training import poolless_attention
+
+        return poolless_attention(q, k, v, layer_id, fb, scale)
     md = fb.attn
     k_buf, v_buf = fb.kv_pool.layer(layer_id)  # [S, Hkv, D]
     k_buf[fb.out_cache_loc] = k.to(k_buf.dtype)

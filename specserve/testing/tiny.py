@@ -14,11 +14,7 @@ import sysconfig
 
 import torch
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"]
+from specserve.train.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401
 
 
 def corpus_text(max_chars: int = 200_000) -> str:
@@ -38,27 +34,8 @@ def corpus_text(max_chars: int = 200_000) -> str:
 
 
 def build_tokenizer(out_dir: str, vocab_size: int = 512):
-    """Train a byte-level BPE tokenizer and save it (tokenizer.json + config) into out_dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([corpus_text()], trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    os.makedirs(out_dir, exist_ok=True)
-    fast.save_pretrained(out_dir)
-    return fast
+    """Train a byte-level BPE tokenizer on ``corpus_text()`` and save it (tokenizer.json + config) into out_dir."""
+    return train_tokenizer([corpus_text()], vocab_size, out_dir)
 
 
 ARCH_CONFIGS = {
