@@ -24,6 +24,7 @@ from specserve.config import ConfigError, ServerArgs
 from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, prepare_requests
 from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
+from specserve.spec.accept_stats import position_rates
 
 logger = logging.getLogger(__name__)
 
@@ -309,5 +310,7 @@ def _server_info(s: Scheduler) -> dict:
             avg_spec_accept_length=st.avg_spec_accept_length,
             spec_verify_ct=st.spec_verify_ct,
             spec_accept_rate=st.spec_accepted_drafts / st.spec_drafted if st.spec_drafted else 0.0,
+            spec_accepted_per_position=list(st.spec_accepted_per_position),
+            spec_accept_rate_per_position=position_rates(st.spec_accepted_per_position, st.spec_verify_ct),
         )
     return info

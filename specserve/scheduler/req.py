@@ -63,6 +63,7 @@ class Req:
         self.spec_accepted_drafts = 0  # drafted tokens the target accepted
         self.spec_drafted = 0  # drafted tokens offered for verification
         self.spec_accept_histogram: list[int] = []  # [k] = verify steps that accepted k drafted tokens
+        self.spec_accept_per_position: list[int] = []  # [k-1] = verify steps that accepted >= k drafted tokens
 
     @property
     def fill_ids(self) -> list[int]:
@@ -95,4 +96,5 @@ class Req:
             "spec_accept_length": len(self.output_ids) / ct if ct else 0.0,
             "spec_accept_rate": self.spec_accepted_drafts / self.spec_drafted if self.spec_drafted else 0.0,
             "spec_accept_histogram": list(self.spec_accept_histogram),
+            "spec_accept_per_position": list(self.spec_accept_per_position),
         }

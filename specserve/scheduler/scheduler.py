@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,8 @@ class SchedulerStats:
     spec_accepted_drafts: int = 0
     spec_drafted: int = 0
     spec_tokens: int = 0  # tokens produced by verify steps (accepted drafts + bonus, after finish trimming)
+    # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.spec.accept_stats)
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def avg_spec_accept_length(self) -> float:

@@ -31,6 +31,7 @@ from specserve.sampling.sampler import (
     probs_from_logits,
 )
 from specserve.scheduler.req import Req, ReqOutput
+from specserve.spec.accept_stats import add_step
 from specserve.spec.base import Proposer, VerifiedStep
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling
@@ -142,6 +143,7 @@ class SpecDecoder:
         sched = self.sched
         token_lists = result.token_lists()
         paths = result.accepted_nodes.tolist()
+        depths = tree.depth.max(dim=1).values.tolist()  # [B] deepest drafted node per request
         lp = self._logprobs(reqs, logits, paths, token_lists)
         outputs, steps = [], []
         row_offset = 0
@@ -159,7 +161,7 @@ class SpecDecoder:
                     break
             keep = min(len(accepted), len(appended) + 1)  # nodes whose KV stays: root + accepted drafts in output
             self._keep_slots(req, root_pos[b], slots[b], accepted[:keep])
-            self._count(req, len(token_lists[b]) - 1, len(appended), n_nodes[b] - 1)
+            self._count(req, len(token_lists[b]) - 1, len(appended), n_nodes[b] - 1, depths[b])
             if req.finished:
                 sched._release(req)
             else:
@@ -178,8 +180,11 @@ class SpecDecoder:
         self.sched.allocator.free(node_slots[dropped])
         req.kv_len = root_pos + len(keep_nodes)
 
-    def _count(self, req: Req, accepted_drafts: int, appended: int, drafted: int) -> None:
+    def _count(self, req: Req, accepted_drafts: int, appended: int, drafted: int, depth: int) -> None:
+        """Counters of one request's verify step; `depth` = its tree's deepest drafted node."""
         stats = self.sched.stats
+        add_step(stats.spec_accepted_per_position, accepted_drafts, depth)
+        add_step(req.spec_accept_per_position, accepted_drafts, depth)
         stats.spec_verify_ct += 1
         stats.spec_accepted_drafts += accepted_drafts
         stats.spec_drafted += drafted

@@ -2,14 +2,18 @@
 
 Per request: finished requests by finish reason, prompt / generation / cached tokens, time to first token,
 inter-token latency, end-to-end latency. Runtime state (running and queued requests, KV usage, and any
-other number the model worker reports, e.g. the speculative counters once they exist) is read from the
-worker at scrape time and exported as gauges named ``specserve:<field>``.
+other number the model worker reports, e.g. ``avg_spec_accept_length``) is read from the worker at scrape
+time and exported as gauges named ``specserve:<field>``. With speculative decoding, the worker's cumulative
+speculative counts are also exported as counters (read at scrape time too; they only grow while the worker
+lives, and the worker lives as long as the server): ``specserve:spec_verify_steps_total`` (verify steps, one
+per request per step) and ``specserve:spec_accepted_tokens_per_position_total{position="k"}`` (verify steps
+that accepted at least k drafted tokens; divided by the verify steps: the acceptance rate at draft depth k).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specserve.scheduler.req import ReqOutput
 
@@ -22,8 +26,22 @@ STATE_NAMES = {"num_waiting_reqs": "num_queue_reqs", "kv_usage": "token_usage"}
 STATE_SKIP = {"worker_pid"}
 
 
+def spec_counter_families(state: dict) -> list[CounterMetricFamily]:
+    """The speculative counters of a worker state (none without speculative decoding)."""
+    if "spec_accepted_per_position" not in state:
+        return []
+    steps = CounterMetricFamily(PREFIX + "spec_verify_steps", "Speculative verify steps (one per request per step)",
+                                value=float(state["spec_verify_ct"]))
+    per_pos = CounterMetricFamily(PREFIX + "spec_accepted_tokens_per_position",
+                                  "Verify steps that accepted at least `position` drafted tokens", labels=["position"])
+    for k, count in enumerate(state["spec_accepted_per_position"], start=1):
+        per_pos.add_metric([str(k)], float(count))
+    return [steps, per_pos]
+
+
 class RuntimeStateCollector:
-    """Exports every numeric field of the latest worker state as a gauge (read at scrape time)."""
+    """Exports every numeric field of the latest worker state as a gauge, and the speculative counters (read at
+    scrape time)."""
 
     def __init__(self) -> None:
         self.state: dict = {}
@@ -34,6 +52,7 @@ class RuntimeStateCollector:
                 continue
             name = PREFIX + STATE_NAMES.get(key, key)
             yield GaugeMetricFamily(name, f"model worker state: {key}", value=float(value))
+        yield from spec_counter_families(self.state)
 
 
 class ServerMetrics:

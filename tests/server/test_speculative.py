@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
+from specserve.spec.accept_stats import sum_counts
 from specserve.utils import terminate_process
 from tests.server.conftest import start_server
 from tests.server.helpers import GREEDY, metric, sse_json
@@ -52,6 +53,33 @@ def test_generate_is_lossless_and_reports_spec_meta(spec_server, plain):
     assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"]
     text = spec_server.get("/metrics").text
     assert metric(text, "specserve:avg_spec_accept_length") == pytest.approx(info["avg_spec_accept_length"])
+
+
+def _spec_counters(server) -> tuple[float, list[float]]:
+    """(verify steps, accepted counts at positions 1..8) from /metrics."""
+    text = server.get("/metrics").text
+    per_pos = [metric(text, "specserve:spec_accepted_tokens_per_position_total", f'position="{k}"')
+               for k in range(1, 9)]
+    return metric(text, "specserve:spec_verify_steps_total"), per_pos
+
+
+def test_metrics_count_verify_steps_and_accepted_positions(spec_server):
+    """The Prometheus counters grow by exactly what the requests' meta_info reports, and /get_server_info's
+    per-position rates are the counts over the verify steps."""
+    steps0, pos0 = _spec_counters(spec_server)
+    outs = spec_server.post("/generate", json={"text": REPETITIVE,
+                                               "sampling_params": {**GREEDY, "max_new_tokens": 24}}).json()
+    steps1, pos1 = _spec_counters(spec_server)
+    metas = [o["meta_info"] for o in outs]
+    assert steps1 - steps0 == sum(m["spec_verify_ct"] for m in metas) > 0
+    want = sum_counts([m["spec_accept_per_position"] for m in metas])
+    assert 0 < len(want) <= 7  # NGRAM with 8 draft tokens drafts at most 7 deep
+    assert [b - a for a, b in zip(pos0, pos1, strict=True)] == want + [0] * (8 - len(want))
+    assert want[0] > 0  # drafts were accepted, so the counters really moved
+    info = spec_server.info()
+    assert info["spec_accepted_per_position"] == pos1[: len(info["spec_accepted_per_position"])]
+    assert info["spec_accept_rate_per_position"] == pytest.approx(
+        [c / steps1 for c in info["spec_accepted_per_position"]])
 
 
 def test_streaming_carries_multi_token_steps(spec_server, plain):

@@ -127,6 +127,21 @@ def test_metrics_ttft_and_inter_token_latency():
     text = m.render({"num_running_reqs": 3, "kv_usage": 0.25, "worker_pid": 99, "draining": False}).decode()
     assert "specserve:num_running_reqs 3.0" in text and "specserve:token_usage 0.25" in text
     assert "worker_pid" not in text and "draining" not in text
+    assert "spec_verify_steps" not in text  # no speculative counters without speculative decoding
+
+
+def test_metrics_export_speculative_counters():
+    m = ServerMetrics()
+    state = {"spec_verify_ct": 5, "spec_accepted_per_position": [3, 2, 0], "avg_spec_accept_length": 2.0}
+    m.render(state)
+    reg = m.registry
+    assert reg.get_sample_value("specserve:spec_verify_steps_total") == 5
+    per_pos = [reg.get_sample_value("specserve:spec_accepted_tokens_per_position_total", {"position": str(k)})
+               for k in (1, 2, 3, 4)]
+    assert per_pos == [3, 2, 0, None]
+    types = {f.name: f.type for f in reg.collect()}
+    assert types["specserve:spec_verify_steps"] == types["specserve:spec_accepted_tokens_per_position"] == "counter"
+    assert "specserve:avg_spec_accept_length 2.0" in m.render(state).decode()  # gauges stay
 
 
 def test_job_merges_piled_up_outputs(factory):
