@@ -1,5 +1,5 @@
-"""Command line: ``specserve generate``, ``specserve serve``, ``specserve build-token-map`` (and, as they land,
-benchmarks, training).
+"""Command line: ``specserve generate``, ``specserve serve``, ``specserve build-token-map``,
+``specserve eval-acceptance`` (and, as they land, benchmarks, training).
 
 Flags are generated from the ``ServerArgs`` dataclass (SGLang spelling, with SGLang's aliases), so the
 help text, the defaults and the validation live in one place.
@@ -153,7 +153,15 @@ def _demo_model_noted() -> str:
     return path
 
 
-COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "build-token-map": cmd_build_token_map}
+def cmd_eval_acceptance(argv: list[str]) -> int:
+    """``specserve eval-acceptance``: accept length / per-position rates and speed vs plain decoding."""
+    from specserve.bench.eval_acceptance import main as eval_main
+
+    return eval_main(argv)
+
+
+COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "build-token-map": cmd_build_token_map,
+            "eval-acceptance": cmd_eval_acceptance}
 
 
 def main(argv: list[str] | None = None) -> int:
