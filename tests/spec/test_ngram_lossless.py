@@ -87,6 +87,30 @@ def test_seeded_sampling_is_the_same_alone_batched_and_without_speculation(targe
     assert_drafting_happened([batch[1]], min_accept_length=2.0)
 
 
+@pytest.mark.parametrize("threshold_acc, rule", [(1.0, "verify_sampling_by_position"), (0.5, "verify_sampling")])
+def test_sampled_rows_use_position_coins_unless_thresholds_are_lossy(target, monkeypatch, threshold_acc, rule):
+    """Lossless thresholds: the position-coin rule (plain decoding's tokens); SGLang's lossy accept thresholds
+    need its running-sum rule."""
+    from specserve.scheduler import spec_decode
+
+    calls = []
+
+    def spy(name):
+        real = getattr(spec_decode, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name in ("verify_sampling", "verify_sampling_by_position"):
+        monkeypatch.setattr(spec_decode, name, spy(name))
+    with Engine(model_path=target, max_total_tokens=8192, speculative_accept_threshold_acc=threshold_acc,
+                **NGRAM) as e:
+        e.generate(REPETITIVE[:2], {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 1})
+    assert calls and set(calls) == {rule}
+
+
 def test_force_greedy_verify_env_is_lossy_argmax(target, plain, monkeypatch):
     """With the documented lossy switch, a sampled request is verified by argmax: its drafted tokens are judged
     greedily (so a temperature-1 request accepts drafts a lossless sampler would often reject)."""
