@@ -4,9 +4,15 @@ Pipeline for one decode step over B rows (V = vocabulary size):
     raw logits [B, V]
       -> apply_penalties_and_bias  (repetition, frequency, presence, logit_bias, min-tokens ban)
       -> probs_from_logits         (temperature, top_k, top_p, min_p; greedy rows one-hot)
-      -> torch.multinomial per row with that row's generator
-All tensors live on the logits' device; the only per-row Python loop is over the B rows (one multinomial call
-per seeded row, so a row's draws depend only on its own generator), never over the vocabulary.
+      -> sample_inverse_cdf        (rows with a generator: the coin of their output position)
+All tensors live on the logits' device; no Python loop runs over the vocabulary.
+
+Seeded randomness is keyed by position: the token a request samples at output position t (0 = its first
+generated token) uses the coin ``position_coin(seed, t)``, a pure function of the request's seed (its
+generator's ``initial_seed()``) and t, and is the first token in token-id order whose cumulative probability
+reaches the coin. So a seeded request's tokens depend neither on its batch mates nor on how its tokens were
+grouped into steps: lossless speculative verification (``verify_sampling_by_position``) uses the same coins and
+emits exactly the tokens plain decoding would. Rows without a generator use the global RNG (torch.multinomial).
 """
 
 from __future__ import annotations
@@ -24,6 +30,57 @@ def is_plain_greedy(p: SamplingParams, num_output: int) -> bool:
     its next token is then just the argmax, with no SamplingBatchInfo needed."""
     return (p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens)
+
+
+_U64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's stream increment (odd, 2^64 / golden ratio)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea & Flood, 2014): a bijection of 64-bit ints that scrambles bits."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def position_coin(seed: int, position: int) -> float:
+    """The uniform coin in (0, 1] of output position ``position`` (0-based) of a request seeded with ``seed``.
+
+    Value ``position + 1`` of a SplitMix64 stream whose state starts at mix(seed), as a 53-bit fraction: a pure
+    function (counter-based, no generator state), so the coin of a position never depends on how many coins
+    were drawn before it, by this request or any other."""
+    h = _mix64((_mix64(seed & _U64) + (position + 1) * _GOLDEN_GAMMA) & _U64)
+    return ((h >> 11) + 1) / 2**53
+
+
+def position_coins(generators: list[torch.Generator | None], positions: list[int], width: int,
+                   device: torch.device | str) -> Tensor:
+    """[B, width] float64 coins in (0, 1]: row b, column k is ``position_coin(seed_b, positions[b] + k)`` with
+    seed_b = ``generators[b].initial_seed()`` (the generator is only read, never advanced); rows whose generator
+    is None draw theirs from the global RNG."""
+    if len(positions) != len(generators):
+        raise ValueError(f"{len(positions)} positions for {len(generators)} generators")
+    out = torch.empty(len(generators), width, dtype=torch.float64, device=device)  # [B, width]
+    seeded = [b for b, g in enumerate(generators) if g is not None]
+    unseeded = [b for b, g in enumerate(generators) if g is None]
+    if seeded:
+        rows = torch.tensor(seeded, dtype=torch.int64, device=device)  # [S]
+        seeds = [(generators[b].initial_seed(), positions[b]) for b in seeded]
+        values = [[position_coin(seed, pos + k) for k in range(width)] for seed, pos in seeds]
+        out[rows] = torch.tensor(values, dtype=torch.float64, device=device).view(len(seeded), width)
+    if unseeded:
+        rows = torch.tensor(unseeded, dtype=torch.int64, device=device)  # [U]
+        out[rows] = 1.0 - torch.rand(len(unseeded), width, dtype=torch.float64, device=device)
+    return out
+
+
+def sample_inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """weights [B, V] >= 0 (probabilities, or unnormalised), u [B] in (0, 1] -> [B] int64: the first index, in
+    token-id order, whose cumulative weight reaches u * total (accumulated in float64). Since u > 0, the chosen
+    index always has a positive weight; with u uniform it is drawn with probability weight / total."""
+    cdf = weights.to(torch.float64).cumsum(dim=1)  # [B, V]
+    target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)  # [B, 1]; <= cdf[:, -1], so the index is in range
+    return torch.searchsorted(cdf, target).squeeze(1).clamp(max=weights.shape[1] - 1)
 
 
 def _effective_top_k(p: SamplingParams, vocab_size: int) -> int:
@@ -45,6 +102,7 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_min_p: bool
     generators: list[torch.Generator | None]  # per row; None for greedy rows (or: use the global RNG)
+    positions: list[int]  # per row: output tokens so far = the output position of the token sampled now
     vocab_size: int
     # Penalties: None when no row uses them, so the common path costs nothing.
     rep_penalties: Tensor | None = None  # [B, 1] float32
@@ -93,6 +151,7 @@ class SamplingBatchInfo:
             need_top_k=any(k < V for k, g in zip(top_ks, greedy, strict=True) if not g),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
             generators=[None if g else gen for gen, g in zip(generators, greedy, strict=True)],
+            positions=[len(out) for out in output_ids],
             vocab_size=V,
         )
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -217,9 +276,9 @@ def _apply_top_k_top_p_min_p(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
 def sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """Raw logits [B, V] -> next token ids [B] int64.
 
-    Greedy rows: argmax of the processed logits. Other rows: torch.multinomial on probs_from_logits, one call
-    per row that has its own generator (its draws depend on nothing else in the batch), one call for all rows
-    that use the global RNG.
+    Greedy rows: argmax of the processed logits. Rows with a generator: inverse CDF of probs_from_logits at the
+    coin of their output position (``position_coins``; it depends on nothing else in the batch). Rows without
+    one: one torch.multinomial call on the global RNG.
     """
     processed = apply_penalties_and_bias(logits, info)  # [B, V]
     next_ids = processed.argmax(dim=-1)  # [B]
@@ -228,9 +287,12 @@ def sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     probs = probs_from_logits(processed, info)  # [B, V]
     greedy = info.is_greedy.tolist()
     unseeded = [i for i, g in enumerate(greedy) if not g and info.generators[i] is None]
-    for i, (g, gen) in enumerate(zip(greedy, info.generators, strict=True)):
-        if not g and gen is not None:
-            next_ids[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    seeded = [i for i, g in enumerate(greedy) if not g and info.generators[i] is not None]
+    if seeded:
+        rows = torch.tensor(seeded, dtype=torch.int64, device=logits.device)  # [S]
+        coins = position_coins([info.generators[i] for i in seeded], [info.positions[i] for i in seeded], 1,
+                               logits.device)  # [S, 1]
+        next_ids[rows] = sample_inverse_cdf(probs[rows], coins.view(-1))
     if unseeded:
         rows = torch.tensor(unseeded, dtype=torch.int64, device=logits.device)  # [U]
         next_ids[rows] = torch.multinomial(probs[rows], 1).view(-1)

@@ -6,8 +6,10 @@ For B running requests with roots at positions P_b (= seq_len - 1, the root's KV
      columns: they are rewritten at commit); one TARGET_VERIFY forward at positions P_b + depth with the tree
      mask gives logits at every node;
   3. verification: greedy walk (argmax of the processed logits) for greedy rows, lossless tree sampling for the
-     others (``specserve.spec.verify``); the target distributions at each node are processed exactly as plain
-     decoding would at that point (penalties and min_new_tokens see the drafted path as already generated);
+     others (``specserve.spec.verify``; at the default thresholds with the plain sampler's position coins, so a
+     seeded request emits the tokens plain decoding would); the target distributions at each node are processed
+     exactly as plain decoding would at that point (penalties and min_new_tokens see the drafted path as already
+     generated);
   4. the new tokens (accepted drafts, then the bonus token) are appended one by one through the scheduler's own
      finish checks, so EOS / stop ids / stop strings / max_new_tokens / context length end the request exactly
      where plain decoding would; tokens past a finish are never emitted or counted;
@@ -28,13 +30,14 @@ from specserve.sampling.sampler import (
     apply_penalties_and_bias,
     compute_logprobs,
     is_plain_greedy,
+    position_coins,
     probs_from_logits,
 )
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.spec.accept_stats import add_step
 from specserve.spec.base import Proposer, VerifiedStep
 from specserve.spec.tree import DraftTree
-from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling
+from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling, verify_sampling_by_position
 
 if TYPE_CHECKING:
     from specserve.scheduler.scheduler import Scheduler
@@ -111,8 +114,12 @@ class SpecDecoder:
             return verify_greedy(tree, processed.argmax(dim=-1))
         B, N, V = processed.shape
         probs = probs_from_logits(processed.view(B * N, V), info).view(B, N, V)
-        sampled = verify_sampling(tree, probs, [r.generator for r in reqs],
-                                  self.threshold_single, self.threshold_acc)
+        gens = [r.generator for r in reqs]
+        if self.threshold_single == 1.0 and self.threshold_acc == 1.0:  # lossless: plain decoding's own coins
+            coins = position_coins(gens, [len(r.output_ids) for r in reqs], tree.max_depth + 1, self.device)
+            sampled = verify_sampling_by_position(tree, probs, coins)
+        else:
+            sampled = verify_sampling(tree, probs, gens, self.threshold_single, self.threshold_acc)
         if not any(greedy):
             return sampled
         # greedy rows: their probs are one-hot at the processed argmax, but they must not draw coins from a

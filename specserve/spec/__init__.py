@@ -9,7 +9,13 @@ from specserve.spec.tree import (
     expand_level,
     select_eagle_tree,
 )
-from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling, verify_sampling_with_coins
+from specserve.spec.verify import (
+    VerifyResult,
+    verify_greedy,
+    verify_sampling,
+    verify_sampling_by_position,
+    verify_sampling_with_coins,
+)
 
 __all__ = [
     "DraftTree",
@@ -22,5 +28,6 @@ __all__ = [
     "select_eagle_tree",
     "verify_greedy",
     "verify_sampling",
+    "verify_sampling_by_position",
     "verify_sampling_with_coins",
 ]

@@ -7,6 +7,8 @@ other method (lossless).
 - ``propose`` matches each request's recent tokens (suffix windows from the max match window down) and turns
   the matched continuations into a tree (at most N - 1 nodes below the root). A request with no match gets a
   root-only tree: its verify row is exactly a plain decode step (one token, no padding forwarded).
+- the cache's storage grows with use (``--speculative-ngram-capacity`` is a cap, not an allocation); a warning
+  names the flag when a full cache would take a large share of the machine's RAM (see ``ngram_cache``);
 - ``SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True`` (or ``SPECSERVE_NGRAM_FORCE_GREEDY_VERIFY``) verifies sampled
   requests by argmax, as SGLang does: faster acceptance, but NOT lossless for temperature > 0 (documented).
 """
@@ -19,7 +21,7 @@ import os
 import torch
 
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
-from specserve.spec.ngram_cache import NgramCache
+from specserve.spec.ngram_cache import NgramCache, capacity_memory_warning, physical_ram_bytes
 from specserve.spec.tree import DraftTree, build_tree
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ class NgramProposer(Proposer):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.cache = NgramCache.from_server_args(args, self.num_draft_tokens)
         self.window = args.speculative_ngram_max_match_window_size
+        warning = capacity_memory_warning(self.cache.capacity, self.cache.match_type, physical_ram_bytes())
+        if warning:
+            logger.warning("NGRAM: %s", warning)
         self.force_greedy_verify = force_greedy_verify_from_env()
         if self.force_greedy_verify:
             logger.warning("NGRAM: force-greedy verification is on: sampled requests are verified by argmax (lossy)")

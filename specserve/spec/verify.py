@@ -1,6 +1,16 @@
 """Verification of a draft tree against the target model: greedy walk and lossless tree sampling. Pure functions.
 
-Both walks start at the root and descend one level at a time: at the current node, a child may be accepted;
+Three rules, all walking the tree from the root:
+  - verify_greedy: argmax at every node;
+  - verify_sampling_by_position (what the scheduler uses for sampled requests at the default thresholds): the
+    token at each node is sampled with the coin of its OUTPUT POSITION, by inverse CDF in token-id order,
+    exactly as the plain sampler does (``specserve.sampling.sampler.position_coin``); a child carrying that
+    token is accepted. A seeded request therefore emits the very tokens of plain decoding with its seed,
+    whatever the draft (so whatever its batch mates, even when drafts come from a shared n-gram cache);
+  - verify_sampling: SGLang's rule (a coin per level compared with the children's running probability sum,
+    then a residual draw), which also supports the lossy accept thresholds.
+
+All walks start at the root and descend one level at a time: at the current node, a child may be accepted;
 the walk stops at the first node where none is, and the target then supplies one extra BONUS token at that last
 accepted node. A request therefore gains accept_len + 1 tokens per step (accepted draft tokens, then the bonus).
 Padding nodes (see specserve.spec.tree) are never children of anything and never accepted.
@@ -15,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specserve.sampling.sampler import sample_inverse_cdf
 from specserve.spec.tree import DraftTree
 
 
@@ -148,22 +159,53 @@ def _residual_probs(tree: DraftTree, target_probs: Tensor, last: Tensor) -> Tens
     return torch.where(empty, probs, residual)
 
 
-def _sample_inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
-    """weights [B, V] >= 0, u [B] in (0, 1] -> [B] int64: the first index whose cumulative weight reaches
-    u * total. Since u > 0, the chosen index always has a positive weight."""
-    cdf = weights.cumsum(dim=1)  # [B, V]
-    target = (u * cdf[:, -1]).unsqueeze(1)  # [B, 1]; <= cdf[:, -1], so the index is in range
-    return torch.searchsorted(cdf, target).squeeze(1).clamp(max=weights.shape[1] - 1)
-
-
 def verify_sampling_with_coins(tree: DraftTree, target_probs: Tensor, coins: Tensor,
                                threshold_single: float = 1.0, threshold_acc: float = 1.0) -> VerifyResult:
     """verify_sampling with given coins [B, D+1] in (0, 1] (D = tree.max_depth; column d = level d, column D =
     the bonus token): deterministic, for tests and for callers that draw their own coins."""
     accept_len, path, last = _walk(tree, _accept_mask(tree, target_probs, coins[:, :-1], threshold_single,
                                                       threshold_acc), coins.shape[1] - 1)
-    bonus = _sample_inverse_cdf(_residual_probs(tree, target_probs, last), coins[:, -1])  # [B]
+    bonus = sample_inverse_cdf(_residual_probs(tree, target_probs, last), coins[:, -1])  # [B]
     return _result(tree, accept_len, path, last, bonus)
+
+
+def verify_sampling_by_position(tree: DraftTree, target_probs: Tensor, coins: Tensor) -> VerifyResult:
+    """Lossless tree sampling that emits exactly what plain sampling with the same coins would.
+
+    target_probs [B, N, V]: the processed target distribution at each node (as for verify_sampling).
+    coins [B, D+1] float in (0, 1], D = tree.max_depth: column d is the coin of the step's d-th new token, i.e.
+    of output position (tokens generated so far) + d; the scheduler passes ``position_coins``.
+
+    Level d: the token after the current node is x = the inverse-CDF sample (token-id order) of the current
+    node's distribution at coin d. If a child of the current node carries x (siblings are distinct), it is
+    accepted and the walk goes on from it; otherwise x is the bonus token and the step ends (at a leaf, always).
+    Every emitted token is thus the plain sampler's token for its position given the tokens before it, so the
+    output is distributed exactly as the target's (lossless), and with position-keyed coins it is the same
+    sequence as plain decoding: the draft only decides how many of those tokens one step yields. A child is
+    accepted with probability = its token's target probability, as with verify_sampling; greedy (one-hot)
+    rows take the argmax path whatever their coins.
+
+    Cost: one [B, V] inverse CDF per level (D + 1 levels), never over all N nodes at once."""
+    B, D = tree.batch_size, coins.shape[1] - 1
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)  # [B]
+    child = _child_nodes(tree)  # [B, N]
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)  # [B] current node
+    active = torch.ones(B, dtype=torch.bool, device=dev)  # [B] still walking
+    bonus = torch.zeros(B, dtype=torch.int64, device=dev)  # [B]
+    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # [B, D+1]
+    path[:, 0] = 0
+    for d in range(D + 1):
+        x = sample_inverse_cdf(target_probs[rows, cur], coins[:, d].to(dev))  # [B]: the token after `cur`
+        match = child & (tree.parents == cur.unsqueeze(1)) & (tree.tokens == x.unsqueeze(1))  # [B, N]
+        step = active & match.any(dim=1)  # [B]
+        bonus = torch.where(active & ~step, x, bonus)
+        cur = torch.where(step, match.to(torch.uint8).argmax(dim=1), cur)
+        if d < D:
+            path[:, d + 1] = torch.where(step, cur, -1)
+        active = step
+    accept_len = (path[:, 1:] >= 0).sum(dim=1)  # [B]
+    return _result(tree, accept_len, path, cur, bonus)
 
 
 def verify_sampling(

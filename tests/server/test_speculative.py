@@ -114,25 +114,55 @@ def _seed_command_draft(algorithm: str, model_factory, tmp_path) -> tuple[str, l
     return target, ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", draft, *tree]
 
 
+def _chat_answer(target: str, log_path: str, flags: list[str], messages: list[dict], max_tokens: int) -> tuple:
+    """Launch a server with `flags`, ask one greedy chat completion through the official openai client (EOS
+    ignored, so exactly max_tokens are generated), stop it: (answer text, /get_server_info)."""
+    import openai
+
+    s = start_server(target, log_path, *flags)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        r = client.chat.completions.create(model=target, messages=messages, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == max_tokens
+        return r.choices[0].message.content, s.info()
+    finally:
+        terminate_process(s.proc)
+
+
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "MTP"])
 def test_seed_commands_answer_chat_completions(algorithm, model_factory, tmp_path):
     """The seed's launch commands (module name changed, tiny models) serve chat completions through the official
     openai client with the same greedy answer as plain decoding, and report accept metrics."""
-    import openai
-
     target, flags = _seed_command_draft(algorithm, model_factory, tmp_path)
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     answers = []
     for extra in ([], flags):
-        s = start_server(target, str(tmp_path / f"server{len(answers)}.log"), "--max-total-tokens", "4096", *extra)
-        try:
-            client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-            r = client.chat.completions.create(model=target, messages=messages, max_tokens=32, temperature=0,
-                                               extra_body={"ignore_eos": True})
-            answers.append(r.choices[0].message.content)
-            assert r.usage.completion_tokens == 32
-            info = s.info()
-        finally:
-            terminate_process(s.proc)
+        answer, info = _chat_answer(target, str(tmp_path / f"server{len(answers)}.log"),
+                                    ["--max-total-tokens", "4096", *extra], messages, 32)
+        answers.append(answer)
     assert answers[0] == answers[1]
     assert info["avg_spec_accept_length"] > 1.0 and info["spec_verify_ct"] > 0
+
+
+# The seed's NGRAM example, every flag as written (`--model Qwen/Qwen2.5-7B-Instruct` becomes the tiny target).
+# On CPU, --cuda-graph-max-bs is accepted and ignored (no CUDA graphs here) and --mem-fraction-static 0.8 sizes
+# the KV cache as a share of --cpu-memory-budget-gb; both are possible values, so nothing is changed.
+SEED_NGRAM_SPEC_FLAGS = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "16",
+                         "--speculative-ngram-max-match-window-size", "12", "--speculative-ngram-max-bfs-breadth", "10"]
+SEED_NGRAM_OTHER_FLAGS = ["--cuda-graph-max-bs", "8", "--mem-fraction-static", "0.8", "--log-level", "warning"]
+
+
+def test_seed_ngram_command_answers_chat_completions(target, tmp_path):
+    """The seed's NGRAM launch command answers the seed's chat request (greedy, 64 tokens) through the official
+    openai client with the answer of the same launch without speculation, and its accept metrics show drafted
+    tokens were accepted."""
+    messages = [{"role": "user", "content": "List 3 countries and their capitals."}]
+    plain, _ = _chat_answer(target, str(tmp_path / "plain.log"), SEED_NGRAM_OTHER_FLAGS, messages, 64)
+    answer, info = _chat_answer(target, str(tmp_path / "ngram.log"),
+                                SEED_NGRAM_SPEC_FLAGS + SEED_NGRAM_OTHER_FLAGS, messages, 64)
+    assert answer == plain
+    flags = ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_max_match_window_size",
+             "speculative_ngram_max_bfs_breadth", "cuda_graph_max_bs", "mem_fraction_static", "log_level")
+    assert [info[f] for f in flags] == ["NGRAM", 16, 12, 10, 8, 0.8, "warning"]
+    assert info["spec_verify_ct"] > 0 and info["avg_spec_accept_length"] > 1.0

@@ -9,12 +9,20 @@ node being expanded: breadth(1) = 3, breadth(2) = 2, breadth(3) = breadth(4) = 1
 from __future__ import annotations
 
 import random
+import time
+import tracemalloc
 
 import numpy as np
 import pytest
 
 from specserve.config import ServerArgs
-from specserve.spec.ngram_cache import NgramCache, bfs_breadth
+from specserve.spec.ngram_cache import (
+    BYTES_PER_NODE,
+    NgramCache,
+    bfs_breadth,
+    capacity_memory_warning,
+    full_cache_bytes,
+)
 
 
 def small(**overrides) -> NgramCache:
@@ -293,6 +301,72 @@ def test_random_inserts_keep_the_pool_bounded_and_trees_valid(match_type):
                 j = parents[j]
             path.reverse()
             assert any(cache.node_stats(seq[-w:] + path) for w in range(1, 4) if w <= len(seq))
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def test_default_capacity_costs_nothing_until_used_and_memory_follows_use():
+    """SGLang's default capacity (10M nodes, ~3.5 GB when full) allocates nothing up front; storage then grows
+    with the nodes actually created, at a per-node cost close to the documented measurement."""
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        cache = NgramCache(capacity=10_000_000)
+        built_s = time.perf_counter() - start
+        empty_bytes = tracemalloc.get_traced_memory()[0]
+        rng = random.Random(1)
+        cache.insert([rng.randrange(30_000) for _ in range(2000)])  # random text: ~18 new nodes per token
+        used_bytes = tracemalloc.get_traced_memory()[0] - empty_bytes
+    finally:
+        tracemalloc.stop()
+    assert built_s < 0.5 and empty_bytes < 16_384
+    assert cache.allocated_nodes == cache.num_nodes + 1 and 20_000 < cache.num_nodes < 40_000
+    per_node = used_bytes / cache.num_nodes
+    assert 0.5 * BYTES_PER_NODE["BFS"] < per_node < 1.5 * BYTES_PER_NODE["BFS"], per_node
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_storage_stops_growing_at_capacity(match_type):
+    # the cap still holds: once full, new nodes reuse evicted ids, so the lists stay at capacity + 1 entries
+    rng = random.Random(2)
+    cache = NgramCache(capacity=200, branch_length=5, min_window=1, max_window=3, match_type=match_type)
+    for _ in range(50):
+        cache.insert([rng.randrange(100) for _ in range(30)])
+        assert cache.num_nodes <= 200 and cache.allocated_nodes == cache.num_nodes + 1
+    assert cache.num_nodes == 200
+    cache._check_invariants()
+
+
+def test_capacity_memory_warning_names_the_flag_when_a_full_cache_is_too_big():
+    gib = 2**30
+    # 10M BFS nodes * 346 B = 3.46e9 B = 3.2 GiB: more than a quarter of 8 GiB, less than a quarter of 16 GiB
+    warning = capacity_memory_warning(10_000_000, "BFS", 8 * gib)
+    assert warning is not None and "--speculative-ngram-capacity 10000000" in warning and "3.2 GiB" in warning
+    assert capacity_memory_warning(10_000_000, "BFS", 16 * gib) is None
+    # a quarter of 15 GiB is 4.03e9 B: the BFS cache (3.46e9 B) fits, the PROB one (4.23e9 B) does not
+    assert capacity_memory_warning(10_000_000, "BFS", 15 * gib) is None
+    assert capacity_memory_warning(10_000_000, "PROB", 15 * gib) is not None
+    assert capacity_memory_warning(1_000_000, "PROB", 8 * gib) is None
+    assert capacity_memory_warning(10_000_000, "BFS", None) is None  # unknown RAM: nothing to compare with
+    assert full_cache_bytes(1000, "PROB") == 423_000
+
+
+def test_the_ngram_proposer_logs_the_warning(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from specserve.spec import ngram
+
+    args = ServerArgs(speculative_algorithm="NGRAM").validate()
+    runner = SimpleNamespace(device="cpu")
+    monkeypatch.setattr(ngram, "physical_ram_bytes", lambda: 2**30)
+    with caplog.at_level(logging.WARNING, logger="specserve.spec.ngram"):
+        ngram.NgramProposer(args, runner, alloc=None)
+    assert any("--speculative-ngram-capacity" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(ngram, "physical_ram_bytes", lambda: 1024 * 2**30)
+    with caplog.at_level(logging.WARNING, logger="specserve.spec.ngram"):
+        proposer = ngram.NgramProposer(args, runner, alloc=None)
+    assert not caplog.records and proposer.cache.capacity == 10_000_000
 
 
 def test_reset_empties_the_cache():

@@ -54,9 +54,7 @@ def test_chunked_prefill_radix_reuse_retraction(target, plain):
 
 def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, plain):
     """Sampled verification: top_k=1 must give the greedy output. Seeded runs repeat on a fresh engine with the
-    same workload (NGRAM drafts depend on the shared trie, i.e. on other requests, and the number of coins a
-    step draws depends on the draft, so unlike EAGLE a seeded NGRAM request is NOT reproducible across different
-    batch mates; its distribution is exact either way)."""
+    same workload."""
     sp = {"temperature": 1.0, "max_new_tokens": 30, "ignore_eos": True, "seed": 99}
     runs = []
     for _ in range(2):
@@ -66,6 +64,51 @@ def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, plain):
             assert_drafting_happened(outs)
             runs.append([o["output_ids"] for o in e.generate(REPETITIVE, sp)])
     assert runs[0] == runs[1]
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_without_speculation(target):
+    """A seeded request samples each output position with the coin of (seed, position), and lossless verification
+    uses those coins: with NGRAM its tokens equal plain decoding's, alone or among other requests, although its
+    drafts differ completely (alone on a fresh engine its sampled text matches nothing; afterwards the shared
+    trie holds that text, so in the batch whole runs of it are drafted and accepted)."""
+    sp = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 40, "ignore_eos": True, "seed": 99}
+    mates = [{"temperature": 0.8, "max_new_tokens": 40, "ignore_eos": True, "seed": 5 + i} for i in range(3)]
+    with Engine(model_path=target, max_total_tokens=8192) as e:
+        plain_ids = e.generate(REPETITIVE[1], sp)["output_ids"]
+    with Engine(model_path=target, max_total_tokens=8192, **NGRAM) as e:
+        alone = e.generate(REPETITIVE[1], sp)
+        batch = e.generate(REPETITIVE[:5], [mates[0], sp, *mates[1:], greedy(40)])
+        assert_no_kv_leak(e)
+        # the default --speculative-ngram-capacity (10M nodes) is a cap: storage holds only the nodes in use
+        cache = e.scheduler.spec.proposer.cache
+        assert cache.capacity == 10_000_000 and cache.allocated_nodes == cache.num_nodes + 1 < 20_000
+    assert alone["output_ids"] == batch[1]["output_ids"] == plain_ids
+    assert alone["meta_info"]["spec_accept_histogram"] != batch[1]["meta_info"]["spec_accept_histogram"]
+    assert_drafting_happened([batch[1]], min_accept_length=2.0)
+
+
+@pytest.mark.parametrize("threshold_acc, rule", [(1.0, "verify_sampling_by_position"), (0.5, "verify_sampling")])
+def test_sampled_rows_use_position_coins_unless_thresholds_are_lossy(target, monkeypatch, threshold_acc, rule):
+    """Lossless thresholds: the position-coin rule (plain decoding's tokens); SGLang's lossy accept thresholds
+    need its running-sum rule."""
+    from specserve.scheduler import spec_decode
+
+    calls = []
+
+    def spy(name):
+        real = getattr(spec_decode, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name in ("verify_sampling", "verify_sampling_by_position"):
+        monkeypatch.setattr(spec_decode, name, spy(name))
+    with Engine(model_path=target, max_total_tokens=8192, speculative_accept_threshold_acc=threshold_acc,
+                **NGRAM) as e:
+        e.generate(REPETITIVE[:2], {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 1})
+    assert calls and set(calls) == {rule}
 
 
 def test_force_greedy_verify_env_is_lossy_argmax(target, plain, monkeypatch):

@@ -5,7 +5,14 @@ import torch
 
 from specserve.sampling import SamplingBatchInfo, SamplingParams, sample
 from specserve.sampling import sampler as sampler_mod
-from specserve.sampling.sampler import apply_penalties_and_bias, compute_logprobs, probs_from_logits
+from specserve.sampling.sampler import (
+    apply_penalties_and_bias,
+    compute_logprobs,
+    position_coin,
+    position_coins,
+    probs_from_logits,
+    sample_inverse_cdf,
+)
 
 
 def make_info(params, vocab_size, generators=None, prompt_ids=None, output_ids=None, stop_ids=None):
@@ -133,9 +140,8 @@ def test_logit_bias_forces_and_bans():
     logits = torch.randn(2, 64)
     top = int(logits[1].argmax())
     params = [SamplingParams(logit_bias={"17": 100.0}), SamplingParams(logit_bias={top: -100.0})]
-    info = make_info(params, 64, generators=[gen(5), gen(6)])
-    for _ in range(200):
-        ids = sample(logits, info).tolist()
+    for i in range(200):  # a seed per draw: a seeded row's coin is fixed by (seed, output position)
+        ids = sample(logits, make_info(params, 64, generators=[gen(5 + 2 * i), gen(6 + 2 * i)])).tolist()
         assert ids[0] == 17
         assert ids[1] != top
     greedy = make_info([SamplingParams(temperature=0.0, logit_bias={"17": 100.0}),
@@ -157,9 +163,10 @@ def test_min_new_tokens_bans_stop_ids_until_reached():
     processed = apply_penalties_and_bias(logits, info)
     assert processed[0, eos] == float("-inf") and processed[0, stop] == float("-inf")
     # sampled rows too: eos never drawn before min_new_tokens
-    info = make_info([SamplingParams(min_new_tokens=3)], 5, generators=[gen(0)], output_ids=[[1]],
-                     stop_ids=[{eos}])
-    assert all(sample(logits, info).item() != eos for _ in range(300))
+    for seed in range(300):
+        info = make_info([SamplingParams(min_new_tokens=3)], 5, generators=[gen(seed)], output_ids=[[1]],
+                         stop_ids=[{eos}])
+        assert sample(logits, info).item() != eos
 
 
 # ---------------------------------------------------------------- temperature / top-k / top-p / min-p
@@ -239,16 +246,21 @@ def test_empirical_frequencies_within_6_sigma():
 
 
 def _draw_sequence(logits_for_row, seed, batch_position, mates):
-    """Samples 30 steps for one seeded row placed among `mates` (list of (params, generator, logits))."""
+    """Samples 30 steps for one seeded row placed among `mates` (list of (params, generator, logits)); every row
+    appends its token to its output, as the scheduler does."""
     g = gen(seed)
-    mate_gens = [(mp, mg, ml) for mp, mg, ml in mates]
     out = []
+    mate_outputs = [[] for _ in mates]
     for step in range(30):
-        rows = list(mate_gens)
+        rows = list(mates)
         rows.insert(batch_position, (SamplingParams(temperature=0.9, top_p=0.95), g, logits_for_row[step]))
-        info = make_info([r[0] for r in rows], logits_for_row.shape[-1], generators=[r[1] for r in rows])
-        ids = sample(torch.stack([r[2] for r in rows]), info)
-        out.append(ids[batch_position].item())
+        outputs = list(mate_outputs)
+        outputs.insert(batch_position, out)
+        info = make_info([r[0] for r in rows], logits_for_row.shape[-1], generators=[r[1] for r in rows],
+                         output_ids=[list(o) for o in outputs])
+        ids = sample(torch.stack([r[2] for r in rows]), info).tolist()
+        for o, tok in zip(outputs, ids, strict=True):
+            o.append(tok)
     return out
 
 
@@ -268,6 +280,68 @@ def test_seeded_sampling_independent_of_batch():
     assert alone == in_batch_first
     assert _draw_sequence(row_logits, 1235, 0, []) != alone
     assert _draw_sequence(row_logits, 1234, 0, []) == alone  # reproducible
+
+
+def test_splitmix64_matches_the_reference_stream():
+    # SplitMix64 started at state 0 (the reference splitmix64.c) outputs these three values first
+    stream = [sampler_mod._mix64(k * sampler_mod._GOLDEN_GAMMA & sampler_mod._U64) for k in (1, 2, 3)]
+    assert stream == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_position_coins_are_pure_in_range_and_leave_the_generator_alone():
+    g = gen(42)
+    state = g.get_state()
+    coins = position_coins([g, None, gen(42)], [5, 0, 6], 3, "cpu")  # [3, 3]
+    assert coins.shape == (3, 3) and coins.dtype == torch.float64
+    assert ((coins > 0) & (coins <= 1)).all()
+    assert coins[0].tolist() == [position_coin(42, t) for t in (5, 6, 7)]
+    assert coins[2, :2].tolist() == coins[0, 1:].tolist()  # the same (seed, position) gives the same coin
+    assert torch.equal(g.get_state(), state)  # read, not advanced
+    assert position_coin(42, 5) != position_coin(43, 5) and position_coin(42, 5) != position_coin(42, 4)
+    with pytest.raises(ValueError):
+        position_coins([g], [0, 1], 1, "cpu")
+
+
+def test_position_coins_are_uniform_and_uncorrelated():
+    n = 20_000
+    coins = torch.tensor([[position_coin(seed, t) for t in (0, 1)] + [position_coin(seed + 1, 0)]
+                          for seed in range(n)], dtype=torch.float64)  # [n, 3]
+    counts = torch.histc(coins[:, 0], bins=10, min=0.0, max=1.0).tolist()
+    sigma = math.sqrt(n * 0.1 * 0.9)
+    assert all(abs(c - n / 10) < 6 * sigma for c in counts), counts
+    corr = torch.corrcoef(coins.T)  # next position of the same seed; same position of the next seed (n > 1)
+    assert abs(corr[0, 1].item()) < 0.05 and abs(corr[0, 2].item()) < 0.05, corr
+
+
+def test_sample_inverse_cdf_by_hand():
+    # cumulative in token-id order: .5, .75, .875, 1 (exact in binary); boundaries are inclusive
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125]).expand(8, 4)
+    u = torch.tensor([1e-9, 0.5, 0.51, 0.75, 0.76, 0.875, 0.88, 1.0], dtype=torch.float64)
+    assert sample_inverse_cdf(p, u).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    # zero weights are never chosen; unnormalised weights work the same: [0, 2, 0, 2] -> cumulative .5, 1.0
+    w = torch.tensor([[0.0, 2.0, 0.0, 2.0]]).expand(3, 4)
+    assert sample_inverse_cdf(w, torch.tensor([1e-9, 0.5, 0.51])).tolist() == [1, 1, 3]
+
+
+def test_seeded_row_samples_at_the_coin_of_its_output_position():
+    # P4 at temperature 1: token 0 for coins <= .4, 1 up to .7, 2 up to .9, else 3
+    def by_hand(coin):
+        return next(tok for tok, edge in enumerate([0.4, 0.7, 0.9, 1.0]) if coin <= edge)
+
+    for seed in range(5):
+        for t in (0, 1, 7):
+            info = make_info([SamplingParams()], 4, generators=[gen(seed)], output_ids=[[2] * t])
+            assert sample(LOGITS4, info).item() == by_hand(position_coin(seed, t))
+
+
+def test_seeded_rows_follow_the_distribution():
+    # one row per seed (20000 seeds): the position-keyed coins give the target frequencies
+    n = 20_000
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    info = make_info([SamplingParams()] * n, 4, generators=[gen(s) for s in range(n)], output_ids=[[0]] * n)
+    counts = torch.bincount(sample(p.log().expand(n, 4), info), minlength=4).tolist()
+    for count, prob in zip(counts, p.tolist(), strict=True):
+        assert abs(count - n * prob) < 6 * math.sqrt(n * prob * (1 - prob)), (counts, p.tolist())
 
 
 # ---------------------------------------------------------------- logprobs
