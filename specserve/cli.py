@@ -16,6 +16,7 @@ import types
 import typing
 
 from specserve.config import ConfigError, ServerArgs, flag_name
+from specserve.train.cli import COMMANDS as TRAIN_COMMANDS
 
 ALIASES = {
     "model_path": ["--model"],
@@ -51,7 +52,8 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
 
 
 def demo_model_dir() -> str:
-    """A random-weight tiny Llama (until the trained demo family ships), built once into a cache folder."""
+    """A random-weight tiny Llama, built once into a cache folder: the fallback when the bundled demo weights are
+    absent (a source checkout before ``specserve build-demo``)."""
     from specserve.testing.tiny import make_model_dir
 
     root = os.path.join(os.path.expanduser("~"), ".cache", "specserve", "demo-random-llama")
@@ -60,6 +62,24 @@ def demo_model_dir() -> str:
         make_model_dir(root, "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                        max_position_embeddings=2048)
     return root
+
+
+def use_demo(ns: argparse.Namespace) -> None:
+    """No --model-path: the bundled demo target, drafting with its EAGLE-3 head unless the user chose an algorithm
+    (``--model-path demo`` serves it without speculation)."""
+    from specserve.demo_models import demo_available, demo_path
+
+    if not demo_available():
+        ns.model_path = demo_model_dir()
+        print("note: the bundled demo weights are missing (run `specserve build-demo`); using a random-weight model "
+              "whose text is gibberish", file=sys.stderr)
+        return
+    ns.model_path = demo_path("demo")
+    if ns.speculative_algorithm is None:
+        ns.speculative_algorithm = "EAGLE3"
+        ns.speculative_draft_model_path = demo_path("demo-eagle3")
+    print(f"note: no --model-path given: the bundled demo model, speculative algorithm "
+          f"{ns.speculative_algorithm}", file=sys.stderr)
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -72,8 +92,7 @@ def cmd_generate(argv: list[str]) -> int:
     add_server_args(p)
     ns = p.parse_args(argv)
     if ns.demo or ns.model_path is None:
-        ns.model_path = demo_model_dir()
-        print("note: the demo model has random weights; its text is gibberish", file=sys.stderr)
+        use_demo(ns)
     try:
         args = server_args_from(ns)
         from specserve.engine import Engine
@@ -100,7 +119,9 @@ def cmd_generate(argv: list[str]) -> int:
         engine.shutdown()
     dt = time.perf_counter() - start
     n = meta.get("completion_tokens", 0)
-    print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s, finish: {meta.get('finish_reason')}]", file=sys.stderr)
+    accept = f", accept length {meta['spec_accept_length']:.2f}" if "spec_accept_length" in meta else ""
+    print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s{accept}, finish: {meta.get('finish_reason')}]",
+          file=sys.stderr)
     return 0
 
 
@@ -143,14 +164,7 @@ def cmd_serve(argv: list[str]) -> int:
     """``specserve serve``: ``python -m specserve.launch_server``, serving the demo model without --model-path."""
     from specserve.launch_server import main as launch_main
 
-    return launch_main(argv, prog="specserve serve", default_model=_demo_model_noted)
-
-
-def _demo_model_noted() -> str:
-    path = demo_model_dir()
-    print("note: no --model-path given: serving the random-weight demo model (its text is gibberish)",
-          file=sys.stderr)
-    return path
+    return launch_main(argv, prog="specserve serve", default_model=use_demo)
 
 
 def cmd_eval_acceptance(argv: list[str]) -> int:
@@ -162,6 +176,7 @@ def cmd_eval_acceptance(argv: list[str]) -> int:
 
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "build-token-map": cmd_build_token_map,
             "eval-acceptance": cmd_eval_acceptance}
+COMMANDS.update(TRAIN_COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,8 +130,16 @@ class ServerArgs:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.enable_torch_compile:
             raise ConfigError("--enable-torch-compile is not available in this build yet (lands with the speed work)")
+        self._resolve_demo_names()
         self._validate_speculative()
         return self
+
+    def _resolve_demo_names(self) -> None:
+        """``demo``, ``demo-eagle3``, ... name the bundled demo family (``specserve.demo_models``)."""
+        from specserve.demo_models import resolve_demo
+
+        for name in ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_token_map"):
+            setattr(self, name, resolve_demo(getattr(self, name)))
 
     def _validate_speculative(self) -> None:
         if self.speculative_algorithm is None:

@@ -307,6 +307,9 @@ def _server_info(s: Scheduler) -> dict:
         st = s.stats
         info.update(
             speculative_algorithm=s.args.speculative_algorithm,
+            speculative_num_steps=s.args.speculative_num_steps,  # as resolved at load (defaults filled in)
+            speculative_eagle_topk=s.args.speculative_eagle_topk,
+            speculative_num_draft_tokens=s.args.speculative_num_draft_tokens,
             avg_spec_accept_length=st.avg_spec_accept_length,
             spec_verify_ct=st.spec_verify_ct,
             spec_accept_rate=st.spec_accepted_drafts / st.spec_drafted if st.spec_drafted else 0.0,

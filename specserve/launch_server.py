@@ -30,7 +30,8 @@ logger = logging.getLogger("specserve.server")
 DRAIN_TIMEOUT_S = 600
 
 
-def parse_args(argv: list[str] | None, prog: str, default_model: Callable[[], str] | None) -> ServerArgs:
+def parse_args(argv: list[str] | None, prog: str,
+               default_model: Callable[[argparse.Namespace], None] | None) -> ServerArgs:
     p = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (OpenAI-compatible API, "
                                 "SGLang's native /generate).")
     add_server_args(p)
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None, prog: str, default_model: Callable[[], st
     if ns.model_path is None:
         if default_model is None:
             raise ConfigError("--model-path is required")
-        ns.model_path = default_model()
+        default_model(ns)  # fills ns.model_path (and may choose speculative defaults)
     return server_args_from(ns)
 
 
@@ -125,7 +126,7 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m specserve.launch_server",
-         default_model: Callable[[], str] | None = None) -> int:
+         default_model: Callable[[argparse.Namespace], None] | None = None) -> int:
     try:
         args = parse_args(argv, prog, default_model)
     except ConfigError as e:

@@ -42,6 +42,7 @@ class RunResult:
     texts: list[str]
     metas: list[dict]  # meta_info per prompt
     seconds: float  # wall time of the generate calls
+    info: dict = dataclasses.field(default_factory=dict)  # the engine's get_server_info() after the run
 
     @property
     def completion_tokens(self) -> int:
@@ -103,7 +104,8 @@ def run_engine(args: ServerArgs, prompts: list[str], params: dict, batch_size: i
             start = time.perf_counter()
             outs += engine.generate(prompts[i : i + batch_size], params)
             seconds += time.perf_counter() - start
-    return RunResult([o["text"] for o in outs], [o["meta_info"] for o in outs], seconds)
+        info = engine.get_server_info()
+    return RunResult([o["text"] for o in outs], [o["meta_info"] for o in outs], seconds, info)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -194,8 +196,11 @@ def evaluate(ns: argparse.Namespace, args: ServerArgs) -> dict:
     plain = run_engine(plain_args(args), prompts, params, ns.batch_size)
     spec = run_engine(args, prompts, params, ns.batch_size)
     setup = {"model_path": args.model_path, "algorithm": args.speculative_algorithm,
-             "draft_model_path": args.speculative_draft_model_path, "num_steps": args.speculative_num_steps,
-             "eagle_topk": args.speculative_eagle_topk, "num_draft_tokens": args.speculative_num_draft_tokens,
+             "draft_model_path": args.speculative_draft_model_path,
+             "num_steps": spec.info.get("speculative_num_steps", args.speculative_num_steps),
+             "eagle_topk": spec.info.get("speculative_eagle_topk", args.speculative_eagle_topk),
+             "num_draft_tokens": spec.info.get("speculative_num_draft_tokens", args.speculative_num_draft_tokens),
+             "dtype": args.dtype,
              "prompts": ns.prompts, "batch_size": ns.batch_size, "max_new_tokens": ns.max_new_tokens,
              "temperature": ns.temperature, "ignore_eos": ns.ignore_eos}
     return summarize(plain, spec, setup)

@@ -68,7 +68,7 @@ def held_out_prompts(n: int = 16, context_chars: int = 600) -> list[str]:
             if DEF_LINE.match(line.rstrip("\n")):
                 start = max(0, offset - context_chars)
                 start = text.find("\n", start) + 1 if start else 0  # begin on a whole line
-                candidates.append(text[start:offset])
+                candidates.append(text[start:offset].rstrip("\n"))  # end at the colon: the model writes the newline
     if not candidates:
         raise RuntimeError("no held-out prompts found in the standard library")
     step = max(1, len(candidates) // n)

@@ -51,6 +51,11 @@ def lm_config(shape: LmShape, tokenizer, architecture: str = "LlamaForCausalLM",
     return cfg
 
 
+def default_work_dir(out_dir: str) -> str:
+    """Where a trainer keeps its resumable state unless told otherwise: OUT/.trainer."""
+    return os.path.join(out_dir, ".trainer")
+
+
 def build_model(config: dict, seed: int) -> nn.Module:
     """A freshly initialised specserve model for config (normal(0, 0.02) weights, unit norms)."""
     cls = resolve_architecture(config)
@@ -77,7 +82,7 @@ def lm_logits(model: nn.Module, ids: torch.Tensor, capture: tuple[int, ...] = ()
 
 
 def pretrain(config: dict, tokens: torch.Tensor, cfg: TrainConfig, out_dir: str, tokenizer_dir: str,
-             resume: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+             resume: bool = False, dtype: torch.dtype = torch.bfloat16, work_dir: str | None = None) -> dict:
     """Train a causal LM from scratch on tokens [N] (next-token cross-entropy) and export it to out_dir."""
     model = build_model(config, cfg.seed).to(cfg.device)
     tokens = tokens.to(cfg.device)
@@ -91,7 +96,7 @@ def pretrain(config: dict, tokens: torch.Tensor, cfg: TrainConfig, out_dir: str,
     def export(_step: int) -> None:
         export_lm(model, config, out_dir, dtype, tokenizer_dir)
 
-    return train(cfg, model, loss_fn, os.path.join(out_dir, ".trainer"), resume, export, desc="Pre-training")
+    return train(cfg, model, loss_fn, work_dir or default_work_dir(out_dir), resume, export, desc="Pre-training")
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None = None):
@@ -104,7 +109,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, mask: 
 
 def distill(teacher: nn.Module, config: dict, tokens: torch.Tensor, cfg: TrainConfig, out_dir: str,
             tokenizer_dir: str, resume: bool = False, dtype: torch.dtype = torch.bfloat16,
-            hard_weight: float = 0.1) -> dict:
+            hard_weight: float = 0.1, work_dir: str | None = None) -> dict:
     """Train a (smaller) causal LM to match the teacher's next-token distributions (a STANDALONE draft).
 
     loss = CE(teacher probs, student) + hard_weight * CE(data token, student)."""
@@ -126,11 +131,13 @@ def distill(teacher: nn.Module, config: dict, tokens: torch.Tensor, cfg: TrainCo
     def export(_step: int) -> None:
         export_lm(student, config, out_dir, dtype, tokenizer_dir)
 
-    return train(cfg, student, loss_fn, os.path.join(out_dir, ".trainer"), resume, export, desc="Distilling draft")
+    return train(cfg, student, loss_fn, work_dir or default_work_dir(out_dir), resume, export,
+                 desc="Distilling draft")
 
 
 def train_mtp(model: nn.Module, config: dict, tokens: torch.Tensor, cfg: TrainConfig, out_dir: str,
-              tokenizer_dir: str, resume: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+              tokenizer_dir: str, resume: bool = False, dtype: torch.dtype = torch.bfloat16,
+              work_dir: str | None = None) -> dict:
     """Train the MTP layers of a MiMo-style model (``model.mtp_layers``) with the trunk frozen.
 
     MTP layer 0 at position i reads the trunk's post-norm hidden at i and the token at i + 1 and learns the trunk's
@@ -164,4 +171,4 @@ def train_mtp(model: nn.Module, config: dict, tokens: torch.Tensor, cfg: TrainCo
     def export(_step: int) -> None:
         export_lm(model, config, out_dir, dtype, tokenizer_dir)
 
-    return train(cfg, model, loss_fn, os.path.join(out_dir, ".trainer"), resume, export, desc="Training MTP")
+    return train(cfg, model, loss_fn, work_dir or default_work_dir(out_dir), resume, export, desc="Training MTP")

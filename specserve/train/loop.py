@@ -34,6 +34,7 @@ class TrainConfig:
     device: str = "cpu"
     bf16: bool = True  # autocast matmuls to bf16 (master weights stay float32)
     progress: bool = True
+    stop_after: int | None = None  # end this run after that many steps (checkpointed; continue with resume)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -85,7 +86,8 @@ def train(cfg: TrainConfig, model: nn.Module, loss_fn: Callable[[int], tuple[tor
         opt.load_state_dict(state["optimizer"])
         start = state["step"]
     metrics: dict = {}
-    bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, disable=not cfg.progress,
+    stop = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+    bar = tqdm(range(start, stop), desc=desc, initial=start, total=cfg.steps, disable=not cfg.progress,
                dynamic_ncols=True)
     for step in bar:
         for group in opt.param_groups:
@@ -100,7 +102,7 @@ def train(cfg: TrainConfig, model: nn.Module, loss_fn: Callable[[int], tuple[tor
         metrics = {"loss": float(loss.detach()), **metrics}
         bar.set_postfix({k: f"{v:.3g}" for k, v in metrics.items()})
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if done % cfg.checkpoint_every == 0 or done == stop:
             torch.save({"step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
                         "config": asdict(cfg)}, state_path)
             if on_checkpoint is not None:
