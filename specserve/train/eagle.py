@@ -183,4 +183,4 @@ def train_eagle(target_path: str, tokens: torch.Tensor, opts: EagleOptions, cfg:
     _, eos_ids = target_vocab_and_eos(target_dir, tok)
     trainer = EagleTrainer(target, read_config(target_dir), opts, tokens.to(cfg.device), cfg.seed, eos_ids)
     return train(cfg, trainer.head, lambda step: trainer.loss(cfg, step), work_dir or default_work_dir(out_dir), resume,
-                 lambda _s: trainer.export(out_dir, dtype, target_dir), desc=f"Training {opts.algorithm} head")
+                 lambda _s: trainer.export(out_dir, dtype, None), desc=f"Training {opts.algorithm} head")
