@@ -245,7 +245,7 @@ class Workload:
 
 
 def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    from specserve.testing.tiny import SPECIAL_TOKENS
+    from specserve.train.tokenizer import SPECIAL_TOKENS
 
     return [rng.randrange(len(SPECIAL_TOKENS), min(vocab, TOKENIZER_VOCAB)) for _ in range(n)]
 

@@ -14,7 +14,7 @@ import sysconfig
 
 import torch
 
-from specserve.train.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401
+from specserve.train.tokenizer import train_tokenizer
 
 
 def corpus_text(max_chars: int = 200_000) -> str:

@@ -20,6 +20,7 @@ hardware has bf16, and stored in bf16.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from dataclasses import replace
@@ -87,8 +88,9 @@ class Build:
 
         return AutoTokenizer.from_pretrained(self.folder("demo"))
 
-    def tokens(self) -> torch.Tensor:
-        """The training token stream (cached in the work folder)."""
+    @functools.cached_property
+    def token_stream(self) -> torch.Tensor:
+        """The training token stream: tokenized once per build folder (cached in the work folder), read once per run."""
         cache = os.path.join(self.work, "tokens.pt")
         if os.path.isfile(cache):
             return torch.load(cache)
@@ -107,7 +109,7 @@ def stage_tokenizer(b: Build) -> None:
 
 
 def stage_target(b: Build) -> None:
-    tokens = b.tokens()
+    tokens = b.token_stream
     print(f"target: {tokens.numel():,} training tokens", file=sys.stderr)
     pretrain(lm_config(TARGET_SHAPE, b.tokenizer()), tokens, b.cfg("target"), b.folder("demo"), b.folder("demo"),
              resume=b.resume, work_dir=b.work_dir("target"))
@@ -119,7 +121,7 @@ def stage_eagle(b: Build, algorithm: str) -> None:
     name = "demo-eagle3" if algorithm == "EAGLE3" else "demo-eagle"
     # EAGLE3 unrolls as deep as the default Llama tree drafts (5 steps); EAGLE keeps EAGLE-1's single step
     opts = EagleOptions(algorithm, ttt_steps=5 if algorithm == "EAGLE3" else 1, draft_vocab_size=EAGLE3_DRAFT_VOCAB)
-    metrics = train_eagle(b.folder("demo"), b.tokens(), opts, b.cfg(algorithm.lower()), b.folder(name),
+    metrics = train_eagle(b.folder("demo"), b.token_stream, opts, b.cfg(algorithm.lower()), b.folder(name),
                           resume=b.resume, work_dir=b.work_dir(algorithm.lower()))
     print(f"{name}: {metrics}", file=sys.stderr)
 
@@ -137,7 +139,7 @@ def stage_draft(b: Build) -> None:
 
     cfg = b.cfg("draft")
     teacher, _, _ = load_model(b.folder("demo"), dtype="float32", device=cfg.device)
-    distill(teacher, lm_config(DRAFT_SHAPE, b.tokenizer()), b.tokens(), cfg, b.folder("demo-draft"),
+    distill(teacher, lm_config(DRAFT_SHAPE, b.tokenizer()), b.token_stream, cfg, b.folder("demo-draft"),
             b.folder("demo"), resume=b.resume, work_dir=b.work_dir("draft"))
 
 
@@ -148,11 +150,11 @@ def stage_mtp(b: Build) -> None:
     config = lm_config(MTP_SHAPE, b.tokenizer(), architecture="MiMoForCausalLM", mtp_layers=1)
     trunk_cfg, mtp_cfg = b.cfg("mtp-trunk"), b.cfg("mtp")
     work = b.work_dir("mtp-trunk")
-    pretrain(config, b.tokens(), trunk_cfg, b.folder("demo-mtp"), b.folder("demo"), resume=b.resume, work_dir=work)
+    pretrain(config, b.token_stream, trunk_cfg, b.folder("demo-mtp"), b.folder("demo"), resume=b.resume, work_dir=work)
     model = build_model(config, mtp_cfg.seed).to(mtp_cfg.device)
     state = torch.load(os.path.join(work, "trainer_state.pt"), map_location=mtp_cfg.device, weights_only=False)
     model.load_state_dict(state["model"])
-    train_mtp(model, config, b.tokens(), mtp_cfg, b.folder("demo-mtp"), b.folder("demo"), resume=b.resume,
+    train_mtp(model, config, b.token_stream, mtp_cfg, b.folder("demo-mtp"), b.folder("demo"), resume=b.resume,
               work_dir=b.work_dir("mtp"))
 
 
