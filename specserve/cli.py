@@ -174,8 +174,19 @@ def cmd_eval_acceptance(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _bench(module: str):
+    """A benchmark command living in ``specserve.bench.<module>`` (imported only when run)."""
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return importlib.import_module(f"specserve.bench.{module}").main(argv)
+
+    return run
+
+
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "build-token-map": cmd_build_token_map,
-            "eval-acceptance": cmd_eval_acceptance}
+            "eval-acceptance": cmd_eval_acceptance, "bench-speculative": _bench("bench_speculative"),
+            "bench-serving": _bench("bench_serving"), "bench-compare": _bench("bench_compare")}
 COMMANDS.update(TRAIN_COMMANDS)
 
 
