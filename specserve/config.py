@@ -69,8 +69,10 @@ class ServerArgs:
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error|critical."})
     enable_metrics: bool = field(default=False, metadata={"help": "Serve Prometheus metrics at /metrics."})
     # --- speed ---
-    enable_torch_compile: bool = field(default=False, metadata={"help": "Compile decode forwards."})
-    torch_compile_max_bs: int = field(default=32, metadata={"help": "Max batch size compiled."})
+    enable_torch_compile: bool = field(
+        default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
+    torch_compile_max_bs: int = field(
+        default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={"help": "Max batch size captured in CUDA graphs."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Turn off CUDA graphs."})
     disable_cpu_weight_packing: bool = field(
@@ -128,8 +130,6 @@ class ServerArgs:
             raise ConfigError(f"--cpu-memory-budget-gb must be > 0, got {self.cpu_memory_budget_gb}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
-        if self.enable_torch_compile:
-            raise ConfigError("--enable-torch-compile is not available in this build yet (lands with the speed work)")
         self._resolve_demo_names()
         self._validate_speculative()
         return self

@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer
 
 from specserve.config import ConfigError, ServerArgs
@@ -72,6 +73,11 @@ class SchedulerLoop:
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
+        # every tensor the scheduler makes is an inference tensor, so compiled forwards see one kind of input
+        with torch.inference_mode():
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.scheduler.has_work())
             if self._stop.is_set():
@@ -303,6 +309,10 @@ def _server_info(s: Scheduler) -> dict:
         "num_retractions": s.stats.num_retractions,
         "generated_tokens": s.stats.generated_tokens,
     }
+    cs = s.runner.compile_stats
+    if cs is not None:
+        info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
+                    torch_compile_calls=cs.compiled_calls)
     if s.spec is not None:
         st = s.stats
         info.update(

@@ -15,6 +15,7 @@ import torch
 from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
+from specserve.models.compile import CompileStats, compile_forward
 from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
@@ -44,6 +45,10 @@ class ModelRunner:
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(self.model)
+        self.compile_stats: CompileStats | None = None
+        if args.enable_torch_compile:  # the decoder stack; the LM head and prefill stay eager
+            self.compile_stats = CompileStats()
+            compile_forward(self.model.model, args.torch_compile_max_bs, self.compile_stats)
         self.context_len = self._context_len()
         args.resolve_speculative_defaults(self.spec.architecture)
         # speculation writes a draft tree / verify nodes past a request's last position

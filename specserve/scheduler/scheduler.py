@@ -27,6 +27,7 @@ import torch
 from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata, extend_batch, last_token_rows
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
+from specserve.models.compile import compile_forward
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
@@ -62,6 +63,7 @@ class SchedulerStats:
 
 
 class Scheduler:
+    @torch.inference_mode()  # pools, tables and weights are inference tensors, like everything made in step()
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None) -> None:
         self.args = args
         self.runner = runner or ModelRunner(args)
@@ -80,6 +82,9 @@ class Scheduler:
         self.spec: SpecDecoder | None = None
         if args.speculative_algorithm:
             self.spec = SpecDecoder(self, create_proposer(args, self.runner, self._alloc))
+            if self.runner.compile_stats is not None:
+                for module in self.spec.proposer.draft_modules():
+                    compile_forward(module, args.torch_compile_max_bs, self.runner.compile_stats)
         self.capture_layers = self.spec.proposer.capture_layers if self.spec else ()
         self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, spec tokens, verify count)
         self._slots_per_decode = self.spec.slots_per_request() if self.spec else 1
@@ -112,6 +117,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
+    @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
         """Run one forward (prefill if anything can be admitted, else decode)."""
         batch = self._select_prefill()

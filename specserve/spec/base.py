@@ -81,6 +81,10 @@ class Proposer(ABC):
     def release(self, req: Req) -> None:  # noqa: B027 - optional hook
         """Drop any per-request state (the request finished, was aborted or retracted)."""
 
+    def draft_modules(self) -> list:
+        """The draft networks whose ``forward(fb, ...)`` may be compiled (``--enable-torch-compile``)."""
+        return []
+
 
 PROPOSERS: dict[str, type] = {}
 

@@ -168,6 +168,9 @@ class EagleProposer(Proposer):
     def release(self, req) -> None:
         req.spec_state = None
 
+    def draft_modules(self) -> list:
+        return [self.head]
+
     # ------------------------------------------------------------------ drafting
     def propose(self, reqs) -> DraftTree:
         dev, K, B = self.device, self.topk, len(reqs)

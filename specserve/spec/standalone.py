@@ -65,6 +65,9 @@ class StandaloneProposer(EagleProposer):
     def draft_slots_per_request(self) -> int:
         return self.topk * (self.steps - 1) + 1  # tree scratch + the held root slot
 
+    def draft_modules(self) -> list:
+        return [self.head.model]  # the decoder stack (forward(fb)); the LM head runs on the kept rows only
+
     def _forward(self, fb, hidden) -> torch.Tensor:
         return self.head.model(fb)[0]  # final (normed) hidden [T, h]; no logits for rows we do not sample
 

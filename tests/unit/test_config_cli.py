@@ -44,7 +44,7 @@ def test_sglang_aliases_and_types():
     (["--port", "70000"], "--port"),
     (["--log-level", "loud"], "--log-level"),
     (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
-    (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--enable-torch-compile", "--torch-compile-max-bs", "0"], "--torch-compile-max-bs"),
 ])
 def test_bad_values_name_the_flag(argv, flag):
     with pytest.raises(ConfigError, match=f"^{flag}"):
