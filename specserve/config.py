@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
@@ -40,6 +41,11 @@ class ServerArgs:
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom code in HF configs."})
     dtype: str = field(default="auto", metadata={"help": "auto|float32|float16|bfloat16 (auto = checkpoint's)."})
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda (auto = cuda when available)."})
+    load_format: str = field(
+        default="auto",
+        metadata={"help": "auto|safetensors: read the checkpoint; dummy: random weights from config.json only "
+                          "(seeded; for benchmarks; also applied to the draft model)."},
+    )
     context_length: int | None = field(default=None, metadata={"help": "Max prompt+output tokens per request."})
     served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by the API."})
     chat_template: str | None = field(default=None, metadata={"help": "Jinja chat template file or string."})
@@ -111,6 +117,8 @@ class ServerArgs:
         self.dtype = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
         _choice(self, "dtype", DTYPES)
         _choice(self, "device", DEVICES)
+        self.load_format = self.load_format.lower()
+        _choice(self, "load_format", LOAD_FORMATS)
         _choice(self, "schedule_policy", SCHEDULE_POLICIES)
         self.log_level = self.log_level.lower()
         _choice(self, "log_level", LOG_LEVELS)

@@ -3,6 +3,10 @@
 The model is built on the ``meta`` device (no memory, no random init), materialised on the target device,
 then filled tensor by tensor from memory-mapped safetensors files, so an 8B checkpoint loads without a
 second copy in RAM. A tqdm bar shows progress for checkpoints above ~200 MB.
+
+``load_format="dummy"`` (SGLang's ``--load-format dummy``) reads config.json only and fills the weights with
+seeded random values on the target device, in the target dtype (``init_dummy_weights``): for benchmarks of
+shapes whose checkpoints are not at hand.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROGRESS_BAR_BYTES = 200 * 2**20
+DUMMY_STD = 0.02
 
 
 class ModelLoadError(RuntimeError):
@@ -77,7 +82,7 @@ def safetensors_files(model_dir: str) -> list[str]:
         os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")
     )
     if not files:
-        raise ModelLoadError(f"{model_dir!r} has no *.safetensors weights")
+        raise ModelLoadError(f"{model_dir!r} has no *.safetensors weights (--load-format dummy serves random weights)")
     return files
 
 
@@ -93,11 +98,32 @@ def iter_safetensors(files: list[str], desc: str = "Loading weights") -> Iterato
     bar.close()
 
 
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = DUMMY_STD) -> None:
+    """Fill a materialised model in place with seeded random values (load format ``dummy``), on its device:
+    matrices ~ N(0, std^2), norm weights 1, other vectors (biases) 0, integer buffers 0 (EAGLE-3's ``d2t``
+    becomes the identity draft -> target map)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # shared (tied) parameters come once
+            if p.dim() >= 2:
+                p.normal_(0.0, std, generator=gen)
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for b in model.buffers():
+            if not b.is_floating_point():
+                b.zero_()
+
+
 def load_model(model_path: str, dtype: str = "auto", device: str | torch.device = "cpu", revision=None,
-               registry: dict | None = None):
+               registry: dict | None = None, load_format: str = "auto", seed: int = 0):
     """-> (model in eval mode on device, its ModelSpec, the resolved folder).
 
     registry: architecture name -> class (default: the target-model registry; draft heads pass their own).
+    load_format: "auto" / "safetensors" read the checkpoint; "dummy" fills random weights (``init_dummy_weights``
+    with ``seed``) and needs only config.json.
     """
     model_dir = resolve_model_path(model_path, revision)
     cfg = read_config(model_dir)
@@ -109,6 +135,10 @@ def load_model(model_path: str, dtype: str = "auto", device: str | torch.device 
     model = model.to_empty(device=device).to(torch_dtype)
     model.tie_weights()  # to_empty breaks ties; tie again
     model.init_optional_weights()
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        logger.warning("load format dummy: %s has RANDOM weights (seed %d), for benchmarking", spec.architecture, seed)
+        return model.eval(), spec, model_dir
     loaded, unexpected = model.load_weights(iter_safetensors(safetensors_files(model_dir)))
     missing = sorted({name for name, _ in model.expected_weights() - loaded})
     if missing:

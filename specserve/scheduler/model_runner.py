@@ -40,7 +40,8 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         if args.num_threads and self.device.type == "cpu":
             torch.set_num_threads(args.num_threads)
-        self.model, self.spec, self.model_dir = load_model(args.model_path, args.dtype, self.device)
+        self.model, self.spec, self.model_dir = load_model(args.model_path, args.dtype, self.device,
+                                                           load_format=args.load_format, seed=args.random_seed)
         self.dtype = next(self.model.parameters()).dtype
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:

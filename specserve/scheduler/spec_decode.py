@@ -36,8 +36,15 @@ from specserve.sampling.sampler import (
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.spec.accept_stats import add_step
 from specserve.spec.base import Proposer, VerifiedStep
+from specserve.spec.simulate import AcceptSimulator
 from specserve.spec.tree import DraftTree
-from specserve.spec.verify import VerifyResult, verify_greedy, verify_sampling, verify_sampling_by_position
+from specserve.spec.verify import (
+    VerifyResult,
+    simulate_accept,
+    verify_greedy,
+    verify_sampling,
+    verify_sampling_by_position,
+)
 
 if TYPE_CHECKING:
     from specserve.scheduler.scheduler import Scheduler
@@ -51,6 +58,8 @@ class SpecDecoder:
         args = sched.args
         self.threshold_single = args.speculative_accept_threshold_single
         self.threshold_acc = args.speculative_accept_threshold_acc
+        # SPECSERVE_SIMULATE_ACC_LEN (benchmarking only, lossy): None = normal verification
+        self.simulator = AcceptSimulator.from_env(args.random_seed)
 
     def slots_per_request(self) -> int:
         """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
@@ -105,6 +114,9 @@ class SpecDecoder:
     # ------------------------------------------------------------------ verification
     def _verify(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         """logits [B, N, V] raw -> VerifyResult, every row judged against its own processed distribution."""
+        if self.simulator is not None:  # simulated accept lengths: the target's judgement is ignored
+            lens = self.simulator.sample(tree.batch_size, tree.max_depth + 1).to(self.device)  # [B]
+            return simulate_accept(tree, logits.argmax(dim=-1), lens)
         plain = [is_plain_greedy(r.params, len(r.output_ids)) for r in reqs]
         if all(plain):
             return verify_greedy(tree, logits.argmax(dim=-1))

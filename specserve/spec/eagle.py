@@ -77,6 +77,7 @@ class EagleProposer(Proposer):
         head, spec, self.head_dir = load_model(
             args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
             args.speculative_draft_model_revision, registry=self.head_registry,
+            load_format=args.load_format, seed=args.random_seed + 1,
         )
         self._check_head(head, spec)
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:

@@ -241,3 +241,25 @@ def verify_sampling(
         raise ValueError(f"thresholds must be in [0, 1], got single={threshold_single}, acc={threshold_acc}")
     coins = _draw_coins(tree, generators, target_probs.device)  # [B, D+1]
     return verify_sampling_with_coins(tree, target_probs, coins, threshold_single, threshold_acc)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Simulated acceptance (benchmarking only; see specserve.spec.simulate)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def simulate_accept(tree: DraftTree, target_ids: Tensor, accept_lens: Tensor) -> VerifyResult:
+    """LOSSY, for benchmarks: accept a prescribed number of drafted tokens whatever the target says.
+
+    accept_lens [B] int64 >= 1: tokens the step should yield per request, the bonus token included (SGLang's
+    ``SGLANG_SIMULATE_ACC_LEN`` convention), so accept_lens[b] - 1 drafted nodes are accepted: the first child
+    (index order) at each level, from the root down; fewer where that path ends sooner (a leaf, or a root-only
+    tree). target_ids [B, N] int64: the target's argmax per node; the bonus token is its value at the last
+    accepted node, as with verify_greedy."""
+    is_first_child = tree.first_child.gather(1, tree.parents.clamp(min=0)) == torch.arange(
+        tree.width, device=tree.tokens.device).view(1, -1)  # [B, N]
+    wanted = tree.depth <= (accept_lens.to(tree.depth.device) - 1).view(-1, 1)  # [B, N]: within the prescribed depth
+    ok = _child_nodes(tree) & is_first_child & wanted  # [B, N]
+    accept_len, path, last = _walk(tree, ok, tree.max_depth)
+    bonus = target_ids.gather(1, last.view(-1, 1)).view(-1)  # [B]
+    return _result(tree, accept_len, path, last, bonus)

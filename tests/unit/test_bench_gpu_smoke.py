@@ -1,0 +1,56 @@
+"""The GPU benchmark script runs end to end on CPU with --shape tiny (how CI checks it), and its flag errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.bench import bench_gpu
+from specserve.bench.report import read_jsonl
+
+
+def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "10", "--reps", "1",
+            "--warmup", "0", "--verify-sizes", "1,4,16", "--accept-lens", "2,3.5", "--steps", "4",
+            "--out-dir", str(out)]
+    assert bench_gpu.main(argv) == 0
+    rows = read_jsonl(str(out / "bench_gpu.jsonl"))
+    by_part: dict[str, list[dict]] = {}
+    for r in rows:
+        by_part.setdefault(r["part"], []).append(r)
+    assert by_part["setup"][0]["command"] == "python -m specserve.bench.bench_gpu " + " ".join(argv)
+    (plain,) = by_part["decode"]
+    cfg = json.loads((out / "models" / "tiny-target" / "config.json").read_text())
+    emb = cfg["vocab_size"] * cfg["hidden_size"] * 2  # bf16 input embedding table, not read by a decode step
+    assert plain["weight_bytes_read"] == plain["weight_bytes_all"] - emb
+    assert plain["limit_tokens_per_s"] == pytest.approx(4.8e12 / plain["weight_bytes_read"])
+    assert plain["tokens_per_s"] > 0 and plain["fraction_of_limit"] == pytest.approx(
+        plain["tokens_per_s"] / plain["limit_tokens_per_s"])
+    assert [r["num_tokens"] for r in by_part["verify"]] == [1, 4, 16]
+    assert all(r["forward_ms"] > 0 and r["relative_to_decode"] > 0 for r in by_part["verify"])
+    sim = by_part["simulated"]
+    assert [r["simulated_accept_length"] for r in sim] == [2.0, 3.5]
+    assert sim[0]["measured_accept_length"] == pytest.approx(2.0)  # 10 tokens in 5 steps of exactly 2
+    assert 10 / 4 <= sim[1]["measured_accept_length"] <= 10 / 3  # steps of 3 or 4 tokens: 3 or 4 steps
+    assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 for r in sim)
+    assert (out / "verify_cost.png").stat().st_size > 0 and (out / "simulated_throughput.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "python -m specserve.bench.bench_gpu --shape tiny" in printed and "| N draft tokens |" in printed
+
+
+@pytest.mark.parametrize("argv,flag", [(["--verify-sizes", "1,x"], "--verify-sizes"), (["--reps", "0"], "--reps"),
+                                       (["--accept-lens", "0.5"], "--accept-lens"), (["--skip", "nope"], "--skip"),
+                                       (["--shape", "70b"], "--shape")])
+def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
+    assert bench_gpu.main(argv) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_cuda_asked_without_cuda_exits_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main(["--device", "cuda", "--out-dir", str(tmp_path / "o")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
