@@ -305,7 +305,7 @@ async def _run(base_url: str, api_key: str | None, api: str, model: str, prompts
 
 
 def run_once(ns: argparse.Namespace, model: str, prompts: list[Prompt], params: dict, concurrency: int,
-             rate: float) -> tuple[dict, list[RequestRecord]]:
+             rate: float, label: str | None = None) -> tuple[dict, list[RequestRecord]]:
     """One measured run: flush the prefix cache, read the server state, send every prompt, read it again."""
     from tqdm import tqdm
 
@@ -313,7 +313,7 @@ def run_once(ns: argparse.Namespace, model: str, prompts: list[Prompt], params: 
     before = server_state(ns.base_url, ns.api_key)
     arrivals = arrival_times(len(prompts), rate, ns.seed)
     rate_label = "inf" if math.isinf(rate) else rate
-    with tqdm(total=len(prompts), desc=f"concurrency {concurrency}, rate {rate_label}", unit="req",
+    with tqdm(total=len(prompts), desc=label or f"concurrency {concurrency}, rate {rate_label}", unit="req",
               disable=ns.disable_tqdm, file=sys.stderr) as bar:
         records, duration = asyncio.run(_run(ns.base_url, ns.api_key, ns.api, model, prompts, params,
                                              concurrency, arrivals, bar))
@@ -327,7 +327,8 @@ def warm_up(ns: argparse.Namespace, model: str, prompts: list[Prompt], params: d
     if ns.warmup_requests <= 0:
         return
     warm = [prompts[i % len(prompts)] for i in range(ns.warmup_requests)]
-    _, records = run_once(ns, model, warm, params, concurrency=len(warm), rate=math.inf)
+    _, records = run_once(ns, model, warm, params, concurrency=len(warm), rate=math.inf,
+                          label="warm-up")
     failed = [r.error for r in records if not r.ok]
     if failed:
         print(f"warning: {len(failed)} warm-up request(s) failed, e.g. {failed[0]}", file=sys.stderr)
