@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ from specserve.bench.report import format_table, plot_bars, write_jsonl
 SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
 DTYPES = ("float32", "bfloat16")
 WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
+KV_MARGIN = 64  # KV slots beyond prompt + new tokens: room for a verify step's draft tokens
 
 
 @dataclass(frozen=True)
@@ -219,11 +220,10 @@ def render(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------- engines
 @dataclass
 class Loaded:
-    runners: dict  # config name -> RunFn
-    prepare: dict  # config name -> untimed step before each run
-    setup: dict  # "common" -> fields of every row; config name -> fields of that row
-    tokenizer: object
-    engines: list  # specserve Engines to shut down
+    runners: dict = field(default_factory=dict)  # config name -> RunFn
+    prepare: dict = field(default_factory=dict)  # config name -> untimed step before each run
+    setup: dict = field(default_factory=dict)  # "common" -> fields of every row; config name -> that row's fields
+    engines: list = field(default_factory=list)  # specserve Engines to shut down
 
 
 def resolve_path(path: str) -> str:
@@ -234,10 +234,9 @@ def resolve_path(path: str) -> str:
     return resolve_model_path(resolve_demo(path))
 
 
-def load_all(args: argparse.Namespace, threads: int) -> Loaded:
-    """The selected engines on one device: specserve Engines and transformers models, same dtype and threads."""
-    import transformers
-
+def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loaded) -> None:
+    """The selected engines on one device into `loaded`: specserve Engines (KV cache of kv_tokens) and
+    transformers models, same dtype and threads."""
     from specserve import Engine
     from specserve.bench.bench_core import load_hf
     from specserve.bench.bench_ngram import hf_runner, ours_prepare, ours_runner
@@ -248,22 +247,21 @@ def load_all(args: argparse.Namespace, threads: int) -> Loaded:
     target = resolve_path(args.model_path)
     draft = resolve_path(args.draft_model_path) if names & {"hf_assisted", "ours_standalone"} else None
     head = resolve_path(args.eagle3_path) if "ours_eagle3" in names else None
-    loaded = Loaded({}, {}, {"common": {"model_path": args.model_path, "dtype": args.dtype,
-                                        "max_new_tokens": args.max_new_tokens, "num_threads": threads,
-                                        "device": str(device)}},
-                    transformers.AutoTokenizer.from_pretrained(target), [])
+    loaded.setup["common"] = {"model_path": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+                              "num_threads": threads, "device": str(device)}
     n = args.max_new_tokens
-    drafts = {"ours_eagle3": head, "ours_standalone": draft}
+    drafts = {"ours_eagle3": head, "ours_standalone": draft}  # resolved folders; the rows keep the given names
+    given = {"ours_eagle3": args.eagle3_path, "ours_standalone": args.draft_model_path}
     for name, algorithm in ENGINE_ALGORITHM.items():
         if name not in names:
             continue
         _log(f"loading {BY_NAME[name].label} ...")
         kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name)} if algorithm else {}
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
-                        log_level="warning", **kw)
+                        max_total_tokens=kv_tokens, log_level="warning", **kw)
         loaded.engines.append(engine)
         loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n), ours_prepare(engine)
-        loaded.setup[name] = spec_setup(engine, drafts.get(name))
+        loaded.setup[name] = spec_setup(engine, given.get(name))
     if names & {"hf_plain", "hf_assisted", "hf_lookup"}:
         _log("loading transformers models ...")
         model, pad_id = load_hf(target, args.dtype)
@@ -278,7 +276,6 @@ def load_all(args: argparse.Namespace, threads: int) -> Loaded:
             loaded.runners["hf_assisted"] = hf_runner(model, pad_id, n, assistant=assistant)
             loaded.setup["hf_assisted"] = assisted_setup(assistant, args.draft_model_path)
     loaded.runners = {c.name: loaded.runners[c.name] for c in CONFIGS if c.name in loaded.runners}  # run order
-    return loaded
 
 
 def spec_setup(engine, draft_path: str | None) -> dict:
@@ -309,7 +306,7 @@ def assisted_setup(assistant, draft_path: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- command
 def run_bench(args: argparse.Namespace) -> list[dict]:
-    """Load, warm up, run every prompt through the configurations in turn -> the rows."""
+    """Tokenize, load, warm up, run every prompt through the configurations in turn -> the rows."""
     import transformers
 
     from specserve.bench.bench_ngram import run_set
@@ -318,13 +315,15 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     threads = args.num_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
-    loaded = load_all(args, threads)
+    encode = transformers.AutoTokenizer.from_pretrained(resolve_path(args.model_path)).encode
+    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts(args.num_prompts)]
+    warmup = encode(WARMUP_TEXT, add_special_tokens=True)
+    kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + KV_MARGIN  # batch 1: one request
+    loaded = Loaded()
     try:
-        encode = loaded.tokenizer.encode
-        prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts(args.num_prompts)]
+        load_all(args, threads, kv_tokens, loaded)
         _log(f"{len(prompts)} prompts x {len(loaded.runners)} configurations ({', '.join(loaded.runners)})")
-        tallies = run_set(loaded.runners, prompts, encode(WARMUP_TEXT, add_special_tokens=True), loaded.prepare,
-                          desc="prompts")
+        tallies = run_set(loaded.runners, prompts, warmup, loaded.prepare, desc="prompts")
     finally:
         for engine in loaded.engines:
             engine.shutdown()
