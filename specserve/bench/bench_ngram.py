@@ -13,7 +13,7 @@ then writes its own, often self-repeating, code: the JSON reports how many chara
 "open-ended" (``held_out_prompts``: code ending at a ``def`` line). Each prompt runs through the four engines
 in turn (a, b, c, d, so drift of a shared machine hits all alike); tokens/s = generated tokens / summed wall
 time of the generate calls (prefill included). Every engine is warmed up first; specserve's prefix cache is
-flushed before each prompt. NGRAM's trie is shared by all requests of one engine (as in SGLang), so later
+flushed (untimed) before each prompt. NGRAM's trie is shared by all requests of one engine (as in SGLang), so later
 prompts of a set may also draft from earlier ones; each set gets fresh engines (an empty trie).
 
     python -m specserve.bench.bench_ngram [--dtype float32|bfloat16] [--num-prompts 8] [--max-new-tokens 128]
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 SETS = ("repetitive", "open-ended")
 ENGINES = ("ours_plain", "ours_ngram", "hf_plain", "hf_lookup")
@@ -140,23 +141,35 @@ RunFn = Callable[[list[int]], tuple[list[int], int]]  # prompt ids -> (generated
 
 
 def ours_runner(engine, max_new_tokens: int) -> RunFn:
-    from specserve.bench.bench_core import flush_prefix_cache
-
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
 
     def run(ids: list[int]) -> tuple[list[int], int]:
-        flush_prefix_cache(engine)
         out = engine.generate(input_ids=ids, sampling_params=params)
         return out["output_ids"], out["meta_info"].get("spec_verify_ct", 0)
 
     return run
 
 
-def hf_runner(model, pad_id: int, max_new_tokens: int, lookup_tokens: int | None) -> RunFn:
-    extra = {} if lookup_tokens is None else {"prompt_lookup_num_tokens": lookup_tokens}
+def ours_prepare(engine) -> Callable[[], None]:
+    """The untimed step before each specserve run: flush the prefix cache, so every prompt is prefilled in full
+    (as in transformers)."""
+    from specserve.bench.bench_core import flush_prefix_cache
+
+    return lambda: flush_prefix_cache(engine)
+
+
+def hf_runner(model, pad_id: int, max_new_tokens: int, lookup_tokens: int | None = None,
+              assistant=None) -> RunFn:
+    """transformers greedy ``generate`` on one prompt: plain, prompt lookup (``lookup_tokens``) or assisted
+    generation (``assistant``: a draft LM with the target's tokenizer)."""
+    extra: dict = {}
+    if lookup_tokens is not None:
+        extra["prompt_lookup_num_tokens"] = lookup_tokens
+    if assistant is not None:
+        extra["assistant_model"] = assistant
 
     def run(ids: list[int]) -> tuple[list[int], int]:
-        x = torch.tensor([ids], dtype=torch.long)  # [1, L]
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, L]
         with torch.inference_mode():
             out = model.generate(  # [1, L + max_new_tokens]; eos_token_id=None: never stops early
                 input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
@@ -166,7 +179,10 @@ def hf_runner(model, pad_id: int, max_new_tokens: int, lookup_tokens: int | None
     return run
 
 
-def timed(run: RunFn, ids: list[int], tally: Tally) -> None:
+def timed(run: RunFn, ids: list[int], tally: Tally, prepare: Callable[[], None] | None = None) -> None:
+    """prepare() (untimed), then one timed run added to the tally."""
+    if prepare is not None:
+        prepare()
     start = time.perf_counter()
     out, verify = run(ids)
     tally.seconds += time.perf_counter() - start
@@ -175,14 +191,17 @@ def timed(run: RunFn, ids: list[int], tally: Tally) -> None:
     tally.outputs.append(out)
 
 
-def run_set(runners: dict[str, RunFn], prompts: list[list[int]], warmup: list[int]) -> dict[str, Tally]:
-    """Warm every engine up, then each prompt through the engines in turn (a, b, c, d, a, b, ...)."""
+def run_set(runners: dict[str, RunFn], prompts: list[list[int]], warmup: list[int],
+            prepare: dict[str, Callable[[], None]] | None = None, desc: str | None = None) -> dict[str, Tally]:
+    """Warm every engine up, then each prompt through the engines in turn (a, b, c, d, a, b, ...), each run
+    preceded by its engine's untimed prepare step if it has one; a progress bar over the prompts when desc."""
+    prepare = prepare or {}
     for run in runners.values():
         run(warmup)
     tallies = {name: Tally() for name in runners}
-    for ids in prompts:
+    for ids in tqdm(prompts, desc=desc, disable=desc is None, leave=False):
         for name, run in runners.items():
-            timed(run, ids, tallies[name])
+            timed(run, ids, tallies[name], prepare.get(name))
     return tallies
 
 
@@ -272,7 +291,8 @@ def bench_set(name: str, texts: list[str], args: argparse.Namespace, threads: in
                    "ours_ngram": ours_runner(ngram, args.max_new_tokens),
                    "hf_plain": hf_runner(hf_model, pad_id, args.max_new_tokens, None),
                    "hf_lookup": hf_runner(hf_model, pad_id, args.max_new_tokens, args.lookup_tokens)}
-        tallies = run_set(runners, prompts, encode(WARMUP_TEXT, add_special_tokens=True))
+        prepare = {"ours_plain": ours_prepare(plain), "ours_ngram": ours_prepare(ngram)}
+        tallies = run_set(runners, prompts, encode(WARMUP_TEXT, add_special_tokens=True), prepare, desc=name)
         copied = None
         if name == "repetitive":
             outs = [plain.tokenizer.decode(o, skip_special_tokens=True) for o in tallies["ours_plain"].outputs]

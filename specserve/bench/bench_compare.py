@@ -1,0 +1,371 @@
+"""``specserve bench-compare``: specserve vs transformers on the same model and prompts, side by side in one run.
+
+    specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path demo-eagle3]
+        [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
+        [--only plain,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
+
+Batch 1, greedy (temperature 0), exactly ``--max-new-tokens`` per prompt on both sides (specserve ``ignore_eos``;
+transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same prompt token ids, the same
+dtype and thread count for both engines. Configurations, in the order each prompt runs through them (so drift of
+a shared machine hits all alike), each compared with its counterpart:
+
+    transformers plain generate                      <- specserve plain decoding
+    transformers assisted generation (the draft LM)  <- specserve EAGLE-3 (its head) and specserve STANDALONE (the
+                                                        same draft LM); transformers cannot run an EAGLE-3 head
+    transformers prompt lookup (N tokens)            <- specserve NGRAM
+
+Our speculative flags stay at the engine's defaults (the resolved tree is printed); transformers' assisted
+generation keeps its defaults too. Every engine is warmed up first; specserve's prefix cache is flushed (untimed)
+before each prompt. tokens/s = generated tokens / summed wall time of the generate calls (prefill included).
+Written to ``--out-dir``: ``results.jsonl`` (one row per configuration), ``table.md`` and ``speedup.png`` (the
+speed-up ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.bench.report import format_table, plot_bars, write_jsonl
+
+SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
+DTYPES = ("float32", "bfloat16")
+WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
+KV_MARGIN = 64  # KV slots beyond prompt + new tokens: room for a verify step's draft tokens
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: its engine, what --only calls it, and which rows its ratios refer to."""
+
+    name: str
+    engine: str  # "specserve" | "transformers"
+    label: str
+    select: str  # its --only name
+    versus: str | None = None  # the transformers configuration it is compared with
+    plain: str | None = None  # the same engine's plain decoding (for the speculative ones)
+
+
+CONFIGS = (
+    Config("hf_plain", "transformers", "HF plain", "plain"),
+    Config("ours_plain", "specserve", "ours plain", "plain", versus="hf_plain"),
+    Config("hf_assisted", "transformers", "HF assisted", "assisted", plain="hf_plain"),
+    Config("ours_eagle3", "specserve", "ours EAGLE-3", "eagle3", versus="hf_assisted", plain="ours_plain"),
+    Config("ours_standalone", "specserve", "ours STANDALONE", "standalone", versus="hf_assisted", plain="ours_plain"),
+    Config("hf_lookup", "transformers", "HF lookup", "lookup", plain="hf_plain"),
+    Config("ours_ngram", "specserve", "ours NGRAM", "ngram", versus="hf_lookup", plain="ours_plain"),
+)
+BY_NAME = {c.name: c for c in CONFIGS}
+ENGINE_ALGORITHM = {"ours_plain": None, "ours_eagle3": "EAGLE3", "ours_standalone": "STANDALONE",
+                    "ours_ngram": "NGRAM"}
+
+TABLE_COLUMNS = (
+    ("label", "config", None), ("tokens", "tokens", None), ("seconds", "time (s)", ".2f"),
+    ("tokens_per_s", "tok/s", ".1f"), ("ratio_vs_plain", "vs own plain", ".2f"),
+    ("versus_label", "compared with", None), ("ratio_vs_versus", "vs transformers", ".2f"),
+    ("accept_length", "accept len", ".2f"), ("equal", "equal to HF plain", None),
+)
+
+
+# ---------------------------------------------------------------------------------------------- options
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # -> exit status 2 with the message (argparse's own messages name the flag)
+        self.print_usage(sys.stderr)
+        raise _BadFlag(message)
+
+
+class _BadFlag(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specserve bench-compare", description=__doc__.split("\n")[0].split(": ", 1)[-1])
+    p.add_argument("--model-path", default="demo", help="target (default: the bundled demo target)")
+    p.add_argument("--draft-model-path", default="demo-draft",
+                   help="draft LM for transformers' assisted generation and our STANDALONE (same tokenizer)")
+    p.add_argument("--eagle3-path", default="demo-eagle3", help="EAGLE-3 head for our EAGLE3")
+    p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (held_out_prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generated per prompt on both sides")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="both engines (always the same)")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens")
+    p.add_argument("--only", default=",".join(SELECTABLE),
+                   help=f"comma list of configurations to run, from {','.join(SELECTABLE)} (default: all)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    p.add_argument("--out-dir", default=None, help="default: bench_results/bench-compare-<timestamp>")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parsed and checked flags (raises _BadFlag naming the flag); args.only becomes the selected configs."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("num_prompts", "max_new_tokens", "lookup_tokens", "num_threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        args.only = selected_configs(args.only)
+    except ValueError as e:
+        p.error(f"--only: {e}")
+    if args.out_dir is None:
+        args.out_dir = f"bench_results/bench-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args
+
+
+def selected_configs(only: str) -> list[Config]:
+    """'plain,ngram' -> the configurations those names select, in run order (plain = both plain ones)."""
+    names = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(names - set(SELECTABLE))
+    if unknown or not names:
+        raise ValueError(f"unknown name(s) {unknown}; choose from {','.join(SELECTABLE)}")
+    return [c for c in CONFIGS if c.select in names]
+
+
+def _log(msg: str) -> None:
+    print(f"[bench-compare] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- rows
+def config_rows(tallies: dict, setup: dict) -> list[dict]:
+    """One JSON-ready row per measured configuration (tallies: name -> bench_ngram.Tally), with its ratios and
+    its greedy agreement with transformers plain."""
+    from specserve.bench.bench_core import compare_ids
+
+    rows = []
+    for c in CONFIGS:
+        if c.name not in tallies:
+            continue
+        t = tallies[c.name]
+        spec = c.engine == "specserve" and c.plain is not None
+        row = {"config": c.name, "label": c.label, "engine": c.engine, **setup["common"], **setup.get(c.name, {}),
+               "num_prompts": len(t.outputs), "tokens": t.tokens, "seconds": t.seconds,
+               "tokens_per_s": t.tokens_per_s,
+               "verify_steps": t.verify_steps if spec else None,
+               "accept_length": (t.tokens / t.verify_steps if t.verify_steps else None) if spec else None,
+               "equal_to_hf_plain": None, "first_mismatch_vs_hf_plain": None}
+        if c.name != "hf_plain" and "hf_plain" in tallies:
+            agree = compare_ids(t.outputs, tallies["hf_plain"].outputs)
+            row["equal_to_hf_plain"] = agree["rows_equal"]
+            row["first_mismatch_vs_hf_plain"] = agree["first_mismatch"]
+        rows.append(row)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Fill each row's ratios from the rows' own tokens_per_s: ratio_vs_versus (vs its transformers counterpart)
+    and ratio_vs_plain (vs the same engine's plain decoding); None where that row was not measured."""
+    tps = {r["config"]: r["tokens_per_s"] for r in rows}
+    for r in rows:
+        c = BY_NAME[r["config"]]
+        r["versus"] = c.versus
+        r["versus_label"] = BY_NAME[c.versus].label if c.versus else None
+        r["ratio_vs_versus"] = _ratio(tps, c.name, c.versus)
+        r["plain_ref"] = c.plain
+        r["ratio_vs_plain"] = _ratio(tps, c.name, c.plain)
+    return rows
+
+
+def _ratio(tps: dict[str, float], num: str, den: str | None) -> float | None:
+    if den is None or den not in tps or not tps[den]:
+        return None
+    return tps[num] / tps[den]
+
+
+def speedup_bars(rows: list[dict]) -> tuple[list[str], list[float]]:
+    """The bar chart's (labels, ratios): ours vs transformers first, then each engine's speculative vs plain."""
+    label = {r["config"]: r["label"] for r in rows}
+    versus = [(f"{r['label']} / {label[r['versus']]}", r["ratio_vs_versus"]) for r in rows
+              if r["ratio_vs_versus"] is not None]
+    own = [(f"{r['label']} / {label[r['plain_ref']]}", r["ratio_vs_plain"]) for r in rows
+           if r["ratio_vs_plain"] is not None]
+    pairs = versus + own
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def setup_lines(rows: list[dict]) -> list[str]:
+    """Header lines: the shared setup and each speculative configuration's resolved parameters."""
+    if not rows:
+        return []
+    r0 = rows[0]
+    lines = [f"specserve vs transformers: target {r0['model_path']}, {r0['dtype']} (both), batch 1, temperature 0, "
+             f"{r0['max_new_tokens']} new tokens x {r0['num_prompts']} held-out prompts, {r0['num_threads']} threads"]
+    for r in rows:
+        if r.get("speculative_num_steps") is not None:
+            lines.append(f"{r['label']}: steps {r['speculative_num_steps']}, topk {r['speculative_eagle_topk']}, "
+                         f"draft tokens {r['speculative_num_draft_tokens']} (engine defaults)"
+                         + (f", draft {r['draft_path']}" if r.get("draft_path") else ""))
+        if r.get("hf_num_assistant_tokens") is not None:
+            lines.append(f"{r['label']}: num_assistant_tokens {r['hf_num_assistant_tokens']} "
+                         f"({r['hf_num_assistant_tokens_schedule']}), confidence threshold "
+                         f"{r['hf_assistant_confidence_threshold']} (transformers defaults), draft {r['draft_path']}")
+        if r.get("lookup_tokens") is not None:
+            lines.append(f"{r['label']}: prompt_lookup_num_tokens={r['lookup_tokens']}")
+    return lines
+
+
+def render(rows: list[dict]) -> str:
+    """The printed/written report: setup lines, the table, how tok/s is measured."""
+    shown = [{**r, "equal": None if r["equal_to_hf_plain"] is None else f"{r['equal_to_hf_plain']}/{r['num_prompts']}"}
+             for r in rows]
+    return "\n".join([*setup_lines(rows), "", format_table(shown, TABLE_COLUMNS), "",
+                      "tok/s = generated tokens / summed wall time of the generate calls (prefill included); "
+                      "accept len = tokens / verify steps; equal = prompts whose greedy ids equal transformers plain"])
+
+
+# ---------------------------------------------------------------------------------------------- engines
+@dataclass
+class Loaded:
+    runners: dict = field(default_factory=dict)  # config name -> RunFn
+    prepare: dict = field(default_factory=dict)  # config name -> untimed step before each run
+    setup: dict = field(default_factory=dict)  # "common" -> fields of every row; config name -> that row's fields
+    engines: list = field(default_factory=list)  # specserve Engines to shut down
+
+
+def resolve_path(path: str) -> str:
+    """A demo name or hub id -> a local folder (as specserve resolves it)."""
+    from specserve.demo_models import resolve_demo
+    from specserve.models.loader import resolve_model_path
+
+    return resolve_model_path(resolve_demo(path))
+
+
+def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loaded) -> None:
+    """The selected engines on one device into `loaded`: specserve Engines (KV cache of kv_tokens) and
+    transformers models, same dtype and threads."""
+    from specserve import Engine
+    from specserve.bench.bench_core import load_hf
+    from specserve.bench.bench_ngram import hf_runner, ours_prepare, ours_runner
+    from specserve.scheduler.model_runner import resolve_device
+
+    device = resolve_device("auto")
+    names = {c.name for c in args.only}
+    target = resolve_path(args.model_path)
+    draft = resolve_path(args.draft_model_path) if names & {"hf_assisted", "ours_standalone"} else None
+    head = resolve_path(args.eagle3_path) if "ours_eagle3" in names else None
+    loaded.setup["common"] = {"model_path": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+                              "num_threads": threads, "device": str(device)}
+    n = args.max_new_tokens
+    drafts = {"ours_eagle3": head, "ours_standalone": draft}  # resolved folders; the rows keep the given names
+    given = {"ours_eagle3": args.eagle3_path, "ours_standalone": args.draft_model_path}
+    for name, algorithm in ENGINE_ALGORITHM.items():
+        if name not in names:
+            continue
+        _log(f"loading {BY_NAME[name].label} ...")
+        kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name)} if algorithm else {}
+        engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
+                        max_total_tokens=kv_tokens, log_level="warning", **kw)
+        loaded.engines.append(engine)
+        loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n), ours_prepare(engine)
+        loaded.setup[name] = spec_setup(engine, given.get(name))
+    if names & {"hf_plain", "hf_assisted", "hf_lookup"}:
+        _log("loading transformers models ...")
+        model, pad_id = load_hf(target, args.dtype)
+        model.to(device)
+        if "hf_plain" in names:
+            loaded.runners["hf_plain"] = hf_runner(model, pad_id, n)
+        if "hf_lookup" in names:
+            loaded.runners["hf_lookup"] = hf_runner(model, pad_id, n, lookup_tokens=args.lookup_tokens)
+            loaded.setup["hf_lookup"] = {"lookup_tokens": args.lookup_tokens}
+        if "hf_assisted" in names:
+            assistant = load_hf(draft, args.dtype)[0].to(device)
+            loaded.runners["hf_assisted"] = hf_runner(model, pad_id, n, assistant=assistant)
+            loaded.setup["hf_assisted"] = assisted_setup(assistant, args.draft_model_path)
+    loaded.runners = {c.name: loaded.runners[c.name] for c in CONFIGS if c.name in loaded.runners}  # run order
+
+
+def spec_setup(engine, draft_path: str | None) -> dict:
+    """Our speculative configuration as the engine resolved it (get_server_info)."""
+    info = engine.get_server_info()
+    if "speculative_algorithm" not in info:
+        return {}
+    return {"speculative_algorithm": info["speculative_algorithm"], "draft_path": draft_path,
+            "speculative_num_steps": info["speculative_num_steps"],
+            "speculative_eagle_topk": info["speculative_eagle_topk"],
+            "speculative_num_draft_tokens": info["speculative_num_draft_tokens"]}
+
+
+def assisted_setup(assistant, draft_path: str) -> dict:
+    """transformers' assisted-generation parameters as generate will use them (unset ones take its defaults)."""
+    from transformers import GenerationConfig
+
+    g, defaults = assistant.generation_config, GenerationConfig._get_default_generation_params()
+
+    def value(key: str):
+        v = getattr(g, key, None)
+        return defaults.get(key) if v is None else v
+
+    return {"draft_path": draft_path, "hf_num_assistant_tokens": value("num_assistant_tokens"),
+            "hf_num_assistant_tokens_schedule": value("num_assistant_tokens_schedule"),
+            "hf_assistant_confidence_threshold": value("assistant_confidence_threshold")}
+
+
+# ---------------------------------------------------------------------------------------------- command
+def run_bench(args: argparse.Namespace) -> list[dict]:
+    """Tokenize, load, warm up, run every prompt through the configurations in turn -> the rows."""
+    import transformers
+
+    from specserve.bench.bench_ngram import run_set
+    from specserve.train.corpus import held_out_prompts
+
+    threads = args.num_threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    encode = transformers.AutoTokenizer.from_pretrained(resolve_path(args.model_path)).encode
+    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts(args.num_prompts)]
+    warmup = encode(WARMUP_TEXT, add_special_tokens=True)
+    kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + KV_MARGIN  # batch 1: one request
+    loaded = Loaded()
+    try:
+        load_all(args, threads, kv_tokens, loaded)
+        _log(f"{len(prompts)} prompts x {len(loaded.runners)} configurations ({', '.join(loaded.runners)})")
+        tallies = run_set(loaded.runners, prompts, warmup, loaded.prepare, desc="prompts")
+    finally:
+        for engine in loaded.engines:
+            engine.shutdown()
+    return config_rows(tallies, loaded.setup)
+
+
+def write_outputs(rows: list[dict], out_dir: str) -> dict[str, str]:
+    """results.jsonl, table.md and speedup.png in out_dir -> their paths."""
+    import os
+
+    labels, values = speedup_bars(rows)
+    paths = {"jsonl": write_jsonl(rows, os.path.join(out_dir, "results.jsonl")),
+             "table": os.path.join(out_dir, "table.md")}
+    with open(paths["table"], "w") as f:
+        f.write(render(rows) + "\n")
+    paths["plot"] = plot_bars(labels, values, os.path.join(out_dir, "speedup.png"),
+                              title="specserve vs transformers: speed-up (tok/s ratio)", ylabel="ratio",
+                              reference=1.0)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specserve.config import ConfigError
+    from specserve.models.loader import ModelLoadError
+
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except _BadFlag as e:
+        print(f"specserve bench-compare: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    try:
+        rows = run_bench(args)
+    except (ConfigError, ModelLoadError, OSError) as e:
+        print(f"specserve bench-compare: error: {e}", file=sys.stderr)
+        return 2
+    print(render(rows))
+    for kind, path in write_outputs(rows, args.out_dir).items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

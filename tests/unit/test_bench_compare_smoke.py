@@ -1,0 +1,72 @@
+"""`specserve bench-compare` end to end on tiny models, plus its pure helpers on hand-made rows."""
+
+import pytest
+
+from specserve.bench.bench_compare import add_ratios, main, selected_configs, speedup_bars
+from specserve.bench.report import read_jsonl
+from specserve.cli import main as cli_main
+from specserve.testing.tiny import make_eagle3_head_dir
+
+ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle3", "ours_standalone", "hf_lookup", "ours_ngram"]
+
+
+def test_selected_configs_maps_names_in_run_order():
+    assert [c.name for c in selected_configs("ngram, plain")] == ["hf_plain", "ours_plain", "ours_ngram"]
+    assert [c.name for c in selected_configs("plain,assisted,eagle3,standalone,lookup,ngram")] == ALL
+    with pytest.raises(ValueError, match="eagle"):
+        selected_configs("plain,eagle")
+
+
+def test_ratios_and_bars_from_hand_made_rows():
+    rows = add_ratios([{"config": "hf_plain", "label": "HF plain", "tokens_per_s": 100.0},
+                       {"config": "ours_plain", "label": "ours plain", "tokens_per_s": 150.0},
+                       {"config": "hf_assisted", "label": "HF assisted", "tokens_per_s": 80.0},
+                       {"config": "ours_eagle3", "label": "ours EAGLE-3", "tokens_per_s": 240.0}])
+    r = {x["config"]: x for x in rows}
+    assert r["ours_plain"]["ratio_vs_versus"] == 1.5 and r["ours_plain"]["ratio_vs_plain"] is None
+    assert r["ours_eagle3"]["ratio_vs_versus"] == 3.0 and r["ours_eagle3"]["ratio_vs_plain"] == 1.6
+    assert r["hf_assisted"]["ratio_vs_plain"] == 0.8 and r["hf_assisted"]["ratio_vs_versus"] is None
+    assert r["hf_plain"]["ratio_vs_versus"] is None and r["hf_plain"]["ratio_vs_plain"] is None
+    labels, values = speedup_bars(rows)
+    assert labels == ["ours plain / HF plain", "ours EAGLE-3 / HF assisted", "HF assisted / HF plain",
+                      "ours EAGLE-3 / ours plain"]
+    assert values == [1.5, 3.0, 0.8, 1.6]
+
+
+def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
+    head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
+    out = tmp_path / "out"
+    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--draft-model-path", llama_dir,
+                   "--eagle3-path", head, "--num-prompts", "2", "--max-new-tokens", "8", "--num-threads", "1",
+                   "--lookup-tokens", "3", "--out-dir", str(out)])
+    assert rc == 0
+    rows = read_jsonl(str(out / "results.jsonl"))
+    assert [r["config"] for r in rows] == ALL
+    tps = {r["config"]: r["tokens_per_s"] for r in rows}
+    for r in rows:
+        assert r["num_prompts"] == 2 and r["tokens"] == 16 and r["dtype"] == "float32"
+        assert abs(r["tokens_per_s"] - r["tokens"] / r["seconds"]) < 1e-6
+        if r["config"] != "hf_plain":
+            assert r["equal_to_hf_plain"] == 2  # float32: every engine's greedy ids equal transformers plain
+        if r["engine"] == "specserve" and r["config"] != "ours_plain":
+            assert 1.0 <= r["accept_length"] <= r["speculative_num_draft_tokens"]
+            assert r["ratio_vs_plain"] == pytest.approx(tps[r["config"]] / tps["ours_plain"])
+    by = {r["config"]: r for r in rows}
+    assert by["ours_plain"]["ratio_vs_versus"] == pytest.approx(tps["ours_plain"] / tps["hf_plain"])
+    for name in ("ours_eagle3", "ours_standalone"):
+        assert by[name]["ratio_vs_versus"] == pytest.approx(tps[name] / tps["hf_assisted"])
+    assert by["ours_ngram"]["ratio_vs_versus"] == pytest.approx(tps["ours_ngram"] / tps["hf_lookup"])
+    assert by["hf_lookup"]["ratio_vs_plain"] == pytest.approx(tps["hf_lookup"] / tps["hf_plain"])
+    assert by["hf_lookup"]["lookup_tokens"] == 3 and by["hf_assisted"]["hf_num_assistant_tokens"] >= 1
+    assert (out / "speedup.png").stat().st_size > 1000
+    table = (out / "table.md").read_text()
+    printed = capsys.readouterr().out
+    assert "| ours EAGLE-3 |" in table and table.strip() in printed and str(out / "speedup.png") in printed
+
+
+@pytest.mark.parametrize("argv, flag", [(["--num-prompts", "0"], "--num-prompts"),
+                                        (["--only", "plain,turbo"], "--only"),
+                                        (["--dtype", "float64"], "--dtype"), (["--bogus"], "--bogus")])
+def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
+    assert main(argv) == 2
+    assert flag in capsys.readouterr().err
