@@ -155,8 +155,8 @@ def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: li
             continue
         shape = TreeShape(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
         if shape in seen:
-            skipped.append({**asked, "reason": f"same as steps {seen[shape][0]} topk {seen[shape][1]} draft "
-                                               f"{seen[shape][2]} after validation ({shape.label})"})
+            first = "steps {} topk {} draft {}".format(*seen[shape])
+            skipped.append({**asked, "reason": f"validation makes it {shape.label}, already measured (from {first})"})
             continue
         seen[shape] = (s, k, n)
         configs.append((shape, args))

@@ -29,7 +29,7 @@ def test_expand_grid_skips_invalid_and_normalized_duplicates():
     assert [(c.steps, c.topk, c.num_draft_tokens) for c, _ in configs] == [(1, 1, 2), (1, 2, 2), (2, 1, 3),
                                                                            (2, 2, 2), (2, 2, 4)]
     assert [(s["steps"], s["topk"], s["num_draft_tokens"]) for s in skipped] == [(1, 1, 4), (1, 2, 4), (2, 1, 4)]
-    assert "same as steps 1 topk 1 draft 2" in skipped[0]["reason"]
+    assert "makes it steps 1 topk 1 draft 2, already measured (from steps 1 topk 1 draft 2)" in skipped[0]["reason"]
     assert "--speculative-num-draft-tokens 4 exceeds" in skipped[1]["reason"]
     assert all(a.speculative_num_draft_tokens == c.num_draft_tokens for c, a in configs)
 
@@ -38,7 +38,7 @@ def test_expand_grid_ngram_keeps_only_draft_tokens():
     base = ServerArgs(speculative_algorithm="NGRAM").validate()
     configs, skipped = bs.expand_grid(base, [1, 3], [1], [4, 8])
     assert [c.label for c, _ in configs] == ["draft 4", "draft 8"]
-    assert len(skipped) == 2 and all("same as" in s["reason"] for s in skipped)
+    assert len(skipped) == 2 and all("already measured" in s["reason"] for s in skipped)
 
 
 def test_prompts_for_batch_cycles_to_a_multiple_of_the_batch():
