@@ -1,0 +1,380 @@
+"""``specserve bench-speculative``: sweep the draft tree shape and the batch size with the offline Engine.
+
+    specserve bench-speculative                                   # demo target + its EAGLE-3 head
+    specserve bench-speculative --model-path TARGET --speculative-algorithm EAGLE \\
+        --speculative-draft-model-path DRAFT --batch-size 1,4,16 --steps 1,3,5 --topk 1,2,4 \\
+        --num-draft-tokens 4,8,16 --num-prompts 8 --max-new-tokens 64 --reps 1 [--out-dir DIR]
+
+Every (``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``) combination
+of the grid goes through ``ServerArgs.validate``: the ones it rejects are skipped with its message, and the ones
+it normalizes into an earlier one (topk 1 forces draft tokens = steps + 1) are skipped as duplicates. The plain
+engine (the same server flags, no speculation) is always measured too. One Engine is built per configuration,
+warmed up once, and runs every batch size; a batch of size b is b prompts submitted in one ``generate`` call,
+``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size the prompts
+(``held_out_prompts``, cycled) are ``max(--num-prompts, b)`` rounded up to a multiple of b; the prefix cache is
+flushed before each of the ``--reps`` passes over them.
+
+Figures per (batch size, configuration):
+
+- ``tokens_per_s``: completion tokens / wall time of the generate calls (prefill included), median of the reps;
+- ``speedup``: tokens_per_s / the plain engine's at the same batch size, measured in the same run;
+- ``accept_length``: completion tokens / verify steps (``meta_info``: the prefill's token counts, as in SGLang);
+- ``step_ms``: wall time spent inside the scheduler's decode steps / their number (every rep): for a speculative
+  engine one step is drafting + the verify forward + acceptance; prefill steps are not in it. ``verify_ms`` and
+  ``draft_ms`` split it (verify forward; ``propose`` + ``after_verify``).
+
+The best configuration per batch size is the one with the highest tokens/s, the plain engine included.
+Written to ``--out-dir``: ``results.jsonl`` (one row per measurement), ``results.md`` (the table),
+``summary.json`` (best per batch size, skipped configurations), ``tokens_per_s.png`` and ``speedup.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from specserve.config import ConfigError, ServerArgs
+
+COMMAND = "bench-speculative"
+SIMULATE_ENV = ("SPECSERVE_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_LEN")
+TABLE_COLUMNS = (
+    ("batch_size", "batch", None), ("config", "config", None), ("accept_length", "accept len", ".2f"),
+    ("step_ms", "decode step ms", ".2f"), ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speed-up", ".2f"),
+    ("best_mark", "best", None),
+)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A point of the grid after validation; all None = the plain engine (no speculation)."""
+
+    steps: int | None = None
+    topk: int | None = None
+    num_draft_tokens: int | None = None
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.steps is None and self.num_draft_tokens is None
+
+    @property
+    def label(self) -> str:
+        if self.is_baseline:
+            return "baseline"
+        if self.steps is None:  # NGRAM: only the node budget matters
+            return f"draft {self.num_draft_tokens}"
+        return f"steps {self.steps} topk {self.topk} draft {self.num_draft_tokens}"
+
+
+BASELINE = TreeShape()
+
+
+# ---------------------------------------------------------------------------------------------- options
+def parse_int_list(text: str, flag: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16] (order kept, duplicates dropped); ConfigError naming the flag otherwise."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} takes comma-separated integers >= 1, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from specserve.cli import add_server_args
+
+    p = argparse.ArgumentParser(prog=f"specserve {COMMAND}", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("sweep")
+    g.add_argument("--batch-size", default="1,4,16", help="batch sizes, comma list (default: 1,4,16)")
+    g.add_argument("--steps", default="1,3,5", help="--speculative-num-steps values (default: 1,3,5)")
+    g.add_argument("--topk", default="1,2,4", help="--speculative-eagle-topk values (default: 1,2,4)")
+    g.add_argument("--num-draft-tokens", default="4,8,16",
+                   help="--speculative-num-draft-tokens values (default: 4,8,16)")
+    g.add_argument("--num-prompts", type=int, default=8,
+                   help="held-out prompts per batch size (at least the batch size; they cycle; default: 8)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--reps", type=int, default=1, help="timed passes per measurement (median tok/s; default: 1)")
+    g.add_argument("--out-dir", default=None, help=f"default: bench_results/{COMMAND}-<timestamp>")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_server_args(p)
+    p.set_defaults(log_level="warning")  # engine progress lines would break the progress bar
+    return p.parse_args(argv)
+
+
+def check_args(ns: argparse.Namespace) -> dict[str, list[int]]:
+    """The grid lists; ConfigError naming the bad flag."""
+    for name in ("num_prompts", "max_new_tokens", "reps"):
+        if getattr(ns, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {ns.temperature}")
+    return {"batch_sizes": parse_int_list(ns.batch_size, "--batch-size"), "steps": parse_int_list(ns.steps, "--steps"),
+            "topk": parse_int_list(ns.topk, "--topk"),
+            "num_draft_tokens": parse_int_list(ns.num_draft_tokens, "--num-draft-tokens")}
+
+
+def base_args(ns: argparse.Namespace) -> ServerArgs:
+    """Server arguments from the flags; no --model-path = the bundled demo target with its EAGLE-3 head."""
+    from specserve.cli import server_args_from, use_demo
+
+    if ns.model_path is None:
+        use_demo(ns)
+    if ns.speculative_algorithm is None:
+        raise ConfigError("--speculative-algorithm is required with --model-path (the sweep compares it with plain "
+                          "decoding)")
+    tree = {"speculative_num_steps": None, "speculative_eagle_topk": None, "speculative_num_draft_tokens": None}
+    return server_args_from(argparse.Namespace(**{**vars(ns), **tree}))  # the grid sets the tree shape
+
+
+# ---------------------------------------------------------------------------------------------- grid
+def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: list[int]
+                ) -> tuple[list[tuple[TreeShape, ServerArgs]], list[dict]]:
+    """Validated (shape, server args) per distinct grid point, in grid order, and the skipped points with why."""
+    configs: list[tuple[TreeShape, ServerArgs]] = []
+    skipped: list[dict] = []
+    seen: dict[TreeShape, tuple] = {}
+    ngram = base.speculative_algorithm == "NGRAM"
+    for s, k, n in itertools.product(steps, topks, tokens):
+        asked = {"steps": s, "topk": k, "num_draft_tokens": n}
+        try:
+            args = dataclasses.replace(base, speculative_num_steps=None if ngram else s,
+                                       speculative_eagle_topk=None if ngram else k,
+                                       speculative_num_draft_tokens=n).validate()
+        except ConfigError as e:
+            skipped.append({**asked, "reason": str(e)})
+            continue
+        shape = TreeShape(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+        if shape in seen:
+            first = "steps {} topk {} draft {}".format(*seen[shape])
+            skipped.append({**asked, "reason": f"validation makes it {shape.label}, already measured (from {first})"})
+            continue
+        seen[shape] = (s, k, n)
+        configs.append((shape, args))
+    return configs, skipped
+
+
+def prompts_for_batch(pool: list[str], batch_size: int, num_prompts: int) -> list[str]:
+    """max(num_prompts, batch_size) rounded up to a multiple of batch_size, cycling through the pool."""
+    count = math.ceil(max(num_prompts, batch_size) / batch_size) * batch_size
+    return [pool[i % len(pool)] for i in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: dict, reps: int) -> dict:
+    """Time `reps` passes over `prompts` in generate calls of batch_size (prefix cache flushed before each)."""
+    from specserve.bench.bench_core import flush_prefix_cache
+
+    clock.reset()
+    rates, tokens, verify = [], 0, 0
+    for _ in range(reps):
+        flush_prefix_cache(engine)
+        seconds, rep_tokens = 0.0, 0
+        for i in range(0, len(prompts), batch_size):
+            start = time.perf_counter()
+            outs = engine.generate(prompts[i : i + batch_size], params)
+            seconds += time.perf_counter() - start
+            rep_tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
+            verify += sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+        rates.append(rep_tokens / seconds)
+        tokens += rep_tokens
+    steps = len(clock.times.get("decode_step", []))
+    return {
+        "completion_tokens": tokens // reps, "tokens_per_s": statistics.median(rates), "decode_steps": steps // reps,
+        "verify_steps": verify // reps if verify else None, "accept_length": tokens / verify if verify else None,
+        "step_ms": clock.mean_ms("decode_step"),
+        "verify_ms": _or_none(clock.mean_ms("target_verify")),
+        "draft_ms": _or_none(clock.mean_ms("propose") + clock.mean_ms("after_verify")),
+    }
+
+
+def _or_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def step_clock(engine):
+    """bench_spec's StepClock (forwards by mode, the drafter's hooks) plus the scheduler's whole decode step."""
+    from specserve.bench.bench_spec import StepClock
+
+    clock = StepClock(engine)
+    clock._wrap(engine.scheduler, "_run_decode", lambda: "decode_step")
+    return clock
+
+
+def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]], params: dict, reps: int
+               ) -> list[dict]:
+    """One engine for the configuration: warm up once, then every batch size. Rows without speed-up yet."""
+    from specserve.bench.eval_acceptance import WARMUP_PROMPT, WARMUP_TOKENS
+    from specserve.engine import Engine
+
+    engine = Engine(**dataclasses.asdict(args))
+    try:
+        clock = step_clock(engine)
+        engine.generate(WARMUP_PROMPT, {**params, "max_new_tokens": WARMUP_TOKENS})
+        rows = []
+        for b, prompts in batches.items():
+            row = {"config": shape.label, "algorithm": args.speculative_algorithm,
+                   "draft_model_path": args.speculative_draft_model_path, "steps": shape.steps,
+                   "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens, "batch_size": b,
+                   "num_prompts": len(prompts)}
+            rows.append({**row, **measure_batch(engine, clock, prompts, b, params, reps)})
+        return rows
+    finally:
+        engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- results
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """speedup (vs the baseline row of the same batch size), best (highest tok/s per batch size, baseline
+    included) and best_mark ('*' on the best row) on a copy of each row."""
+    base = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["config"] == BASELINE.label}
+    best = best_per_batch(rows)
+    out = []
+    for r in rows:
+        ref = base.get(r["batch_size"])
+        is_best = best[r["batch_size"]] is r
+        out.append({**r, "speedup": r["tokens_per_s"] / ref if ref else None, "best": is_best,
+                    "best_mark": "*" if is_best else ""})
+    return out
+
+
+def best_per_batch(rows: list[dict]) -> dict[int, dict]:
+    """batch size -> the row with the highest tokens_per_s (the first one on ties)."""
+    best: dict[int, dict] = {}
+    for r in rows:
+        cur = best.get(r["batch_size"])
+        if cur is None or r["tokens_per_s"] > cur["tokens_per_s"]:
+            best[r["batch_size"]] = r
+    return best
+
+
+def best_lines(rows: list[dict]) -> list[str]:
+    """One sentence per batch size naming the winner (rows with speedup, as from add_speedups)."""
+    lines = []
+    for b, r in sorted(best_per_batch(rows).items()):
+        if r["config"] == BASELINE.label:
+            lines.append(f"batch {b}: best = baseline ({r['tokens_per_s']:.1f} tok/s): no speculative "
+                         "configuration beats plain decoding")
+        else:
+            lines.append(f"batch {b}: best = {r['config']} ({r['tokens_per_s']:.1f} tok/s, {r['speedup']:.2f}x "
+                         f"baseline, accept length {r['accept_length']:.2f})")
+    return lines
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The markdown table of the rows (after add_speedups)."""
+    from specserve.bench.report import format_table
+
+    return format_table(rows, TABLE_COLUMNS)
+
+
+def plot_series(rows: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """config label -> (batch sizes, values of `key`), configurations in row order."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for r in rows:
+        xs, ys = series.setdefault(r["config"], ([], []))
+        xs.append(r["batch_size"])
+        ys.append(r[key])
+    return series
+
+
+def write_outputs(rows: list[dict], skipped: list[dict], setup: dict, out_dir: str) -> list[str]:
+    from specserve.bench.report import plot_lines, write_jsonl
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [write_jsonl([{k: v for k, v in r.items() if k != "best_mark"} for r in rows],
+                         os.path.join(out_dir, "results.jsonl"))]
+    md = os.path.join(out_dir, "results.md")
+    with open(md, "w") as f:
+        f.write(format_rows(rows) + "\n")
+    paths.append(md)
+    summary = {**setup, "best": {str(b): r["config"] for b, r in best_per_batch(rows).items()},
+               "skipped": skipped}
+    path = os.path.join(out_dir, "summary.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+    paths.append(path)
+    title = f"{setup['algorithm']} on {os.path.basename(setup['model_path'].rstrip('/'))}"
+    logx = len({r["batch_size"] for r in rows}) > 2
+    paths.append(plot_lines(plot_series(rows, "tokens_per_s"), os.path.join(out_dir, "tokens_per_s.png"),
+                            title=f"{title}: output tokens/s", xlabel="batch size", ylabel="tokens/s", logx=logx))
+    paths.append(plot_lines(plot_series(rows, "speedup"), os.path.join(out_dir, "speedup.png"),
+                            title=f"{title}: speed-up vs plain decoding", xlabel="batch size",
+                            ylabel="speed-up (x)", logx=logx))
+    return paths
+
+
+def simulate_acc_len() -> str | None:
+    """The value of SPECSERVE_SIMULATE_ACC_LEN (or its twin SGLANG_SIMULATE_ACC_LEN) when set."""
+    return next((os.environ[k] for k in SIMULATE_ENV if os.environ.get(k)), None)
+
+
+# ---------------------------------------------------------------------------------------------- command
+def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) -> tuple[list[dict], list[dict]]:
+    """Measure the baseline and every valid grid point; returns (rows with speed-ups, skipped points)."""
+    from tqdm import tqdm
+
+    from specserve.bench.eval_acceptance import plain_args
+    from specserve.train.corpus import held_out_prompts
+
+    configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"])
+    for s in skipped:
+        print(f"skip steps {s['steps']} topk {s['topk']} draft {s['num_draft_tokens']}: {s['reason']}",
+              file=sys.stderr)
+    pool = held_out_prompts(max(ns.num_prompts, *grid["batch_sizes"]))
+    batches = {b: prompts_for_batch(pool, b, ns.num_prompts) for b in grid["batch_sizes"]}
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "ignore_eos": True}
+    rows: list[dict] = []
+    todo = [(BASELINE, plain_args(args)), *configs]
+    for shape, cfg_args in tqdm(todo, desc=COMMAND, unit="config", disable=ns.no_progress):
+        try:
+            rows += run_config(shape, cfg_args, batches, params, ns.reps)
+        except ConfigError as e:  # a check the engine makes at load time (e.g. against the draft model)
+            skipped.append({"steps": shape.steps, "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
+                            "reason": str(e)})
+            print(f"skip {shape.label}: {e}", file=sys.stderr)
+    rows.sort(key=lambda r: r["batch_size"])  # stable: per batch size, the baseline then the grid order
+    import torch
+
+    common = {"model_path": args.model_path, "max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
+              "reps": ns.reps, "dtype": args.dtype, "num_threads": torch.get_num_threads(),
+              "simulate_acc_len": simulate_acc_len()}
+    return [{**r, **common} for r in add_speedups(rows)], skipped
+
+
+def main(argv: list[str]) -> int:
+    from specserve.models.loader import ModelLoadError
+
+    try:
+        ns = parse_args(argv)
+    except SystemExit as e:  # argparse printed the message naming the flag
+        return int(e.code or 0)
+    try:
+        grid = check_args(ns)
+        args = base_args(ns)
+        rows, skipped = sweep(ns, grid, args)
+    except (ConfigError, ModelLoadError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out_dir = ns.out_dir or os.path.join("bench_results", f"{COMMAND}-{time.strftime('%Y%m%d-%H%M%S')}")
+    setup = {"command": " ".join(["specserve", COMMAND, *argv]), "algorithm": args.speculative_algorithm,
+             "model_path": args.model_path, "draft_model_path": args.speculative_draft_model_path,
+             "batch_sizes": grid["batch_sizes"], "max_new_tokens": ns.max_new_tokens,
+             "temperature": ns.temperature, "reps": ns.reps, "simulate_acc_len": simulate_acc_len()}
+    paths = write_outputs(rows, skipped, setup, out_dir)
+    print(format_rows(rows))
+    print()
+    print("\n".join(best_lines(rows)))
+    if skipped:
+        print(f"skipped {len(skipped)} grid point(s) (see summary.json)")
+    print("wrote: " + ", ".join(paths))
+    return 0

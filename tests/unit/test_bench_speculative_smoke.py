@@ -1,0 +1,118 @@
+"""`specserve bench-speculative`: the grid helpers on hand-checked inputs, and the command end to end on a tiny
+Llama target with a tiny EAGLE head (JSONL fields, skipped points, baseline and best rows, files)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specserve.bench import bench_speculative as bs
+from specserve.bench.report import read_jsonl
+from specserve.config import ConfigError, ServerArgs
+from specserve.testing.tiny import make_eagle_head_dir
+
+
+def test_parse_int_list():
+    assert bs.parse_int_list("1,4,16", "--batch-size") == [1, 4, 16]
+    assert bs.parse_int_list("3, 1,3", "--steps") == [3, 1]
+    for bad in ("1,x", "0,2", ""):
+        with pytest.raises(ConfigError, match="--steps"):
+            bs.parse_int_list(bad, "--steps")
+
+
+def test_expand_grid_skips_invalid_and_normalized_duplicates():
+    base = ServerArgs(speculative_algorithm="EAGLE").validate()
+    configs, skipped = bs.expand_grid(base, [1, 2], [1, 2], [2, 4])
+    # topk 1 forces draft = steps + 1; topk 2 holds at most steps * 2 + 1 drafts
+    assert [(c.steps, c.topk, c.num_draft_tokens) for c, _ in configs] == [(1, 1, 2), (1, 2, 2), (2, 1, 3),
+                                                                           (2, 2, 2), (2, 2, 4)]
+    assert [(s["steps"], s["topk"], s["num_draft_tokens"]) for s in skipped] == [(1, 1, 4), (1, 2, 4), (2, 1, 4)]
+    assert "makes it steps 1 topk 1 draft 2, already measured (from steps 1 topk 1 draft 2)" in skipped[0]["reason"]
+    assert "--speculative-num-draft-tokens 4 exceeds" in skipped[1]["reason"]
+    assert all(a.speculative_num_draft_tokens == c.num_draft_tokens for c, a in configs)
+
+
+def test_expand_grid_ngram_keeps_only_draft_tokens():
+    base = ServerArgs(speculative_algorithm="NGRAM").validate()
+    configs, skipped = bs.expand_grid(base, [1, 3], [1], [4, 8])
+    assert [c.label for c, _ in configs] == ["draft 4", "draft 8"]
+    assert len(skipped) == 2 and all("already measured" in s["reason"] for s in skipped)
+
+
+def test_prompts_for_batch_cycles_to_a_multiple_of_the_batch():
+    pool = ["a", "b", "c"]
+    assert bs.prompts_for_batch(pool, 1, 2) == ["a", "b"]
+    assert bs.prompts_for_batch(pool, 2, 3) == ["a", "b", "c", "a"]
+    assert bs.prompts_for_batch(pool, 4, 2) == ["a", "b", "c", "a"]
+
+
+def test_add_speedups_and_best():
+    rows = [{"config": "baseline", "batch_size": 1, "tokens_per_s": 100.0},
+            {"config": "steps 3 topk 1 draft 4", "batch_size": 1, "tokens_per_s": 150.0, "accept_length": 2.5},
+            {"config": "baseline", "batch_size": 8, "tokens_per_s": 400.0},
+            {"config": "steps 3 topk 1 draft 4", "batch_size": 8, "tokens_per_s": 300.0, "accept_length": 2.5}]
+    out = bs.add_speedups(rows)
+    assert [r["speedup"] for r in out] == [1.0, 1.5, 1.0, 0.75]
+    assert [r["best"] for r in out] == [False, True, True, False]
+    lines = bs.best_lines(out)
+    assert lines[0].startswith("batch 1: best = steps 3 topk 1 draft 4") and "1.50x" in lines[0]
+    assert lines[1].startswith("batch 8: best = baseline") and "no speculative configuration" in lines[1]
+
+
+def test_simulate_acc_len_recorded_from_either_name(monkeypatch):
+    for name in bs.SIMULATE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert bs.simulate_acc_len() is None
+    monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "2.5")
+    assert bs.simulate_acc_len() == "2.5"
+    monkeypatch.setenv("SPECSERVE_SIMULATE_ACC_LEN", "3")
+    assert bs.simulate_acc_len() == "3"
+
+
+def test_bench_speculative_end_to_end(model_factory, tmp_path, capsys, monkeypatch):
+    for name in bs.SIMULATE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
+    head = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
+    out = tmp_path / "out"
+    rc = bs.main(["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
+                  "--batch-size", "1,2", "--steps", "1,2", "--topk", "1,2", "--num-draft-tokens", "2,4",
+                  "--max-new-tokens", "8", "--num-prompts", "2", "--num-threads", "2", "--no-progress",
+                  "--out-dir", str(out)])
+    assert rc == 0
+    rows = read_jsonl(str(out / "results.jsonl"))
+    configs = ["baseline", "steps 1 topk 1 draft 2", "steps 1 topk 2 draft 2", "steps 2 topk 1 draft 3",
+               "steps 2 topk 2 draft 2", "steps 2 topk 2 draft 4"]
+    assert [(r["config"], r["batch_size"]) for r in rows] == [(c, b) for b in (1, 2) for c in configs]
+    for r in rows:
+        assert r["completion_tokens"] == 8 * r["num_prompts"] and r["num_prompts"] == 2  # ignore_eos
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["decode_steps"] > 0
+        assert r["simulate_acc_len"] is None
+        if r["config"] == "baseline":
+            assert r["speedup"] == 1.0 and r["accept_length"] is None and r["verify_ms"] is None
+            assert r["algorithm"] is None and r["draft_model_path"] is None
+        else:
+            assert r["algorithm"] == "EAGLE" and r["draft_model_path"] == head
+            assert r["accept_length"] >= 1.0 and r["verify_steps"] > 0 and r["draft_ms"] > 0
+    for b in (1, 2):
+        best = [r for r in rows if r["batch_size"] == b and r["best"]]
+        assert len(best) == 1 and best[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in rows
+                                                                 if r["batch_size"] == b)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["skipped"]) == 3 and summary["best"]["1"] in configs
+    for name in ("results.md", "tokens_per_s.png", "speedup.png"):
+        assert os.path.getsize(out / name) > 0
+    printed = capsys.readouterr()
+    assert "batch 1: best = " in printed.out and "batch 2: best = " in printed.out
+    assert "skip steps 1 topk 2 draft 4" in printed.err
+
+
+def test_bench_speculative_bad_flags(capsys):
+    assert bs.main(["--no-such-flag"]) == 2
+    assert "--no-such-flag" in capsys.readouterr().err
+    assert bs.main(["--batch-size", "1,zero"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+    assert bs.main(["--model-path", "demo", "--reps", "0"]) == 2
+    assert "--reps" in capsys.readouterr().err
