@@ -103,6 +103,14 @@ class ServerArgs:
         default=1.0, metadata={"help": "Lossy relaxation of sampling verification (1.0 = lossless)."}
     )
     speculative_token_map: str | None = field(default=None, metadata={"help": "FR-Spec hot-token file."})
+    speculative_batch_token_budget: int = field(default=64, metadata={
+        "help": "Batch-aware speculation: while batch x num_draft_tokens exceeds this, the draft tree shrinks to a "
+                "chain of budget // batch nodes (off below 2); 0 = never shrink."})
+    speculative_disable_batch_size: int | None = field(default=None, metadata={
+        "help": "Batch-aware speculation: no speculation while more requests than this are running."})
+    disable_speculative_auto_off: bool = field(default=False, metadata={
+        "help": "Always speculate (within the two limits above) instead of measuring per batch size whether "
+                "speculative or plain steps are faster and running the faster."})
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM min match window."})
     speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM max match window."})
     speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM min BFS breadth."})
@@ -156,6 +164,10 @@ class ServerArgs:
         _choice(self, "speculative_algorithm", SPEC_ALGORITHMS)
         if self.speculative_algorithm == "NEXTN":  # SGLang's alias: same machinery as EAGLE
             self.speculative_algorithm = "EAGLE"
+        if self.speculative_batch_token_budget < 0:
+            raise ConfigError(f"--speculative-batch-token-budget must be >= 0 (0 = no shrinking), got "
+                              f"{self.speculative_batch_token_budget}")
+        _positive(self, "speculative_disable_batch_size", allow_none=True)
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:

@@ -325,5 +325,8 @@ def _server_info(s: Scheduler) -> dict:
             spec_accept_rate=st.spec_accepted_drafts / st.spec_drafted if st.spec_drafted else 0.0,
             spec_accepted_per_position=list(st.spec_accepted_per_position),
             spec_accept_rate_per_position=position_rates(st.spec_accepted_per_position, st.spec_verify_ct),
+            spec_plain_steps=st.spec_plain_steps,
+            spec_shrunk_steps=st.spec_shrunk_steps,
+            spec_batch_policy=s.spec.policy.summary(),
         )
     return info

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=",".join(SELECTABLE),
                    help=f"comma list of configurations to run, from {','.join(SELECTABLE)} (default: all)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    p.add_argument("--always-speculate", action="store_true",
+                   help="our speculative engines speculate on every step (--disable-speculative-auto-off); default: "
+                        "the engine's batch-aware policy, which runs plain steps where speculation measures slower")
     p.add_argument("--out-dir", default=None, help="default: bench_results/bench-compare-<timestamp>")
     return p
 
@@ -145,7 +148,7 @@ def config_rows(tallies: dict, setup: dict) -> list[dict]:
                "num_prompts": len(t.outputs), "tokens": t.tokens, "seconds": t.seconds,
                "tokens_per_s": t.tokens_per_s,
                "verify_steps": t.verify_steps if spec else None,
-               "accept_length": (t.tokens / t.verify_steps if t.verify_steps else None) if spec else None,
+               "accept_length": (t.accept_length if t.verify_steps else None) if spec else None,
                "equal_to_hf_plain": None, "first_mismatch_vs_hf_plain": None}
         if c.name != "hf_plain" and "hf_plain" in tallies:
             agree = compare_ids(t.outputs, tallies["hf_plain"].outputs)
@@ -256,7 +259,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         if name not in names:
             continue
         _log(f"loading {BY_NAME[name].label} ...")
-        kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name)} if algorithm else {}
+        kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name),
+              "disable_speculative_auto_off": args.always_speculate} if algorithm else {}
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
                         max_total_tokens=kv_tokens, log_level="warning", **kw)
         loaded.engines.append(engine)

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-func-chars", type=int, default=200, help="repetitive set: shortest function copied")
     p.add_argument("--max-func-chars", type=int, default=900, help="repetitive set: longest function copied")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--always-speculate", action="store_true",
+                   help="NGRAM speculates on every step (--disable-speculative-auto-off); default: the engine's "
+                        "batch-aware policy, which runs plain steps where speculation measures slower")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     for name in ("num_prompts", "max_new_tokens", "lookup_tokens", "num_threads"):
@@ -126,6 +129,7 @@ class Tally:
     seconds: float = 0.0
     tokens: int = 0
     verify_steps: int = 0  # specserve NGRAM only
+    plain_tokens: int = 0  # specserve: tokens of plain steps batch-aware speculation ran (not in the accept length)
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -134,18 +138,23 @@ class Tally:
 
     def to_json(self) -> dict:
         return {"seconds": self.seconds, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
-                "verify_steps": self.verify_steps}
+                "verify_steps": self.verify_steps, "plain_tokens": self.plain_tokens}
+
+    @property
+    def accept_length(self) -> float:
+        return (self.tokens - self.plain_tokens) / self.verify_steps if self.verify_steps else 0.0
 
 
-RunFn = Callable[[list[int]], tuple[list[int], int]]  # prompt ids -> (generated ids, verify steps)
+RunFn = Callable[[list[int]], tuple[list[int], int, int]]  # prompt ids -> (generated ids, verify steps, plain tokens)
 
 
 def ours_runner(engine, max_new_tokens: int) -> RunFn:
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
 
-    def run(ids: list[int]) -> tuple[list[int], int]:
+    def run(ids: list[int]) -> tuple[list[int], int, int]:
         out = engine.generate(input_ids=ids, sampling_params=params)
-        return out["output_ids"], out["meta_info"].get("spec_verify_ct", 0)
+        meta = out["meta_info"]
+        return out["output_ids"], meta.get("spec_verify_ct", 0), meta.get("spec_plain_tokens", 0)
 
     return run
 
@@ -168,13 +177,13 @@ def hf_runner(model, pad_id: int, max_new_tokens: int, lookup_tokens: int | None
     if assistant is not None:
         extra["assistant_model"] = assistant
 
-    def run(ids: list[int]) -> tuple[list[int], int]:
+    def run(ids: list[int]) -> tuple[list[int], int, int]:
         x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, L]
         with torch.inference_mode():
             out = model.generate(  # [1, L + max_new_tokens]; eos_token_id=None: never stops early
                 input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                 eos_token_id=None, pad_token_id=pad_id, **extra)
-        return out[0, x.shape[1]:].tolist(), 0
+        return out[0, x.shape[1]:].tolist(), 0, 0
 
     return run
 
@@ -184,10 +193,11 @@ def timed(run: RunFn, ids: list[int], tally: Tally, prepare: Callable[[], None] 
     if prepare is not None:
         prepare()
     start = time.perf_counter()
-    out, verify = run(ids)
+    out, verify, plain_tokens = run(ids)
     tally.seconds += time.perf_counter() - start
     tally.tokens += len(out)
     tally.verify_steps += verify
+    tally.plain_tokens += plain_tokens
     tally.outputs.append(out)
 
 
@@ -223,7 +233,7 @@ def summarize_set(name: str, tallies: dict[str, Tally], texts: list[str], copied
         "speedup_hf_lookup_over_hf_plain": tps["hf_lookup"] / tps["hf_plain"],
         "ngram_over_hf_lookup": tps["ours_ngram"] / tps["hf_lookup"],
         "ours_plain_over_hf_plain": tps["ours_plain"] / tps["hf_plain"],
-        "ngram_accept_length": ngram.tokens / ngram.verify_steps if ngram.verify_steps else 0.0,
+        "ngram_accept_length": ngram.accept_length,
         "ngram_equals_ours_plain": equal_count(ngram.outputs, t["ours_plain"].outputs),
         "hf_lookup_equals_hf_plain": equal_count(t["hf_lookup"].outputs, t["hf_plain"].outputs),
         "ours_plain_equals_hf_plain": equal_count(t["ours_plain"].outputs, t["hf_plain"].outputs),
@@ -264,7 +274,7 @@ def load_engines(args: argparse.Namespace, threads: int):
 
     common = dict(model_path=args.model_path, dtype=args.dtype, log_level="warning", num_threads=threads)
     plain = Engine(**common)
-    ngram = Engine(**common, speculative_algorithm="NGRAM")
+    ngram = Engine(**common, speculative_algorithm="NGRAM", disable_speculative_auto_off=args.always_speculate)
     hf_model, pad_id = load_hf(plain.scheduler.runner.model_dir, args.dtype)
     return plain, ngram, hf_model, pad_id
 

@@ -26,6 +26,7 @@ import time
 import torch
 
 from specserve.bench.bench_core import flush_prefix_cache, measure_pair
+from specserve.spec.accept_stats import accept_length
 from specserve.testing.tiny import (
     build_tokenizer,
     make_eagle3_head_dir,
@@ -115,6 +116,7 @@ def bench_algorithm(name: str, target: str, kw: dict, prompts: list[str], batch:
     prompts = (prompts * (batch // len(prompts) + 1))[:batch]
     params = {"temperature": 0, "max_new_tokens": args.decode_tokens, "ignore_eos": True}
     common = dict(max_total_tokens=8192, log_level="warning", num_threads=args.threads)
+    kw = {**kw, "disable_speculative_auto_off": True}  # the machinery's own cost: speculate on every step
     with Engine(model_path=target, **common) as plain, Engine(model_path=target, **common, **kw) as spec:
         clocks = StepClock(plain), StepClock(spec)
         state = {}
@@ -135,8 +137,8 @@ def bench_algorithm(name: str, target: str, kw: dict, prompts: list[str], batch:
         verify_ct = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
         row = {
             "algorithm": name, "batch": batch, "plain_tok_s": b.tokens_per_s, "spec_tok_s": a.tokens_per_s,
-            "speedup": statistics.median(ratios), "accept_length": sum(
-                o["meta_info"]["completion_tokens"] for o in outs) / max(verify_ct, 1),
+            "speedup": statistics.median(ratios), "accept_length": accept_length(
+                [o["meta_info"] for o in outs]) if verify_ct else 0.0,
             "greedy_ids_equal": [o["output_ids"] for o in outs] == [o["output_ids"] for o in state["plain"]],
             "decode_ms": clocks[0].mean_ms("decode"), "verify_ms": clocks[1].mean_ms("target_verify"),
             "draft_ms": clocks[1].mean_ms("propose") + clocks[1].mean_ms("after_verify"),

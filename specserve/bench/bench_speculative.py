@@ -216,6 +216,8 @@ def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]]
     from specserve.bench.eval_acceptance import WARMUP_PROMPT, WARMUP_TOKENS
     from specserve.engine import Engine
 
+    if args.speculative_algorithm:  # measure the swept tree itself: no batch-aware shrinking or auto-off
+        args = dataclasses.replace(args, speculative_batch_token_budget=0, disable_speculative_auto_off=True)
     engine = Engine(**dataclasses.asdict(args))
     try:
         clock = step_clock(engine)

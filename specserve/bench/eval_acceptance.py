@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from specserve.config import ConfigError, ServerArgs
-from specserve.spec.accept_stats import position_rates, sum_counts
+from specserve.spec.accept_stats import accept_length, position_rates, sum_counts
 
 HELD_OUT = "held-out"
 DEFAULT_HELD_OUT_PROMPTS = 16
@@ -118,7 +118,7 @@ def summarize(plain: RunResult, spec: RunResult, setup: dict) -> dict:
         **setup,
         "num_prompts": len(spec.texts),
         "verify_steps": verify,
-        "accept_length": spec.completion_tokens / verify if verify else 0.0,
+        "accept_length": accept_length(spec.metas),
         "accepted_per_position": counts,
         "accept_rate_per_position": position_rates(counts, verify),
         "plain_tokens": plain.completion_tokens,
@@ -194,7 +194,8 @@ def evaluate(ns: argparse.Namespace, args: ServerArgs) -> dict:
     prompts = load_prompts(ns.prompts, ns.num_prompts)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "ignore_eos": ns.ignore_eos}
     plain = run_engine(plain_args(args), prompts, params, ns.batch_size)
-    spec = run_engine(args, prompts, params, ns.batch_size)
+    # acceptance is measured on speculative steps only: batch-aware auto-off would run a poor draft's steps plain
+    spec = run_engine(dataclasses.replace(args, disable_speculative_auto_off=True), prompts, params, ns.batch_size)
     setup = {"model_path": args.model_path, "algorithm": args.speculative_algorithm,
              "draft_model_path": args.speculative_draft_model_path,
              "num_steps": spec.info.get("speculative_num_steps", args.speculative_num_steps),

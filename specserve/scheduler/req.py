@@ -64,6 +64,8 @@ class Req:
         self.spec_drafted = 0  # drafted tokens offered for verification
         self.spec_accept_histogram: list[int] = []  # [k] = verify steps that accepted k drafted tokens
         self.spec_accept_per_position: list[int] = []  # [k-1] = verify steps that accepted >= k drafted tokens
+        self.spec_plain_tokens = 0  # tokens from plain decode steps (batch-aware speculation turned it off)
+        self.spec_backlog: Any = None  # those tokens, not yet replayed to the drafter (spec_decode.Backlog)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -93,7 +95,9 @@ class Req:
         ct = self.spec_verify_ct
         return {
             "spec_verify_ct": ct,
-            "spec_accept_length": len(self.output_ids) / ct if ct else 0.0,
+            # SGLang's completion_tokens / verify steps, minus tokens of plain steps (batch-aware speculation)
+            "spec_accept_length": (len(self.output_ids) - self.spec_plain_tokens) / ct if ct else 0.0,
+            "spec_plain_tokens": self.spec_plain_tokens,
             "spec_accept_rate": self.spec_accepted_drafts / self.spec_drafted if self.spec_drafted else 0.0,
             "spec_accept_histogram": list(self.spec_accept_histogram),
             "spec_accept_per_position": list(self.spec_accept_per_position),

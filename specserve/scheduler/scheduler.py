@@ -53,6 +53,8 @@ class SchedulerStats:
     spec_accepted_drafts: int = 0
     spec_drafted: int = 0
     spec_tokens: int = 0  # tokens produced by verify steps (accepted drafts + bonus, after finish trimming)
+    spec_plain_steps: int = 0  # decode steps batch-aware speculation ran without speculation
+    spec_shrunk_steps: int = 0  # speculative steps with a tree smaller than the configured one
     # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.spec.accept_stats)
     spec_accepted_per_position: list[int] = field(default_factory=list)
 
@@ -175,7 +177,7 @@ class Scheduler:
         self.req_pool.free(row)
         req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
         if self.spec:  # drafting state is rebuilt by the prefill that resumes a retracted request
-            self.spec.proposer.release(req)
+            self.spec.release(req)
 
     # ------------------------------------------------------------------ prefill
     def _select_prefill(self) -> list[tuple[Req, int]]:
@@ -301,7 +303,13 @@ class Scheduler:
             outputs = self.spec.run(self.running)
             self.running = [r for r in self.running if not r.finished]
             return outputs + self._drain_retract_outputs()
-        reqs = self.running
+        outputs, _ = self.plain_decode(self.running)
+        self.running = [r for r in self.running if not r.finished]
+        return outputs + self._drain_retract_outputs()
+
+    def plain_decode(self, reqs: list[Req], capture_layers: tuple[int, ...] = ()) -> tuple[list[ReqOutput], object]:
+        """One plain decode forward (one token per request): sample, append, release finished ones.
+        -> (outputs, the forward's ModelOutput: hidden [B, h] and the captured layers, for a drafter's backlog)."""
         slots = self._alloc(len(reqs))
         positions = [r.seq_len - 1 for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
@@ -315,13 +323,12 @@ class Scheduler:
             slots,
             build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, [1] * len(reqs)),
             self.runner.kv_pool,
+            capture_layers=capture_layers,
         )
-        logits = self.runner.forward(fb).logits  # [B, V]
+        out = self.runner.forward(fb)  # logits [B, V]
         for r in reqs:
             r.kv_len += 1
-        outputs = self._sample_and_append(reqs, logits)
-        self.running = [r for r in reqs if not r.finished]
-        return outputs + self._drain_retract_outputs()
+        return self._sample_and_append(reqs, out.logits), out
 
     def _log_progress(self) -> None:
         """One line per DECODE_LOG_INTERVAL decode steps: batch, queue, KV use, throughput (and accept length)."""

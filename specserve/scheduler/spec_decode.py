@@ -20,11 +20,14 @@ For B running requests with roots at positions P_b (= seq_len - 1, the root's KV
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.models.llama import ModelOutput
 from specserve.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties_and_bias,
@@ -36,6 +39,7 @@ from specserve.sampling.sampler import (
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.spec.accept_stats import add_step
 from specserve.spec.base import Proposer, VerifiedStep
+from specserve.spec.batch_policy import BatchPolicy, TreeShape
 from specserve.spec.simulate import AcceptSimulator
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import (
@@ -50,6 +54,22 @@ if TYPE_CHECKING:
     from specserve.scheduler.scheduler import Scheduler
 
 
+MAX_BACKLOG = 64  # plain-decoded tokens a request keeps for its drafter before they are replayed
+
+
+@dataclass
+class Backlog:
+    """Tokens a request got from plain decode steps since its drafter last caught up (batch-aware speculation)."""
+
+    start: int  # position of the first plain step's input (the root then)
+    tokens: list[int] = field(default_factory=list)  # the tokens those steps produced
+    rows: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)  # (hidden [h], aux [h] each)
+
+    def add(self, token: int, hidden: torch.Tensor, aux: list[torch.Tensor]) -> None:
+        self.tokens.append(token)
+        self.rows.append((hidden, aux))
+
+
 class SpecDecoder:
     def __init__(self, sched: Scheduler, proposer: Proposer) -> None:
         self.sched, self.proposer = sched, proposer
@@ -60,6 +80,17 @@ class SpecDecoder:
         self.threshold_acc = args.speculative_accept_threshold_acc
         # SPECSERVE_SIMULATE_ACC_LEN (benchmarking only, lossy): None = normal verification
         self.simulator = AcceptSimulator.from_env(args.random_seed)
+        self.policy = self._batch_policy(args)
+
+    def _batch_policy(self, args) -> BatchPolicy:
+        """Batch-aware speculation. Turning speculation off where plain steps measure faster is only done when it
+        cannot change outputs: lossless verification, no simulated acceptance (lossy modes keep speculating)."""
+        full = TreeShape(args.speculative_num_steps or 1, args.speculative_eagle_topk or 1,
+                         self.proposer.num_draft_tokens)
+        lossless = (self.threshold_single == 1.0 and self.threshold_acc == 1.0
+                    and not self.proposer.force_greedy_verify and self.simulator is None)
+        return BatchPolicy(full, args.speculative_batch_token_budget, args.speculative_disable_batch_size,
+                           auto_off=lossless and not args.disable_speculative_auto_off)
 
     def slots_per_request(self) -> int:
         """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
@@ -67,7 +98,64 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ the step
     def run(self, reqs: list[Req]) -> list[ReqOutput]:
-        tree = self.proposer.propose(reqs)
+        """One decode step for the running batch: speculative with the tree the batch policy picks, or plain."""
+        shape = self.policy.choose(len(reqs))
+        if shape is None:
+            start = time.perf_counter()
+            outputs = self._plain_step(reqs)
+        else:
+            self._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
+            start = time.perf_counter()
+            outputs = self._spec_step(reqs, shape)
+        tokens = sum(len(o.new_token_ids) for o in outputs)
+        self.policy.record(len(reqs), shape is not None, time.perf_counter() - start, tokens)
+        return outputs
+
+    def release(self, req: Req) -> None:
+        """req leaves the batch (finished, aborted, retracted): drop its drafting state and backlog."""
+        req.spec_backlog = None
+        self.proposer.release(req)
+
+    # ------------------------------------------------------------------ plain steps and the backlog
+    def _plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
+        """A plain decode step (what plain decoding does); each request still running records the token and the
+        target's hidden states in its backlog, which the drafter replays before the next speculative step."""
+        self.sched.stats.spec_plain_steps += 1
+        root_pos = [r.seq_len - 1 for r in reqs]
+        outputs, out = self.sched.plain_decode(reqs, self.proposer.capture_layers)
+        full = []
+        for b, req in enumerate(reqs):
+            req.spec_plain_tokens += 1
+            if req.finished:  # released: its state is gone
+                continue
+            if req.spec_backlog is None:
+                req.spec_backlog = Backlog(root_pos[b])
+            req.spec_backlog.add(req.output_ids[-1], out.hidden[b], [a[b] for a in out.aux_hidden])
+            if len(req.spec_backlog.tokens) >= MAX_BACKLOG:
+                full.append(req)
+        self._flush_backlog(full)  # bounded memory: a long plain stretch is replayed in pieces
+        return outputs
+
+    def _flush_backlog(self, reqs: list[Req]) -> None:
+        """Replay the backlogs of `reqs` through ``proposer.after_verify`` as one multi-token step each."""
+        pending = [r for r in reqs if r.spec_backlog is not None]
+        if not pending:
+            return
+        steps, rows = [], []
+        for req in pending:
+            bl, req.spec_backlog = req.spec_backlog, None
+            k = len(bl.tokens)
+            steps.append(VerifiedStep(req, bl.start, list(range(k)), bl.tokens, len(rows)))
+            rows.extend(bl.rows)
+        hidden = torch.stack([h for h, _ in rows])  # [T, h]
+        aux = [torch.stack([a[i] for _, a in rows]) for i in range(len(rows[0][1]))]  # per layer [T, h]
+        self.proposer.after_verify(steps, ModelOutput(None, hidden, aux))
+
+    # ------------------------------------------------------------------ speculative steps
+    def _spec_step(self, reqs: list[Req], shape: TreeShape) -> list[ReqOutput]:
+        if shape != self.policy.full:
+            self.sched.stats.spec_shrunk_steps += 1
+        tree = self.proposer.propose(reqs, shape)
         n_nodes = tree.num_nodes.tolist()
         root_pos = [r.seq_len - 1 for r in reqs]
         slots = self._verify_slots(reqs, root_pos, n_nodes)  # list of [n_b]

@@ -41,3 +41,11 @@ def sum_counts(lists: Sequence[Sequence[int]]) -> list[int]:
 def position_rates(counts: Sequence[int], verify_steps: int) -> list[float]:
     """Acceptance rate per position: ``counts[k] / verify_steps`` (all zeros before the first step)."""
     return [c / verify_steps if verify_steps else 0.0 for c in counts]
+
+
+def accept_length(metas: list[dict]) -> float:
+    """Tokens per verify step over requests' meta_info (SGLang's completion_tokens / verify steps), leaving out
+    the tokens of plain steps batch-aware speculation ran instead (``spec_plain_tokens``); 0.0 without verify."""
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    tokens = sum(m["completion_tokens"] - m.get("spec_plain_tokens", 0) for m in metas)
+    return tokens / verify if verify else 0.0

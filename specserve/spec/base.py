@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from specserve.models.llama import ModelOutput
     from specserve.scheduler.req import Req
+    from specserve.spec.batch_policy import TreeShape
     from specserve.spec.tree import DraftTree
 
 
@@ -72,8 +73,11 @@ class Proposer(ABC):
         """Seed drafting state from a prefill forward (called after its tokens were sampled and appended)."""
 
     @abstractmethod
-    def propose(self, reqs: list[Req]) -> DraftTree:
-        """-> DraftTree with B = len(reqs) rows; tokens[:, 0] must be each request's root (last token)."""
+    def propose(self, reqs: list[Req], shape: TreeShape | None = None) -> DraftTree:
+        """-> DraftTree with B = len(reqs) rows; tokens[:, 0] must be each request's root (last token).
+
+        shape: the tree size for this step (batch-aware speculation shrinks it as the batch grows; never larger
+        than the configured steps / topk / num_draft_tokens); None = the configured size."""
 
     def after_verify(self, steps: list[VerifiedStep], out: ModelOutput) -> None:  # noqa: B027 - optional hook
         """Catch up on the accepted tokens of the requests that keep running."""

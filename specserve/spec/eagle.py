@@ -30,6 +30,7 @@ from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.loader import load_model
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.spec.batch_policy import TreeShape
 from specserve.spec.heads.eagle import EAGLE_HEADS
 from specserve.spec.token_map import HotVocabHead
 from specserve.spec.tree import DraftTree, EagleCandidates
@@ -116,10 +117,11 @@ class EagleProposer(Proposer):
             return self.hot_head(draft_hidden)
         return self.target.compute_logits(draft_hidden), None
 
-    def _topk(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """draft hidden [R, h] -> top-K (probabilities [R, K] float32, TARGET token ids [R, K] int64)."""
+    def _topk(self, draft_hidden: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
+        to the configured topk (what the per-request state keeps)."""
         logits, to_target = self._draft_logits(draft_hidden)
-        p, ids = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+        p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
         return p, (ids if to_target is None else to_target[ids])
 
     def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:
@@ -173,22 +175,26 @@ class EagleProposer(Proposer):
         return [self.head]
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, reqs) -> DraftTree:
-        dev, K, B = self.device, self.topk, len(reqs)
+    def propose(self, reqs, shape: TreeShape | None = None) -> DraftTree:
+        """shape: a tree no larger than the configured one (batch-aware shrinking); None = the configured one."""
+        S, K, N = (self.steps, self.topk, self.num_draft_tokens) if shape is None else \
+            (shape.steps, shape.topk, shape.num_draft_tokens)
+        dev, B = self.device, len(reqs)
         states = [r.spec_state for r in reqs]
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
-        cands = EagleCandidates(torch.stack([s.topk_p for s in states]), torch.stack([s.topk_ids for s in states]))
-        if self.steps > 1:
+        cands = EagleCandidates(torch.stack([s.topk_p[:K] for s in states]),
+                                torch.stack([s.topk_ids[:K] for s in states]))  # stored top-K are sorted
+        if S > 1:
             hidden = torch.stack([s.hidden for s in states])  # [B, h]
             live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
             live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
             with torch.inference_mode():
-                self._draft_levels(reqs, cands, live_tokens, live_hidden)
-        return cands.select(roots, self.num_draft_tokens)
+                self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K)
+        return cands.select(roots, N)
 
-    def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden) -> None:
+    def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int) -> None:
         """Levels 1 .. S-1: one draft forward each over the K live branches of every request."""
-        dev, K, B, S = self.device, self.topk, len(reqs), self.steps
+        dev, B = self.device, len(reqs)
         h_dim = live_hidden.shape[-1]
         table = self.runner.req_to_token_pool.req_to_token
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)  # [B]
@@ -212,7 +218,7 @@ class EagleProposer(Proposer):
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions, slots.reshape(-1),
                                   attn, self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
-                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim))  # [B*K, K] each
+                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
                 if j == S - 1:
                     break

@@ -21,6 +21,7 @@ import os
 import torch
 
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.spec.batch_policy import TreeShape
 from specserve.spec.ngram_cache import NgramCache, capacity_memory_warning, physical_ram_bytes
 from specserve.spec.tree import DraftTree, build_tree
 
@@ -56,8 +57,11 @@ class NgramProposer(Proposer):
         for s in steps:
             self.cache.insert(s.req.fill_ids, num_new=len(s.new_tokens))
 
-    def propose(self, reqs) -> DraftTree:
+    def propose(self, reqs, shape: TreeShape | None = None) -> DraftTree:
         matches = self.cache.batch_match([r.fill_ids[-self.window:] for r in reqs])
+        if shape is not None and shape.num_draft_tokens < self.num_draft_tokens:  # batch-aware shrinking
+            keep = shape.num_draft_tokens - 1  # candidates are in topological order: a prefix is a tree
+            matches = [(toks[:keep], pars[:keep]) for toks, pars in matches]
         width = max(1, max(len(toks) for toks, _ in matches))
         tokens = torch.zeros(len(reqs), width, dtype=torch.int64)
         parents = torch.zeros(len(reqs), width, dtype=torch.int64)

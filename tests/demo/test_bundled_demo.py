@@ -12,6 +12,7 @@ import torch
 from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.demo_models import DEMO_NAMES, DEMO_ROOT, TOKEN_MAP, demo_available, demo_path
+from specserve.spec.accept_stats import accept_length
 from specserve.train.corpus import held_out_prompts
 
 GREEDY = {"max_new_tokens": 32, "temperature": 0}
@@ -81,9 +82,7 @@ def test_each_algorithm_drafts_on_the_demo_family(prompts, case):
     with Engine(model_path=model, dtype="float32", **kw) as e:
         outs = e.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == want
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    verify = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
-    assert tokens / verify > 1.0, (case, tokens, verify)
+    assert accept_length([o["meta_info"] for o in outs]) > 1.0, case
 
 
 def test_generate_without_model_path_uses_the_demo_with_eagle3(capsys):

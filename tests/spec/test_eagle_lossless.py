@@ -65,13 +65,13 @@ def test_always_wrong_draft_accepts_nothing_and_changes_nothing(target, heads, p
     must reject everything, each step yields exactly the bonus token, and the output is unchanged."""
     from specserve.spec.tree import build_chain
 
-    kw = spec_kwargs("EAGLE", heads["self"], 3, 1, 4)
+    kw = spec_kwargs("EAGLE", heads["self"], 3, 1, 4, disable_speculative_auto_off=True)  # speculate every step
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         proposer = e.scheduler.spec.proposer
         truth = {p: out for p, out in zip(PROMPTS, plain, strict=True)}
         by_prompt_ids = {tuple(e.tokenizer.encode(p)): truth[p] for p in PROMPTS}
 
-        def wrong(reqs):
+        def wrong(reqs, shape=None):
             roots = torch.tensor([r.last_token for r in reqs])
             drafts = []
             for r in reqs:

@@ -10,6 +10,7 @@ import torch
 from specserve import Engine
 from specserve.config import ConfigError
 from specserve.spec import build_tree
+from specserve.spec.accept_stats import accept_length
 from specserve.spec.simulate import AcceptSimulator, read_simulate_env, sample_accept_lengths
 from specserve.spec.verify import simulate_accept
 from specserve.testing.tiny import make_eagle_head_dir
@@ -100,12 +101,12 @@ def random_head(target, tmp_path_factory):
 
 
 def _accept_length(outs: list[dict]) -> float:
-    return sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    return accept_length([o["meta_info"] for o in outs])
 
 
 def test_engine_reaches_the_simulated_accept_length(target, random_head, monkeypatch):
     kw = dict(max_total_tokens=4096, **spec_kwargs("EAGLE", random_head, 5, 1, 6))
-    with Engine(model_path=target, **kw) as e:
+    with Engine(model_path=target, disable_speculative_auto_off=True, **kw) as e:
         natural = _accept_length(e.generate(PROMPTS[:4], greedy(31)))
     monkeypatch.setenv("SPECSERVE_SIMULATE_ACC_LEN", "3")
     with Engine(model_path=target, **kw) as e:

@@ -30,7 +30,7 @@ def drafts(target, tmp_path_factory):
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
 def test_mixed_work_leaves_no_leak(target, drafts, algorithm):
-    kw = spec_kwargs(algorithm, drafts[algorithm], 3, 2, 5)
+    kw = spec_kwargs(algorithm, drafts[algorithm], 3, 2, 5, disable_speculative_auto_off=True)  # every step
     sampled = {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 24, "seed": 7, "ignore_eos": True}
     with Engine(model_path=target, max_total_tokens=150, chunked_prefill_size=8, **kw) as e:
         stream = e.generate(PROMPTS[0], greedy(60), stream=True)

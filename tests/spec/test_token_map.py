@@ -224,8 +224,8 @@ def _record_drafts(engine: Engine) -> list[int]:
     drafted: list[int] = []
     propose = proposer.propose
 
-    def recording(reqs):
-        tree = propose(reqs)
+    def recording(reqs, shape=None):
+        tree = propose(reqs, shape)
         real = tree.valid.clone()
         real[:, 0] = False
         drafted.extend(tree.tokens[real].tolist())

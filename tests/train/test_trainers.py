@@ -10,6 +10,7 @@ import torch
 
 from specserve import Engine
 from specserve.cli import main as cli_main
+from specserve.spec.accept_stats import accept_length
 from specserve.testing.tiny import corpus_text, make_mimo_dir, make_model_dir
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
 from specserve.train.loop import TrainConfig
@@ -44,12 +45,14 @@ def _plain(target: str) -> list[list[int]]:
 
 
 def _spec(target: str, algorithm: str, draft: str | None, **extra) -> list[dict]:
-    with Engine(model_path=target, **spec_kwargs(algorithm, draft, 3, 1, 4, **extra)) as e:
+    # speculate every step: these tests compare acceptance (batch-aware auto-off would turn a poor head off)
+    with Engine(model_path=target, **spec_kwargs(algorithm, draft, 3, 1, 4, disable_speculative_auto_off=True,
+                                                 **extra)) as e:
         return e.generate(PROMPTS, GREEDY)
 
 
 def _accept_length(outs: list[dict]) -> float:
-    return sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    return accept_length([o["meta_info"] for o in outs])
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])

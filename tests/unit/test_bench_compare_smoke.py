@@ -38,7 +38,7 @@ def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
     out = tmp_path / "out"
     rc = cli_main(["bench-compare", "--model-path", llama_dir, "--draft-model-path", llama_dir,
                    "--eagle3-path", head, "--num-prompts", "2", "--max-new-tokens", "8", "--num-threads", "1",
-                   "--lookup-tokens", "3", "--out-dir", str(out)])
+                   "--lookup-tokens", "3", "--always-speculate", "--out-dir", str(out)])
     assert rc == 0
     rows = read_jsonl(str(out / "results.jsonl"))
     assert [r["config"] for r in rows] == ALL

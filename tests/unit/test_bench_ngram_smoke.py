@@ -22,7 +22,7 @@ def test_copied_chars():
 def test_bench_ngram_smoke(tmp_path, llama_dir):
     out = tmp_path / "ngram.json"
     report = main(["--model-path", llama_dir, "--num-prompts", "2", "--max-new-tokens", "6", "--lookup-tokens", "3",
-                   "--num-threads", "1", "--json", str(out)])
+                   "--always-speculate", "--num-threads", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["setup"]["dtype"] == "float32" and report["setup"]["lookup_tokens"] == 3
     assert report["setup"]["ngram_num_draft_tokens"] == 12  # default: the max match window
