@@ -34,7 +34,8 @@ def plain(target) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def spec_server(target, tmp_path_factory):
     s = start_server(target, str(tmp_path_factory.mktemp("spec") / "server.log"), "--max-total-tokens", "8192",
-                     "--enable-metrics", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8")
+                     "--enable-metrics", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
+                     "--disable-speculative-auto-off")  # every step speculative: these tests count verify steps
     yield s
     terminate_process(s.proc)
 
@@ -159,8 +160,11 @@ def test_seed_ngram_command_answers_chat_completions(target, tmp_path):
     tokens were accepted."""
     messages = [{"role": "user", "content": "List 3 countries and their capitals."}]
     plain, _ = _chat_answer(target, str(tmp_path / "plain.log"), SEED_NGRAM_OTHER_FLAGS, messages, 64)
+    # + --disable-speculative-auto-off: on this tiny model plain steps measure about as fast as NGRAM's, and the
+    # drafting guard below needs every step to speculate
     answer, info = _chat_answer(target, str(tmp_path / "ngram.log"),
-                                SEED_NGRAM_SPEC_FLAGS + SEED_NGRAM_OTHER_FLAGS, messages, 64)
+                                SEED_NGRAM_SPEC_FLAGS + SEED_NGRAM_OTHER_FLAGS + ["--disable-speculative-auto-off"],
+                                messages, 64)
     assert answer == plain
     flags = ("speculative_algorithm", "speculative_num_draft_tokens", "speculative_ngram_max_match_window_size",
              "speculative_ngram_max_bfs_breadth", "cuda_graph_max_bs", "mem_fraction_static", "log_level")

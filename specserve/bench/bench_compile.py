@@ -1,0 +1,88 @@
+"""torch.compile vs eager on the same model and prompts, side by side in one run (``--enable-torch-compile``).
+
+Two engines per configuration (eager and compiled) are loaded in this process and warmed up (the compiled one
+builds its graphs then: the compile time is reported separately); then every prompt runs on each engine in turn
+(A B A B), batch 1, greedy, fixed token counts. Reported: tokens/s of each, the ratio, greedy equality of the
+compiled outputs with the eager ones, and the graphs / seconds torch.compile took.
+
+    python -m specserve.bench.bench_compile [--model-path demo] [--configs plain,eagle3] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from specserve.bench.bench_ngram import equal_count, ours_prepare, ours_runner, run_set
+from specserve.bench.report import format_table
+
+CONFIGS = {"plain": {}, "eagle3": {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "demo-eagle3"}}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default="demo")
+    p.add_argument("--eagle3-path", default="demo-eagle3", help="EAGLE-3 head of the eagle3 configuration")
+    p.add_argument("--configs", default="plain,eagle3", help="comma list of: plain, eagle3")
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-threads", type=int, default=None)
+    a = p.parse_args(argv)
+    bad = [c for c in a.configs.split(",") if c not in CONFIGS]
+    if bad:
+        p.error(f"--configs: unknown {', '.join(bad)} (choose from {', '.join(CONFIGS)})")
+    return a
+
+
+def bench_config(name: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from specserve import Engine
+
+    kw = dict(CONFIGS[name])
+    if "speculative_draft_model_path" in kw:
+        kw["speculative_draft_model_path"] = args.eagle3_path
+    common = dict(model_path=args.model_path, dtype=args.dtype, num_threads=args.num_threads, log_level="warning",
+                  max_total_tokens=4096, **kw)
+    eager, compiled = Engine(**common), Engine(**common, enable_torch_compile=True)
+    try:
+        n = args.max_new_tokens
+        runners = {"eager": ours_runner(eager, n), "compiled": ours_runner(compiled, n)}
+        prepare = {"eager": ours_prepare(eager), "compiled": ours_prepare(compiled)}
+        for p in prompts[:2]:  # compile the shapes of a run (first static, then dynamic) before timing
+            runners["compiled"](p)
+        tallies = run_set(runners, prompts, prompts[0], prepare, desc=name)
+        info = compiled.get_server_info()
+    finally:
+        eager.shutdown()
+        compiled.shutdown()
+    e, c = tallies["eager"], tallies["compiled"]
+    return {"config": name, "eager_tok_s": e.tokens_per_s, "compiled_tok_s": c.tokens_per_s,
+            "ratio": c.tokens_per_s / e.tokens_per_s if e.tokens_per_s else float("nan"),
+            "equal": f"{equal_count(c.outputs, e.outputs)}/{len(prompts)}",
+            "compile_graphs": info["torch_compile_graphs"], "compile_s": info["torch_compile_seconds"]}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    from transformers import AutoTokenizer
+
+    from specserve.demo_models import resolve_demo
+    from specserve.train.corpus import held_out_prompts
+
+    args.model_path, args.eagle3_path = resolve_demo(args.model_path), resolve_demo(args.eagle3_path)
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    prompts = [tok.encode(p) for p in held_out_prompts(args.num_prompts)]
+    rows = [bench_config(name, args, prompts) for name in args.configs.split(",")]
+    print(format_table(rows, [("config", "config", None), ("eager_tok_s", "eager tok/s", ".1f"),
+                              ("compiled_tok_s", "compiled tok/s", ".1f"), ("ratio", "compiled / eager", ".2f"),
+                              ("equal", "greedy equal", None), ("compile_graphs", "graphs", None),
+                              ("compile_s", "compile s", ".1f")]))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
