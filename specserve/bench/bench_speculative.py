@@ -106,6 +106,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--reps", type=int, default=1, help="timed passes per measurement (median tok/s; default: 1)")
     g.add_argument("--out-dir", default=None, help=f"default: bench_results/{COMMAND}-<timestamp>")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--batch-aware", action="store_true",
+                   help="keep the engine's batch-aware speculation (tree shrinking and auto-off) as served; "
+                        "default: measure each swept tree as given, on every step")
     add_server_args(p)
     p.set_defaults(log_level="warning")  # engine progress lines would break the progress bar
     return p.parse_args(argv)
@@ -210,13 +213,14 @@ def step_clock(engine):
     return clock
 
 
-def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]], params: dict, reps: int
+def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]], params: dict, reps: int,
+               batch_aware: bool = False
                ) -> list[dict]:
     """One engine for the configuration: warm up once, then every batch size. Rows without speed-up yet."""
     from specserve.bench.eval_acceptance import WARMUP_PROMPT, WARMUP_TOKENS
     from specserve.engine import Engine
 
-    if args.speculative_algorithm:  # measure the swept tree itself: no batch-aware shrinking or auto-off
+    if args.speculative_algorithm and not batch_aware:  # the swept tree itself: no shrinking or auto-off
         args = dataclasses.replace(args, speculative_batch_token_budget=0, disable_speculative_auto_off=True)
     engine = Engine(**dataclasses.asdict(args))
     try:
@@ -339,7 +343,7 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     todo = [(BASELINE, plain_args(args)), *configs]
     for shape, cfg_args in tqdm(todo, desc=COMMAND, unit="config", disable=ns.no_progress):
         try:
-            rows += run_config(shape, cfg_args, batches, params, ns.reps)
+            rows += run_config(shape, cfg_args, batches, params, ns.reps, ns.batch_aware)
         except ConfigError as e:  # a check the engine makes at load time (e.g. against the draft model)
             skipped.append({"steps": shape.steps, "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
                             "reason": str(e)})
