@@ -18,7 +18,8 @@ Figures per (batch size, configuration):
 
 - ``tokens_per_s``: completion tokens / wall time of the generate calls (prefill included), median of the reps;
 - ``speedup``: tokens_per_s / the plain engine's at the same batch size, measured in the same run;
-- ``accept_length``: completion tokens / verify steps (``meta_info``: the prefill's token counts, as in SGLang);
+- ``accept_length``: completion tokens / verify steps (``meta_info``: the prefill's token counts, as in SGLang),
+  leaving out tokens of plain steps (``--batch-aware``: the engine's batch-aware speculation ran them);
 - ``step_ms``: wall time spent inside the scheduler's decode steps / their number (every rep): for a speculative
   engine one step is drafting + the verify forward + acceptance; prefill steps are not in it. ``verify_ms`` and
   ``draft_ms`` split it (verify forward; ``propose`` + ``after_verify``).
@@ -178,7 +179,7 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
     from specserve.bench.bench_core import flush_prefix_cache
 
     clock.reset()
-    rates, tokens, verify = [], 0, 0
+    rates, tokens, verify, plain_tokens = [], 0, 0, 0
     for _ in range(reps):
         flush_prefix_cache(engine)
         seconds, rep_tokens = 0.0, 0
@@ -188,12 +189,15 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
             seconds += time.perf_counter() - start
             rep_tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
             verify += sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+            plain_tokens += sum(o["meta_info"].get("spec_plain_tokens", 0) for o in outs)
         rates.append(rep_tokens / seconds)
         tokens += rep_tokens
     steps = len(clock.times.get("decode_step", []))
     return {
         "completion_tokens": tokens // reps, "tokens_per_s": statistics.median(rates), "decode_steps": steps // reps,
-        "verify_steps": verify // reps if verify else None, "accept_length": tokens / verify if verify else None,
+        "verify_steps": verify // reps if verify else None,
+        "accept_length": (tokens - plain_tokens) / verify if verify else None,
+        "plain_step_tokens": plain_tokens // reps,
         "step_ms": clock.mean_ms("decode_step"),
         "verify_ms": _or_none(clock.mean_ms("target_verify")),
         "draft_ms": _or_none(clock.mean_ms("propose") + clock.mean_ms("after_verify")),

@@ -21,6 +21,7 @@ For B running requests with roots at positions P_b (= seq_len - 1, the root's KV
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,20 +55,29 @@ if TYPE_CHECKING:
     from specserve.scheduler.scheduler import Scheduler
 
 
-MAX_BACKLOG = 64  # plain-decoded tokens a request keeps for its drafter before they are replayed
+BACKLOG_WINDOW = 32  # plain-decoded tokens a request keeps for its drafter (the most recent ones)
 
 
 @dataclass
 class Backlog:
-    """Tokens a request got from plain decode steps since its drafter last caught up (batch-aware speculation)."""
+    """The latest tokens a request got from plain decode steps since its drafter last caught up (batch-aware
+    speculation), replayed to the drafter when speculation resumes.
 
-    start: int  # position of the first plain step's input (the root then)
-    tokens: list[int] = field(default_factory=list)  # the tokens those steps produced
-    rows: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)  # (hidden [h], aux [h] each)
+    Only the last BACKLOG_WINDOW are kept: memory stays bounded and a long plain stretch costs nothing until
+    speculation resumes. The drafter's KV at older plain-decoded positions is then simply not refreshed (stale
+    slots); that can only lower acceptance, never change an output (verification is what decides)."""
+
+    start: int  # position of the input of the oldest kept step (the root then)
+    tokens: deque[int] = field(default_factory=deque)  # the tokens those steps produced
+    rows: deque[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=deque)  # (hidden [h], aux [h] each)
 
     def add(self, token: int, hidden: torch.Tensor, aux: list[torch.Tensor]) -> None:
         self.tokens.append(token)
         self.rows.append((hidden, aux))
+        if len(self.tokens) > BACKLOG_WINDOW:
+            self.tokens.popleft()
+            self.rows.popleft()
+            self.start += 1
 
 
 class SpecDecoder:
@@ -123,7 +133,6 @@ class SpecDecoder:
         self.sched.stats.spec_plain_steps += 1
         root_pos = [r.seq_len - 1 for r in reqs]
         outputs, out = self.sched.plain_decode(reqs, self.proposer.capture_layers)
-        full = []
         for b, req in enumerate(reqs):
             req.spec_plain_tokens += 1
             if req.finished:  # released: its state is gone
@@ -131,9 +140,6 @@ class SpecDecoder:
             if req.spec_backlog is None:
                 req.spec_backlog = Backlog(root_pos[b])
             req.spec_backlog.add(req.output_ids[-1], out.hidden[b], [a[b] for a in out.aux_hidden])
-            if len(req.spec_backlog.tokens) >= MAX_BACKLOG:
-                full.append(req)
-        self._flush_backlog(full)  # bounded memory: a long plain stretch is replayed in pieces
         return outputs
 
     def _flush_backlog(self, reqs: list[Req]) -> None:
@@ -145,7 +151,7 @@ class SpecDecoder:
         for req in pending:
             bl, req.spec_backlog = req.spec_backlog, None
             k = len(bl.tokens)
-            steps.append(VerifiedStep(req, bl.start, list(range(k)), bl.tokens, len(rows)))
+            steps.append(VerifiedStep(req, bl.start, list(range(k)), list(bl.tokens), len(rows)))
             rows.extend(bl.rows)
         hidden = torch.stack([h for h, _ in rows])  # [T, h]
         aux = [torch.stack([a[i] for _, a in rows]) for i in range(len(rows[0][1]))]  # per layer [T, h]

@@ -10,9 +10,11 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    speculation is off for that step.
 2. **Speculation is turned off where it does not pay** (``BatchPolicy``, unless
    ``--disable-speculative-auto-off``): the policy measures the throughput (tokens per second of step time) of
-   speculative and plain steps per batch-size bucket (exponential moving averages) and runs the faster mode,
-   trying the other one every ``explore_every`` steps of the bucket so the estimate follows changing acceptance
-   (e.g. temperature-1 requests, a poor draft, a different workload).
+   speculative and plain steps per batch-size bucket (decayed sums of tokens and of step seconds) and runs the
+   faster mode, trying the other one (TRY_STEPS steps, measured afresh) after ``explore_every`` steps of the
+   bucket so the estimate follows changing acceptance
+   (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
+   the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less.
 
 Switching is free of output effects: a plain step produces the token plain decoding would; the drafter's state
 is kept per request and catches up on the tokens it missed before the next speculative step
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-EMA_WEIGHT = 0.2  # weight of the newest step time in the running averages
-EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently losing
+DECAY = 0.9  # weight of the older steps in a mode's running sums (an effective window of about 10 steps)
+TRY_STEPS = 4  # consecutive steps a try of a mode runs; that mode's estimate restarts from them
+EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently losing (at first)
+MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the winner, up to this
 
 
 @dataclass(frozen=True)
@@ -59,20 +63,44 @@ def bucket_of(batch: int) -> int:
 
 
 @dataclass
-class _Rates:
-    """Running throughput estimates (tokens / second of step time) of one bucket, plus its step counter."""
+class _Mode:
+    """Decayed sums of one mode's steps in one bucket; rate = tokens per second of step time over them."""
 
-    spec: float | None = None
-    plain: float | None = None
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass
+class _Bucket:
+    """One batch-size bucket: both modes' estimates, the step counter and the exploration state."""
+
+    interval: int  # steps between two tries of the losing mode
+    next_try: int  # step number of the next try
+    spec: _Mode = field(default_factory=_Mode)
+    plain: _Mode = field(default_factory=_Mode)
     steps: int = 0
+    trying: bool | None = None  # the mode (True = speculative) a try is measuring, else None
+    try_choices: int = 0  # steps of the current try still to hand out
+    try_records: int = 0  # steps of the current try still to be measured
 
-    def update(self, speculative: bool, tokens_per_s: float) -> None:
-        old = self.spec if speculative else self.plain
-        new = tokens_per_s if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * tokens_per_s
-        if speculative:
-            self.spec = new
-        else:
-            self.plain = new
+    def start_try(self, speculative: bool) -> None:
+        """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions)."""
+        self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS, TRY_STEPS
+        setattr(self, "spec" if speculative else "plain", _Mode())
+
+    def winner(self) -> bool | None:
+        """True = speculative steps are faster, False = plain, None = not both measured yet."""
+        if self.spec.rate is None or self.plain.rate is None:
+            return None
+        return self.spec.rate >= self.plain.rate
 
 
 @dataclass
@@ -82,33 +110,53 @@ class BatchPolicy:
     disable_batch_size: int | None = None
     auto_off: bool = True
     explore_every: int = EXPLORE_EVERY
-    rates: dict[int, _Rates] = field(default_factory=dict)
+    rates: dict[int, _Bucket] = field(default_factory=dict)
+
+    def _bucket(self, batch: int) -> _Bucket:
+        b = bucket_of(batch)
+        if b not in self.rates:
+            self.rates[b] = _Bucket(self.explore_every, self.explore_every)
+            self.rates[b].start_try(True)  # measure speculation first, then plain
+        return self.rates[b]
 
     def choose(self, batch: int) -> TreeShape | None:
         """The tree for the next step of `batch` requests, or None for a plain step."""
         shape = shape_for_batch(batch, self.full, self.token_budget, self.disable_batch_size)
         if shape is None or not self.auto_off:
             return shape
-        r = self.rates.setdefault(bucket_of(batch), _Rates())
+        r = self._bucket(batch)
         r.steps += 1
-        if r.spec is None:
-            return shape
-        if r.plain is None:
-            return None
-        spec_wins = r.spec >= r.plain
-        if r.steps % self.explore_every == 0:  # refresh the loser's estimate now and then
-            spec_wins = not spec_wins
-        return shape if spec_wins else None
+        if r.trying is None and r.winner() is None:  # speculation measured, plain not yet
+            r.start_try(False)
+        elif r.trying is None and r.steps >= r.next_try:  # refresh the loser's estimate now and then
+            r.start_try(not r.winner())
+        if r.trying is not None and r.try_choices > 0:
+            r.try_choices -= 1
+            return shape if r.trying else None
+        return shape if r.winner() is not False else None
 
     def record(self, batch: int, speculative: bool, seconds: float, tokens: int) -> None:
         """A step of `batch` requests took `seconds` and produced `tokens` tokens (all requests together)."""
-        if self.auto_off and seconds > 0:
-            self.rates.setdefault(bucket_of(batch), _Rates()).update(speculative, tokens / seconds)
+        if not self.auto_off or seconds <= 0:
+            return
+        r = self._bucket(batch)
+        (r.spec if speculative else r.plain).add(tokens, seconds)
+        if r.trying is None or speculative != r.trying:
+            return
+        r.try_records -= 1
+        if r.try_records > 0:
+            return
+        win = r.winner()
+        if win is not None:  # a try that confirms the current winner makes the next one come later
+            r.interval = min(r.interval * 2, MAX_EXPLORE_EVERY) if win != r.trying else self.explore_every
+            r.next_try = r.steps + r.interval
+        r.trying = None
 
     def summary(self) -> dict[str, dict]:
         """Per bucket: the current estimates (tokens/s) and which mode wins (for the server info)."""
         out = {}
         for b, r in sorted(self.rates.items()):
-            winner = None if r.spec is None or r.plain is None else ("spec" if r.spec >= r.plain else "plain")
-            out[str(b)] = {"spec_tok_s": r.spec, "plain_tok_s": r.plain, "steps": r.steps, "winner": winner}
+            win = r.winner()
+            out[str(b)] = {"spec_tok_s": r.spec.rate, "plain_tok_s": r.plain.rate, "steps": r.steps,
+                           "winner": None if win is None else ("spec" if win else "plain")}
         return out

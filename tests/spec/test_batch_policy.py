@@ -30,34 +30,52 @@ def test_buckets():
     assert [bucket_of(b) for b in (1, 5, 8, 9, 16, 17, 33)] == [1, 5, 8, 16, 16, 32, 64]
 
 
-def test_policy_tries_both_then_runs_the_faster_and_explores():
-    p = BatchPolicy(FULL, explore_every=4)
-    assert p.choose(1) == FULL  # step 1: no estimate yet -> speculate
-    p.record(1, True, seconds=0.010, tokens=2)  # 200 tok/s
-    assert p.choose(1) is None  # step 2: plain has no estimate -> try it
-    p.record(1, False, seconds=0.004, tokens=1)  # 250 tok/s
-    assert p.choose(1) is None  # step 3: plain is faster
-    assert p.choose(1) == FULL  # step 4: every 4th step tries the loser
-    p.record(1, True, seconds=0.010, tokens=4)  # 400 tok/s: spec EMA = 0.8 * 200 + 0.2 * 400 = 240
-    assert p.rates[1].spec == pytest.approx(240.0)
-    assert p.choose(1) is None  # 240 < 250
-    p.record(1, True, seconds=0.001, tokens=4)  # 4000 tok/s: EMA = 0.8 * 240 + 0.2 * 4000 = 992
-    assert p.choose(1) == FULL
-    assert p.summary()["1"]["winner"] == "spec"
+def _run(p: BatchPolicy, steps: int, spec_rate: float, plain_rate: float, batch: int = 1) -> list[bool]:
+    """Drive the policy for `steps` steps where speculative / plain steps produce these tokens per second;
+    -> which steps speculated."""
+    out = []
+    for _ in range(steps):
+        speculative = p.choose(batch) is not None
+        p.record(batch, speculative, 1.0, int(spec_rate if speculative else plain_rate))
+        out.append(speculative)
+    return out
+
+
+def test_policy_measures_both_then_runs_the_faster():
+    p = BatchPolicy(FULL, explore_every=100)
+    # TRY_STEPS = 4 speculative steps, 4 plain steps, then the faster (plain here) until the next try
+    assert _run(p, 12, spec_rate=100, plain_rate=200) == [True] * 4 + [False] * 8
+    assert p.summary()["1"] == {"spec_tok_s": pytest.approx(100.0), "plain_tok_s": pytest.approx(200.0),
+                                "steps": 12, "winner": "plain"}
+    p = BatchPolicy(FULL, explore_every=100)
+    assert _run(p, 12, spec_rate=300, plain_rate=200) == [True] * 4 + [False] * 4 + [True] * 4
+
+
+def test_exploration_backs_off_while_the_loser_keeps_losing():
+    p = BatchPolicy(FULL, explore_every=10)
+    flags = _run(p, 120, spec_rate=100, plain_rate=200)
+    tries = [i + 1 for i, f in enumerate(flags) if f and i >= 4]  # speculative steps after the first measurement
+    # both measured by step 8; tries of 4 steps 10 steps later (18), then 20 (41) and 40 (84) steps after the
+    # previous try: the interval doubles each time the try loses
+    assert tries == [18, 19, 20, 21, 41, 42, 43, 44, 84, 85, 86, 87]
+    assert p.rates[1].interval == 80
+
+
+def test_a_try_measures_afresh_so_speculation_comes_back_when_it_pays_again():
+    p = BatchPolicy(FULL, explore_every=10)
+    assert _run(p, 17, spec_rate=100, plain_rate=200)[8:] == [False] * 9  # plain wins for now
+    assert _run(p, 8, spec_rate=400, plain_rate=200) == [True] * 8  # the try at step 18 finds 400 > 200
+    assert p.rates[1].interval == 10 and p.summary()["1"]["winner"] == "spec"
 
 
 def test_policy_without_auto_off_follows_the_schedule_only():
     p = BatchPolicy(FULL, token_budget=64, auto_off=False)
-    p.record(1, True, seconds=1.0, tokens=1)
-    p.record(1, False, seconds=0.001, tokens=1)
+    _run(p, 20, spec_rate=1, plain_rate=1000)
     assert p.choose(1) == FULL and p.choose(16) == TreeShape(3, 1, 4) and p.choose(40) is None
     assert p.rates == {}  # nothing measured
 
 
 def test_buckets_are_measured_separately():
-    p = BatchPolicy(FULL)
-    p.choose(1)
-    p.record(1, True, 0.01, 4)
-    p.choose(1)
-    p.record(1, False, 0.01, 1)
-    assert p.choose(2) == FULL  # bucket 2 has no estimate yet: speculate first
+    p = BatchPolicy(FULL, explore_every=100)
+    _run(p, 10, spec_rate=100, plain_rate=200, batch=1)
+    assert p.choose(2) == FULL  # bucket 2 has no estimate yet: speculation is measured first
