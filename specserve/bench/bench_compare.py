@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=",".join(SELECTABLE),
                    help=f"comma list of configurations to run, from {','.join(SELECTABLE)} (default: all)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="our engines compile their decode/verify/draft forwards (graphs are built in the warm-up)")
     p.add_argument("--always-speculate", action="store_true",
                    help="our speculative engines speculate on every step (--disable-speculative-auto-off); default: "
                         "the engine's batch-aware policy, which runs plain steps where speculation measures slower")
@@ -262,7 +264,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name),
               "disable_speculative_auto_off": args.always_speculate} if algorithm else {}
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
-                        max_total_tokens=kv_tokens, log_level="warning", **kw)
+                        max_total_tokens=kv_tokens, log_level="warning",
+                        enable_torch_compile=args.enable_torch_compile, **kw)
         loaded.engines.append(engine)
         loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n), ours_prepare(engine)
         loaded.setup[name] = spec_setup(engine, given.get(name))
