@@ -22,15 +22,10 @@ POLICY = dict(speculative_batch_token_budget=10, speculative_disable_batch_size=
 
 
 @pytest.fixture(scope="module")
-def target(model_factory):
-    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def drafts(target, tmp_path_factory):
+def drafts(target, self_head, tmp_path_factory):
     d = tmp_path_factory.mktemp("drafts")
     return {
-        "EAGLE": make_eagle_head_dir(str(d / "eagle"), target, kind="self"),
+        "EAGLE": self_head,
         "EAGLE3": make_eagle3_head_dir(str(d / "eagle3"), target, kind="random"),
         "STANDALONE": target,
         "NGRAM": None,

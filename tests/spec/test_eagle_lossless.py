@@ -17,12 +17,6 @@ PROMPTS_16 = PROMPTS + [p + " and then" for p in PROMPTS[::-1]]
 
 
 @pytest.fixture(scope="module")
-def target(model_factory):
-    # one layer + unit-RMS embeddings: the "self" head mirrors it, so drafts are mostly accepted
-    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
 def heads(target, tmp_path_factory):
     d = tmp_path_factory.mktemp("eagle")
     return {kind: make_eagle_head_dir(str(d / kind), target, kind=kind) for kind in ("self", "random")}

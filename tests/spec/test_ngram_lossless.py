@@ -21,11 +21,6 @@ NGRAM = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def target(model_factory):
-    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
 def plain(target):
     with Engine(model_path=target, max_total_tokens=8192) as e:
         return [o["output_ids"] for o in e.generate(REPETITIVE, greedy(48))]

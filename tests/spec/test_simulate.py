@@ -91,11 +91,6 @@ def test_env_parsing():
 
 
 @pytest.fixture(scope="module")
-def target(model_factory):
-    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
 def random_head(target, tmp_path_factory):
     return make_eagle_head_dir(str(tmp_path_factory.mktemp("eagle") / "random"), target, kind="random")
 

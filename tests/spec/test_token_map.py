@@ -202,17 +202,6 @@ def test_hot_head_logits_are_the_target_logits_at_the_hot_ids(model_factory):
 
 # ---------------------------------------------------------------------------------------------- lossless gate
 @pytest.fixture(scope="module")
-def target(model_factory):
-    # one layer + unit-RMS embeddings: the "self" head mirrors it, so drafts are mostly accepted
-    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def self_head(target, tmp_path_factory):
-    return make_eagle_head_dir(str(tmp_path_factory.mktemp("eagle") / "self"), target, kind="self")
-
-
-@pytest.fixture(scope="module")
 def plain(target):
     with Engine(model_path=target, max_total_tokens=4096) as e:
         return [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]

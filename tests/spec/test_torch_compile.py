@@ -7,19 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
-from specserve.testing.tiny import make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.spec.helpers import assert_drafting_happened, spec_kwargs
-
-
-@pytest.fixture(scope="module")
-def target(model_factory):
-    return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def head(target, tmp_path_factory):
-    return make_eagle_head_dir(str(tmp_path_factory.mktemp("eagle") / "self"), target, kind="self")
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +28,8 @@ def test_compiled_plain_decode_equals_eager(target, plain):
     assert info["torch_compile_calls"] > 0
 
 
-def test_compiled_eagle_tree_equals_plain(target, head, plain):
-    kw = spec_kwargs("EAGLE", head, 3, 2, 5)
+def test_compiled_eagle_tree_equals_plain(target, self_head, plain):
+    kw = spec_kwargs("EAGLE", self_head, 3, 2, 5)
     with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True, **kw) as e:
         outs = e.generate(PROMPTS, greedy(24))
         info = e.get_server_info()
