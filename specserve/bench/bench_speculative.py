@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 
 from specserve.config import ConfigError, ServerArgs
+from specserve.spec.accept_stats import accept_length
 
 COMMAND = "bench-speculative"
 SIMULATE_ENV = ("SPECSERVE_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_LEN")
@@ -179,7 +180,7 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
     from specserve.bench.bench_core import flush_prefix_cache
 
     clock.reset()
-    rates, tokens, verify, plain_tokens = [], 0, 0, 0
+    rates, metas = [], []
     for _ in range(reps):
         flush_prefix_cache(engine)
         seconds, rep_tokens = 0.0, 0
@@ -188,15 +189,16 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
             outs = engine.generate(prompts[i : i + batch_size], params)
             seconds += time.perf_counter() - start
             rep_tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
-            verify += sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-            plain_tokens += sum(o["meta_info"].get("spec_plain_tokens", 0) for o in outs)
+            metas += [o["meta_info"] for o in outs]
         rates.append(rep_tokens / seconds)
-        tokens += rep_tokens
+    tokens = sum(m["completion_tokens"] for m in metas)
+    verify = sum(m.get("spec_verify_ct", 0) for m in metas)
+    plain_tokens = sum(m.get("spec_plain_tokens", 0) for m in metas)
     steps = len(clock.times.get("decode_step", []))
     return {
         "completion_tokens": tokens // reps, "tokens_per_s": statistics.median(rates), "decode_steps": steps // reps,
         "verify_steps": verify // reps if verify else None,
-        "accept_length": (tokens - plain_tokens) / verify if verify else None,
+        "accept_length": accept_length(metas) if verify else None,
         "plain_step_tokens": plain_tokens // reps,
         "step_ms": clock.mean_ms("decode_step"),
         "verify_ms": _or_none(clock.mean_ms("target_verify")),

@@ -43,7 +43,6 @@ class CompileStats:
     graphs: int = 0  # graphs dynamo built for the wrapped forwards
     seconds: float = 0.0  # wall time of the calls that built them (tracing + inductor + the run itself)
     compiled_calls: int = 0
-    eager_calls: int = 0
 
 
 def _graph_count() -> int:
@@ -64,7 +63,6 @@ class CompiledForward:
 
     def __call__(self, fb: ForwardBatch, *args, **kwargs):
         if not self.use_compiled(fb):
-            self.stats.eager_calls += 1
             return self.eager(fb, *args, **kwargs)
         self.stats.compiled_calls += 1
         _raise_recompile_limit()  # dynamo's config is per thread: set it on the thread that runs the forwards
