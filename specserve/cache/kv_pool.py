@@ -41,16 +41,17 @@ class SlotAllocator:
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64, device=self.device)
-        self._released: list[torch.Tensor] = []
+        self._released: list[torch.Tensor] = []  # freed slots not yet merged into _free (merged on demand)
+        self._released_count = 0  # their total, kept so available_size() is O(1)
 
     def available_size(self) -> int:
-        return len(self._free) + sum(len(t) for t in self._released)
+        return len(self._free) + self._released_count
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n slots as int64 [n], or None when fewer are free."""
         if n > len(self._free) and self._released:
             self._free = torch.cat([self._free, *self._released])
-            self._released = []
+            self._released, self._released_count = [], 0
         if n > len(self._free):
             return None
         out, self._free = self._free[:n], self._free[n:]
@@ -59,6 +60,7 @@ class SlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._released.append(slots.to(torch.int64))
+            self._released_count += slots.numel()
 
     def free_slots_sorted(self) -> torch.Tensor:
         """Every free slot, sorted (for leak checks)."""

@@ -15,6 +15,10 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    bucket so the estimate follows changing acceptance
    (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
    the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less.
+   Two guards keep a cold start from turning speculation off for good: the first WARMUP_STEPS steps of each mode
+   in a bucket are run but not measured (first calls pay allocations, caches and lazy compilation), and plain
+   steps must beat speculation by more than SPEC_MARGIN to win (step times on a busy host are noisy, and the
+   margin is within the "a few percent" speculation may cost at most).
 
 Switching is free of output effects: a plain step produces the token plain decoding would; the drafter's state
 is kept per request and catches up on the tokens it missed before the next speculative step
@@ -29,6 +33,8 @@ DECAY = 0.9  # weight of the older steps in a mode's running sums (an effective 
 TRY_STEPS = 4  # consecutive steps a try of a mode runs; that mode's estimate restarts from them
 EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently losing (at first)
 MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the winner, up to this
+WARMUP_STEPS = 2  # the first steps of each mode in a bucket run unmeasured (cold caches, lazy compilation)
+SPEC_MARGIN = 0.03  # plain wins only when faster than speculation by more than this fraction
 
 
 @dataclass(frozen=True)
@@ -90,17 +96,23 @@ class _Bucket:
     trying: bool | None = None  # the mode (True = speculative) a try is measuring, else None
     try_choices: int = 0  # steps of the current try still to hand out
     try_records: int = 0  # steps of the current try still to be measured
+    try_skip: int = 0  # warm-up steps of the current try still to be run unmeasured
+    warmed: set[bool] = field(default_factory=set)  # modes that already ran their warm-up steps here
 
-    def start_try(self, speculative: bool) -> None:
-        """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions)."""
-        self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS, TRY_STEPS
+    def start_try(self, speculative: bool, warmup: int = 0) -> None:
+        """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions). A
+        mode's first try in the bucket runs `warmup` more steps first, which are not measured."""
+        self.try_skip = 0 if speculative in self.warmed else warmup
+        self.warmed.add(speculative)
+        self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS + self.try_skip, TRY_STEPS
         setattr(self, "spec" if speculative else "plain", _Mode())
 
     def winner(self) -> bool | None:
-        """True = speculative steps are faster, False = plain, None = not both measured yet."""
+        """True = speculative steps are faster (or plain is not faster by SPEC_MARGIN), False = plain, None =
+        not both measured yet."""
         if self.spec.rate is None or self.plain.rate is None:
             return None
-        return self.spec.rate >= self.plain.rate
+        return self.spec.rate >= self.plain.rate * (1.0 - SPEC_MARGIN)
 
 
 @dataclass
@@ -110,13 +122,14 @@ class BatchPolicy:
     disable_batch_size: int | None = None
     auto_off: bool = True
     explore_every: int = EXPLORE_EVERY
+    warmup_steps: int = WARMUP_STEPS
     rates: dict[int, _Bucket] = field(default_factory=dict)
 
     def _bucket(self, batch: int) -> _Bucket:
         b = bucket_of(batch)
         if b not in self.rates:
             self.rates[b] = _Bucket(self.explore_every, self.explore_every)
-            self.rates[b].start_try(True)  # measure speculation first, then plain
+            self.rates[b].start_try(True, self.warmup_steps)  # measure speculation first, then plain
         return self.rates[b]
 
     def choose(self, batch: int) -> TreeShape | None:
@@ -127,9 +140,9 @@ class BatchPolicy:
         r = self._bucket(batch)
         r.steps += 1
         if r.trying is None and r.winner() is None:  # speculation measured, plain not yet
-            r.start_try(False)
+            r.start_try(False, self.warmup_steps)
         elif r.trying is None and r.steps >= r.next_try:  # refresh the loser's estimate now and then
-            r.start_try(not r.winner())
+            r.start_try(not r.winner(), self.warmup_steps)
         if r.trying is not None and r.try_choices > 0:
             r.try_choices -= 1
             return shape if r.trying else None
@@ -140,6 +153,9 @@ class BatchPolicy:
         if not self.auto_off or seconds <= 0:
             return
         r = self._bucket(batch)
+        if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, not measured
+            r.try_skip -= 1
+            return
         (r.spec if speculative else r.plain).add(tokens, seconds)
         if r.trying is None or speculative != r.trying:
             return

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.spec.batch_policy import BatchPolicy, TreeShape, bucket_of, shape_for_batch
+from specserve.spec.batch_policy import (
+    SPEC_MARGIN,
+    TRY_STEPS,
+    WARMUP_STEPS,
+    BatchPolicy,
+    TreeShape,
+    bucket_of,
+    shape_for_batch,
+)
 
 FULL = TreeShape(5, 4, 8)
 
@@ -41,18 +49,45 @@ def _run(p: BatchPolicy, steps: int, spec_rate: float, plain_rate: float, batch:
     return out
 
 
+def _policy(**kw) -> BatchPolicy:
+    """A policy without warm-up steps (they have their own test), so schedules count measured steps only."""
+    return BatchPolicy(FULL, warmup_steps=0, **kw)
+
+
 def test_policy_measures_both_then_runs_the_faster():
-    p = BatchPolicy(FULL, explore_every=100)
+    p = _policy(explore_every=100)
     # TRY_STEPS = 4 speculative steps, 4 plain steps, then the faster (plain here) until the next try
     assert _run(p, 12, spec_rate=100, plain_rate=200) == [True] * 4 + [False] * 8
     assert p.summary()["1"] == {"spec_tok_s": pytest.approx(100.0), "plain_tok_s": pytest.approx(200.0),
                                 "steps": 12, "winner": "plain"}
-    p = BatchPolicy(FULL, explore_every=100)
+    p = _policy(explore_every=100)
     assert _run(p, 12, spec_rate=300, plain_rate=200) == [True] * 4 + [False] * 4 + [True] * 4
 
 
+def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculation_off():
+    p = BatchPolicy(FULL, explore_every=1000)  # the default warm-up
+    flags = []
+    # the first speculative steps are 10x slower (cold), then speculation runs at 300 vs plain's 200 tok/s
+    for i in range(2 * (WARMUP_STEPS + TRY_STEPS) + 4):
+        speculative = p.choose(1) is not None
+        cold = speculative and i < WARMUP_STEPS
+        p.record(1, speculative, 10.0 if cold else 1.0, 300 if speculative else 200)
+        flags.append(speculative)
+    n = WARMUP_STEPS + TRY_STEPS
+    assert flags == [True] * n + [False] * n + [True] * 4
+    assert p.rates[1].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
+
+
+def test_plain_must_win_by_the_margin():
+    p = _policy(explore_every=1000)
+    slower = 100 * (1 - SPEC_MARGIN / 2)  # speculation a little slower than plain: within the margin
+    assert _run(p, 12, spec_rate=slower, plain_rate=100)[8:] == [True] * 4
+    p = _policy(explore_every=1000)
+    assert _run(p, 12, spec_rate=100 * (1 - 2 * SPEC_MARGIN), plain_rate=100)[8:] == [False] * 4
+
+
 def test_exploration_backs_off_while_the_loser_keeps_losing():
-    p = BatchPolicy(FULL, explore_every=10)
+    p = _policy(explore_every=10)
     flags = _run(p, 120, spec_rate=100, plain_rate=200)
     tries = [i + 1 for i, f in enumerate(flags) if f and i >= 4]  # speculative steps after the first measurement
     # both measured by step 8; tries of 4 steps 10 steps later (18), then 20 (41) and 40 (84) steps after the
@@ -62,7 +97,7 @@ def test_exploration_backs_off_while_the_loser_keeps_losing():
 
 
 def test_a_try_measures_afresh_so_speculation_comes_back_when_it_pays_again():
-    p = BatchPolicy(FULL, explore_every=10)
+    p = _policy(explore_every=10)
     assert _run(p, 17, spec_rate=100, plain_rate=200)[8:] == [False] * 9  # plain wins for now
     assert _run(p, 8, spec_rate=400, plain_rate=200) == [True] * 8  # the try at step 18 finds 400 > 200
     assert p.rates[1].interval == 10 and p.summary()["1"]["winner"] == "spec"
@@ -76,6 +111,6 @@ def test_policy_without_auto_off_follows_the_schedule_only():
 
 
 def test_buckets_are_measured_separately():
-    p = BatchPolicy(FULL, explore_every=100)
+    p = _policy(explore_every=100)
     _run(p, 10, spec_rate=100, plain_rate=200, batch=1)
     assert p.choose(2) == FULL  # bucket 2 has no estimate yet: speculation is measured first
