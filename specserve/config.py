@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 # Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+SPEC_V2_ENV = ("SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2")  # the overlap scheduler's switches
+SPEC_V2_NAMES = "--enable-spec-v2 / SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2"
+
+
+def _env_flag(names: tuple[str, ...]) -> bool:
+    """True when one of the environment variables is set to a true value (1, true, yes, on)."""
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in names)
 
 
 class ConfigError(ValueError):
@@ -111,6 +121,10 @@ class ServerArgs:
     disable_speculative_auto_off: bool = field(default=False, metadata={
         "help": "Always speculate (within the two limits above) instead of measuring per batch size whether "
                 "speculative or plain steps are faster and running the faster."})
+    enable_spec_v2: bool = field(default=False, metadata={
+        "help": "Overlap scheduler for speculative decoding (topk 1 only): a step's output processing runs while "
+                "the next step's draft and verify forwards run. Also turned on by the environment variable "
+                "SPECSERVE_ENABLE_SPEC_V2=1 or SGLang's SGLANG_ENABLE_SPEC_V2=True."})
     speculative_ngram_min_match_window_size: int = field(default=1, metadata={"help": "NGRAM min match window."})
     speculative_ngram_max_match_window_size: int = field(default=12, metadata={"help": "NGRAM max match window."})
     speculative_ngram_min_bfs_breadth: int = field(default=1, metadata={"help": "NGRAM min BFS breadth."})
@@ -148,7 +162,25 @@ class ServerArgs:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         self._resolve_demo_names()
         self._validate_speculative()
+        self._validate_spec_v2()
         return self
+
+    def _validate_spec_v2(self) -> None:
+        """The overlap scheduler: on by flag or environment; topk 1 only (an explicit topk > 1 fails)."""
+        if not self.enable_spec_v2:
+            self.enable_spec_v2 = _env_flag(SPEC_V2_ENV)
+        if not self.enable_spec_v2:
+            return
+        if self.speculative_algorithm is None:
+            logger.warning("the overlap scheduler (%s) applies to speculative decoding only; ignored", SPEC_V2_NAMES)
+            self.enable_spec_v2 = False
+            return
+        topk = self.speculative_eagle_topk
+        if self.speculative_algorithm != "NGRAM" and topk is not None and topk > 1:
+            raise ConfigError(
+                f"--speculative-eagle-topk {topk}: the overlap scheduler ({SPEC_V2_NAMES}) supports topk 1 only; "
+                "use --speculative-eagle-topk 1 or turn the overlap scheduler off"
+            )
 
     def _resolve_demo_names(self) -> None:
         """``demo``, ``demo-eagle3``, ... name the bundled demo family (``specserve.demo_models``)."""
@@ -218,7 +250,8 @@ class ServerArgs:
             return
         if self.speculative_algorithm == "NGRAM":
             return
-        llama_family = architecture in LLAMA_FAMILY and self.speculative_algorithm != "STANDALONE"
+        llama_family = (architecture in LLAMA_FAMILY and self.speculative_algorithm != "STANDALONE"
+                        and not self.enable_spec_v2)  # the overlap scheduler drafts chains (topk 1)
         steps, topk, tokens = (5, 4, 8) if llama_family else (3, 1, 4)
         self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
         logger.info("speculative tree: num_steps=%d eagle_topk=%d num_draft_tokens=%d", steps, topk, tokens)

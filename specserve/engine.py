@@ -328,5 +328,8 @@ def _server_info(s: Scheduler) -> dict:
             spec_plain_steps=st.spec_plain_steps,
             spec_shrunk_steps=st.spec_shrunk_steps,
             spec_batch_policy=s.spec.policy.summary(),
+            spec_overlap=s.spec.overlap is not None,  # the overlap scheduler (Spec V2)
+            spec_overlapped_steps=s.spec.overlap.overlapped_steps if s.spec.overlap is not None else 0,
+            spec_trimmed_finishes=st.spec_trimmed_finishes,
         )
     return info

@@ -66,6 +66,7 @@ class Req:
         self.spec_accept_per_position: list[int] = []  # [k-1] = verify steps that accepted >= k drafted tokens
         self.spec_plain_tokens = 0  # tokens from plain decode steps (batch-aware speculation turned it off)
         self.spec_backlog: Any = None  # those tokens, not yet replayed to the drafter (spec_decode.Backlog)
+        self.spec_stopped = False  # a verify step's forward part ended it (stop id / length); output not out yet
 
     @property
     def fill_ids(self) -> list[int]:
@@ -90,13 +91,14 @@ class Req:
     def wants_logprobs(self) -> bool:
         return bool(self.params.return_logprob)
 
-    def spec_meta(self) -> dict[str, Any]:
-        """Speculative metrics reported in meta_info (SGLang's names)."""
+    def spec_meta(self, completion: int | None = None) -> dict[str, Any]:
+        """Speculative metrics reported in meta_info (SGLang's names); completion = output tokens so far."""
         ct = self.spec_verify_ct
+        completion = len(self.output_ids) if completion is None else completion
         return {
             "spec_verify_ct": ct,
             # SGLang's completion_tokens / verify steps, minus tokens of plain steps (batch-aware speculation)
-            "spec_accept_length": (len(self.output_ids) - self.spec_plain_tokens) / ct if ct else 0.0,
+            "spec_accept_length": (completion - self.spec_plain_tokens) / ct if ct else 0.0,
             "spec_plain_tokens": self.spec_plain_tokens,
             "spec_accept_rate": self.spec_accepted_drafts / self.spec_drafted if self.spec_drafted else 0.0,
             "spec_accept_histogram": list(self.spec_accept_histogram),

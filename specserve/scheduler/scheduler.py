@@ -55,6 +55,7 @@ class SchedulerStats:
     spec_tokens: int = 0  # tokens produced by verify steps (accepted drafts + bonus, after finish trimming)
     spec_plain_steps: int = 0  # decode steps batch-aware speculation ran without speculation
     spec_shrunk_steps: int = 0  # speculative steps with a tree smaller than the configured one
+    spec_trimmed_finishes: int = 0  # overlap scheduler: stop strings found after the next forward part had run
     # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.spec.accept_stats)
     spec_accepted_per_position: list[int] = field(default_factory=list)
 
@@ -78,7 +79,7 @@ class Scheduler:
         self.chunked: Req | None = None  # the request whose prompt is part-way through prefill
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
-        self._retract_outputs: list[ReqOutput] = []
+        self._extra_outputs: list[ReqOutput] = []  # outputs made outside a step (retraction failures, a drain)
         self.vocab_size = self.runner.spec.vocab_size
         self.context_len = self.runner.context_len
         self.spec: SpecDecoder | None = None
@@ -97,6 +98,7 @@ class Scheduler:
 
     def abort(self, rid: str) -> ReqOutput | None:
         """Abort a waiting or running request; frees its KV. Returns its final output, or None if unknown."""
+        self._drain_spec()
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -117,17 +119,28 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self._extra_outputs)
 
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
         """Run one forward (prefill if anything can be admitted, else decode)."""
         batch = self._select_prefill()
         if batch:
-            return self._run_prefill(batch)
-        if self.running:
-            return self._run_decode()
-        return self._fail_unfittable()
+            self._drain_spec()
+            outputs = self._run_prefill(batch)
+        elif self.running:
+            outputs = self._run_decode()
+        else:
+            outputs = self._fail_unfittable()
+        return self._take_extra_outputs() + outputs
+
+    def _drain_spec(self) -> None:
+        """The overlap scheduler holds the last speculative step's outputs until the next step: process them
+        now, before something other than a speculative step touches the running requests."""
+        if self.spec is None or self.spec.overlap is None or self.spec.overlap.pending is None:
+            return
+        self._extra_outputs.extend(self.spec.overlap.drain())
+        self.running = [r for r in self.running if not r.finished]
 
     def _fail_unfittable(self) -> list[ReqOutput]:
         """Nothing runs, yet the head request cannot start: the pool is too small for it. Fail it."""
@@ -294,18 +307,17 @@ class Scheduler:
     def _run_decode(self) -> list[ReqOutput]:
         self._ensure_decode_room()
         if not self.running:
-            return self._drain_retract_outputs()
+            return []
         self.stats.num_decode_steps += 1
         if self.stats.num_decode_steps % DECODE_LOG_INTERVAL == 0:
             self._log_progress()
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if self.spec:
             outputs = self.spec.run(self.running)
-            self.running = [r for r in self.running if not r.finished]
-            return outputs + self._drain_retract_outputs()
-        outputs, _ = self.plain_decode(self.running)
+        else:
+            outputs, _ = self.plain_decode(self.running)
         self.running = [r for r in self.running if not r.finished]
-        return outputs + self._drain_retract_outputs()
+        return outputs
 
     def plain_decode(self, reqs: list[Req], capture_layers: tuple[int, ...] = ()) -> tuple[list[ReqOutput], object]:
         """One plain decode forward (one token per request): sample, append, release finished ones.
@@ -346,6 +358,9 @@ class Scheduler:
         verify slots): a part-prefilled request first, then running requests, latest admitted first. A lone
         request that still does not fit is failed."""
         while self.running and self._available() < len(self.running) * self._slots_per_decode:
+            if self.spec is not None and self.spec.overlap is not None and self.spec.overlap.pending is not None:
+                self._drain_spec()  # finished requests give back their KV first; retraction needs the pipeline empty
+                continue
             if self.chunked is not None:
                 req, self.chunked = self.chunked, None
             elif len(self.running) > 1:
@@ -354,7 +369,7 @@ class Scheduler:
                 req = self.running.pop()
                 self._release(req)
                 reason = {"type": "abort", "message": "KV cache too small for this request"}
-                self._retract_outputs.append(self._finish_output(req, reason))
+                self._extra_outputs.append(self._finish_output(req, reason))
                 break
             self._release(req)
             req.retracted_count += 1
@@ -363,8 +378,8 @@ class Scheduler:
             self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_BUMP)
             logger.debug("retracted %s (%d tokens so far)", req.rid, len(req.output_ids))
 
-    def _drain_retract_outputs(self) -> list[ReqOutput]:
-        out, self._retract_outputs = self._retract_outputs, []
+    def _take_extra_outputs(self) -> list[ReqOutput]:
+        out, self._extra_outputs = self._extra_outputs, []
         return out
 
     # ------------------------------------------------------------------ sampling and finishing
@@ -402,8 +417,11 @@ class Scheduler:
     def _append_token(self, req: Req, tok: int) -> None:
         """Append one sampled token and decide whether req finishes on it."""
         req.output_ids.append(tok)
-        p = req.params
-        past_min = len(req.output_ids) >= p.min_new_tokens
+        self._check_finish(req, tok, len(req.output_ids))
+
+    def _check_finish(self, req: Req, tok: int, n_out: int) -> None:
+        """Decide whether req finishes on `tok`, its n_out-th output token (stop strings see it here)."""
+        past_min = n_out >= req.params.min_new_tokens
         matched = None
         if req.stop_checker is not None:
             text, matched = req.stop_checker.add([tok], allow_match=past_min)
@@ -413,23 +431,36 @@ class Scheduler:
         elif matched is not None:
             req.finished_reason = {"type": "stop", "matched": matched}
             return
-        elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
-            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+        elif self.ends_by_length(req, n_out):
+            req.finished_reason = {"type": "length", "length": n_out}
         if req.finished and req.stop_checker is not None:
             req.pending_text += req.stop_checker.flush()
 
-    def _step_output(self, req: Req, new_ids: list[int], logprob_start: int) -> ReqOutput:
+    def ends_by_length(self, req: Req, n_out: int) -> bool:
+        """max_new_tokens or the context length is reached with n_out output tokens."""
+        return n_out >= req.params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len
+
+    def ends_without_text(self, req: Req, tok: int, n_out: int) -> bool:
+        """Whether req finishes on its n_out-th token `tok` for a reason that needs no detokenization (a stop id
+        past min_new_tokens, max_new_tokens, the context length): ``_check_finish`` minus stop strings."""
+        return (n_out >= req.params.min_new_tokens and tok in req.stop_ids) or self.ends_by_length(req, n_out)
+
+    def _step_output(self, req: Req, new_ids: list[int], logprob_start: int,
+                     completion: int | None = None) -> ReqOutput:
+        """completion: output tokens so far (default len(req.output_ids); the overlap scheduler passes its own
+        count, as the forward thread may already have appended the next step's tokens)."""
+        completion = len(req.output_ids) if completion is None else completion
         return ReqOutput(
             rid=req.rid,
             new_token_ids=new_ids,
             finished_reason=req.finished_reason,
             prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
+            completion_tokens=completion,
             cached_tokens=req.cached_tokens,
             new_logprobs=req.logprobs[logprob_start:] if req.wants_logprobs() else [],
             new_top_logprobs=req.top_logprobs[logprob_start:] if req.wants_logprobs() else [],
             new_text=self._take_text(req),
-            spec=req.spec_meta() if self.spec else {},
+            spec=req.spec_meta(completion) if self.spec else {},
         )
 
     @staticmethod

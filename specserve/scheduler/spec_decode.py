@@ -38,6 +38,7 @@ from specserve.sampling.sampler import (
     probs_from_logits,
 )
 from specserve.scheduler.req import Req, ReqOutput
+from specserve.scheduler.spec_overlap import OverlapPipeline
 from specserve.spec.accept_stats import add_step
 from specserve.spec.base import Proposer, VerifiedStep
 from specserve.spec.batch_policy import BatchPolicy, TreeShape
@@ -80,6 +81,24 @@ class Backlog:
             self.start += 1
 
 
+@dataclass
+class StepRecord:
+    """What a speculative step's forward part leaves for its output part (``SpecDecoder.process``)."""
+
+    reqs: list[Req]
+    logits: torch.Tensor  # [B, N, V] raw verify logits (logprobs are computed from them)
+    paths: list[list[int]]  # [B] accepted node ids, root first
+    tokens: list[list[int]]  # [B] verified new tokens (accepted drafts + bonus), before any finish
+    n_out: list[int]  # [B] output length before the step
+    taken: list[int]  # [B] tokens the forward part appended (it stops at a stop id / length finish)
+    n_nodes: list[int]  # [B] real tree nodes
+    depths: list[int]  # [B] deepest drafted node
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.taken)
+
+
 class SpecDecoder:
     def __init__(self, sched: Scheduler, proposer: Proposer) -> None:
         self.sched, self.proposer = sched, proposer
@@ -91,6 +110,8 @@ class SpecDecoder:
         # SPECSERVE_SIMULATE_ACC_LEN (benchmarking only, lossy): None = normal verification
         self.simulator = AcceptSimulator.from_env(args.random_seed)
         self.policy = self._batch_policy(args)
+        # the overlap scheduler (SPECSERVE_ENABLE_SPEC_V2): output processing overlaps the next forward part
+        self.overlap = OverlapPipeline(self) if args.enable_spec_v2 else None
 
     def _batch_policy(self, args) -> BatchPolicy:
         """Batch-aware speculation. Turning speculation off where plain steps measure faster is only done when it
@@ -108,22 +129,32 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ the step
     def run(self, reqs: list[Req]) -> list[ReqOutput]:
-        """One decode step for the running batch: speculative with the tree the batch policy picks, or plain."""
+        """One decode step for the running batch: speculative with the tree the batch policy picks, or plain.
+        With the overlap scheduler, the outputs are those of the previous speculative step (spec_overlap)."""
+        if self.overlap is not None:
+            return self.overlap.run(reqs)
         shape = self.policy.choose(len(reqs))
         if shape is None:
-            start = time.perf_counter()
-            outputs = self._plain_step(reqs)
-        else:
-            self._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
-            start = time.perf_counter()
-            outputs = self._spec_step(reqs, shape)
+            return self.timed_plain_step(reqs)
+        self._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
+        start = time.perf_counter()
+        record = self.forward_step(reqs, shape)
+        outputs, done = self.process(record)
+        self.release_done(done)
+        self.policy.record(len(reqs), True, time.perf_counter() - start, record.num_tokens)
+        return outputs
+
+    def timed_plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
+        start = time.perf_counter()
+        outputs = self._plain_step(reqs)
         tokens = sum(len(o.new_token_ids) for o in outputs)
-        self.policy.record(len(reqs), shape is not None, time.perf_counter() - start, tokens)
+        self.policy.record(len(reqs), False, time.perf_counter() - start, tokens)
         return outputs
 
     def release(self, req: Req) -> None:
         """req leaves the batch (finished, aborted, retracted): drop its drafting state and backlog."""
         req.spec_backlog = None
+        req.spec_stopped = False
         self.proposer.release(req)
 
     # ------------------------------------------------------------------ plain steps and the backlog
@@ -157,8 +188,14 @@ class SpecDecoder:
         aux = [torch.stack([a[i] for _, a in rows]) for i in range(len(rows[0][1]))]  # per layer [T, h]
         self.proposer.after_verify(steps, ModelOutput(None, hidden, aux))
 
-    # ------------------------------------------------------------------ speculative steps
-    def _spec_step(self, reqs: list[Req], shape: TreeShape) -> list[ReqOutput]:
+    # ------------------------------------------------------------------ speculative steps: the forward part
+    def forward_step(self, reqs: list[Req], shape: TreeShape) -> StepRecord:
+        """Draft, verify forward, acceptance, KV commit, token append and drafter catch-up: everything the next
+        step depends on. Output processing (stop strings, logprobs, counters, outputs) is ``process``'s.
+
+        Finishes that need no detokenization (a stop id, max_new_tokens, the context length) end the request
+        here: tokens after it are not appended and it takes no further step (``req.spec_stopped``). A stop string
+        is found later by ``process``, which then drops the tokens after it (``release_done`` trims them)."""
         if shape != self.policy.full:
             self.sched.stats.spec_shrunk_steps += 1
         tree = self.proposer.propose(reqs, shape)
@@ -168,7 +205,31 @@ class SpecDecoder:
         out = self._verify_forward(reqs, tree, root_pos, n_nodes, slots)
         logits = self._padded(out.logits, tree)  # [B, N, V]
         result = self._verify(reqs, tree, logits)
-        return self._commit(reqs, tree, result, logits, root_pos, n_nodes, slots, out)
+        record = StepRecord(reqs, logits, result.accepted_nodes.tolist(), result.token_lists(), [], [], n_nodes,
+                            tree.depth.max(dim=1).values.tolist())
+        steps, row_offset = [], 0
+        for b, req in enumerate(reqs):
+            tokens, n_out = record.tokens[b], len(req.output_ids)
+            take = self._forward_take(req, tokens, n_out)
+            req.output_ids.extend(tokens[:take])
+            accepted = record.paths[b][: len(tokens)]  # root first, one node per new token
+            keep = min(len(accepted), take + 1)  # nodes whose KV stays: root + accepted drafts in the output
+            self._keep_slots(req, root_pos[b], slots[b], accepted[:keep])
+            record.n_out.append(n_out)
+            record.taken.append(take)
+            if not req.spec_stopped:
+                steps.append(VerifiedStep(req, root_pos[b], accepted, tokens[:take], row_offset))
+            row_offset += n_nodes[b]
+        self.proposer.after_verify(steps, out)
+        return record
+
+    def _forward_take(self, req: Req, tokens: list[int], n_out: int) -> int:
+        """How many of the verified `tokens` req takes: up to the first that ends it without detokenization."""
+        for k, tok in enumerate(tokens):
+            if self.sched.ends_without_text(req, tok, n_out + k + 1):
+                req.spec_stopped = True
+                return k + 1
+        return len(tokens)
 
     def _verify_slots(self, reqs: list[Req], root_pos: list[int], n_nodes: list[int]) -> list[torch.Tensor]:
         flat = self.sched._alloc(sum(n_nodes))
@@ -251,38 +312,48 @@ class SpecDecoder:
         processed = apply_penalties_and_bias(logits.view(B * N, V), info)
         return info, processed.view(B, N, V)
 
-    # ------------------------------------------------------------------ commit
-    def _commit(self, reqs, tree, result: VerifyResult, logits, root_pos, n_nodes, slots, out) -> list[ReqOutput]:
-        sched = self.sched
-        token_lists = result.token_lists()
-        paths = result.accepted_nodes.tolist()
-        depths = tree.depth.max(dim=1).values.tolist()  # [B] deepest drafted node per request
-        lp = self._logprobs(reqs, logits, paths, token_lists)
-        outputs, steps = [], []
-        row_offset = 0
-        for b, req in enumerate(reqs):
-            accepted = paths[b][: len(token_lists[b])]  # root first, one node per new token
-            n_before = len(req.logprobs)
-            appended = []
-            for k, tok in enumerate(token_lists[b]):
+    # ------------------------------------------------------------------ speculative steps: the output part
+    def process(self, record: StepRecord) -> tuple[list[ReqOutput], list[tuple[Req, int]]]:
+        """The step's tokens through the scheduler's finish checks in order (stop strings included), logprobs,
+        counters and outputs. -> (outputs, [(finished request, its output length)] for ``release_done``).
+
+        Touches only output-side request state (stop checker, text, logprobs, counters, finish reason), so the
+        overlap scheduler runs it while the next step's forward part runs."""
+        lp = self._logprobs(record.reqs, record.logits, record.paths, record.tokens)
+        outputs, done = [], []
+        for b, req in enumerate(record.reqs):
+            if req.finished:  # a stop string in the previous step's output: this step's tokens are dropped
+                continue
+            n_before, emitted = len(req.logprobs), []
+            for k, tok in enumerate(record.tokens[b][: record.taken[b]]):
                 if lp is not None and req.wants_logprobs():
                     req.logprobs.append(lp[b][0][k])
                     req.top_logprobs.append(lp[b][1][k])
-                sched._append_token(req, tok)
-                appended.append(tok)
+                emitted.append(tok)
+                self.sched._check_finish(req, tok, record.n_out[b] + k + 1)
                 if req.finished:
                     break
-            keep = min(len(accepted), len(appended) + 1)  # nodes whose KV stays: root + accepted drafts in output
-            self._keep_slots(req, root_pos[b], slots[b], accepted[:keep])
-            self._count(req, len(token_lists[b]) - 1, len(appended), n_nodes[b] - 1, depths[b])
+            if req.spec_stopped and not req.finished:
+                raise RuntimeError(f"request {req.rid} stopped in the forward part but not by the finish checks")
+            self._count(req, len(record.tokens[b]) - 1, len(emitted), record.n_nodes[b] - 1, record.depths[b])
+            completion = record.n_out[b] + len(emitted)
             if req.finished:
-                sched._release(req)
-            else:
-                steps.append(VerifiedStep(req, root_pos[b], accepted, appended, row_offset))
-            outputs.append(sched._step_output(req, appended, n_before))
-            row_offset += n_nodes[b]
-        self.proposer.after_verify(steps, out)
-        return outputs
+                done.append((req, completion))
+            outputs.append(self.sched._step_output(req, emitted, n_before, completion))
+        return outputs, done
+
+    def release_done(self, done: list[tuple[Req, int]]) -> None:
+        """Give back the KV of requests ``process`` finished, first trimming what a later forward part appended
+        past their finish (a stop string is found one step late with the overlap scheduler)."""
+        for req, completion in done:
+            if len(req.output_ids) > completion:
+                self.sched.stats.spec_trimmed_finishes += 1
+            del req.output_ids[completion:]
+            if req.kv_len > req.seq_len:  # KV past the trimmed end: free it
+                row = req.req_pool_idx
+                self.sched.allocator.free(self.sched.req_pool.req_to_token[row, req.seq_len : req.kv_len].clone())
+                req.kv_len = req.seq_len
+            self.sched._release(req)
 
     def _keep_slots(self, req: Req, root_pos: int, node_slots: torch.Tensor, keep_nodes: list[int]) -> None:
         keep_idx = torch.tensor(keep_nodes, dtype=torch.int64, device=node_slots.device)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from specserve import Engine
 from specserve.spec.accept_stats import accept_length
 
@@ -52,3 +55,16 @@ def assert_chunked_radix_and_retraction_lossless(target: str, engine_kwargs: dic
         assert e.get_server_info()["num_retractions"] > 0
         assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
         assert_no_kv_leak(e)
+
+
+def staggered(engine: Engine, prompts, params, late_prompts, late_params) -> tuple[list[dict], list[dict]]:
+    """`prompts` in one batch; `late_prompts` join once generation is under way (12 tokens generated)."""
+    box: dict = {}
+    first = threading.Thread(target=lambda: box.setdefault("first", engine.generate(prompts, params)))
+    first.start()
+    deadline = time.monotonic() + 60
+    while engine.get_server_info()["generated_tokens"] < 12 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    late = engine.generate(late_prompts, late_params)
+    first.join()
+    return box["first"], late

@@ -5,15 +5,12 @@ Also: with a draft that is never accepted, the measuring policy runs plain steps
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
 from specserve import Engine
 from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.spec.helpers import spec_kwargs
+from tests.spec.helpers import spec_kwargs, staggered
 
 LENGTHS = [8, 20, 32, 44, 56, 68]  # the batch of 6 shrinks one request at a time as they finish
 LATE = [PROMPTS[6], PROMPTS[7]]  # join while the others run
@@ -32,20 +29,6 @@ def drafts(target, self_head, tmp_path_factory):
     }
 
 
-def _staggered(engine: Engine) -> tuple[list[dict], list[dict]]:
-    """6 requests of staggered lengths; 2 more join once generation is under way."""
-    box: dict = {}
-    first = threading.Thread(target=lambda: box.setdefault("first", engine.generate(
-        PROMPTS[:6], [greedy(n) for n in LENGTHS])))
-    first.start()
-    deadline = time.monotonic() + 60
-    while engine.get_server_info()["generated_tokens"] < 12 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    late = engine.generate(LATE, greedy(24))
-    first.join()
-    return box["first"], late
-
-
 @pytest.fixture(scope="module")
 def plain(target):
     with Engine(model_path=target, max_total_tokens=4096) as e:
@@ -57,7 +40,7 @@ def plain(target):
 def test_shrink_grow_and_off_transitions_are_lossless(target, drafts, plain, algorithm):
     kw = spec_kwargs(algorithm, drafts[algorithm], 3, 2, 5, **POLICY)
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
-        first, late = _staggered(e)
+        first, late = staggered(e, PROMPTS[:6], [greedy(n) for n in LENGTHS], LATE, greedy(24))
         info = e.get_server_info()
         assert_no_kv_leak(e)
     assert [o["output_ids"] for o in first] == plain[0]

@@ -1,0 +1,146 @@
+"""The overlap scheduler (Spec V2): a step's output processing runs beside the next step's forward part, and
+every output equals plain decoding's: across requests joining and leaving, batch-aware plain and shrunk steps,
+finishes inside accepted runs (stop strings are found one step late and trimmed back), logprobs, seeded sampling,
+chunked prefill, radix reuse, retraction and abort. Plus its switches and the topk-1-only start-up error."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specserve import Engine
+from specserve.config import ConfigError, ServerArgs
+from specserve.testing.tiny import make_eagle3_head_dir
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.spec.helpers import (
+    assert_chunked_radix_and_retraction_lossless,
+    assert_drafting_happened,
+    spec_kwargs,
+    staggered,
+)
+
+LENGTHS = [8, 20, 32, 44, 56, 68]
+LATE = [PROMPTS[6], PROMPTS[7]]
+# the (3, 1, 4) chain with budget 10: batch 1-2 full chain, 3 a chain of 3, 4 a chain of 2, 5+ plain steps
+POLICY = dict(speculative_batch_token_budget=10, speculative_disable_batch_size=4, disable_speculative_auto_off=True)
+
+
+def v2(algorithm: str, draft: str | None, **extra) -> dict:
+    return spec_kwargs(algorithm, draft, 3, 1, 4, enable_spec_v2=True, **extra)
+
+
+# ------------------------------------------------------------------ switches
+@pytest.mark.parametrize("env", ["SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2"])
+def test_environment_switches_it_on_and_topk_above_one_fails_at_start_up(monkeypatch, target, self_head, env):
+    monkeypatch.setenv(env, "True")
+    assert ServerArgs(model_path=target, **spec_kwargs("EAGLE", self_head, 3, 1, 4)).validate().enable_spec_v2
+    with pytest.raises(ConfigError, match=r"^--speculative-eagle-topk 4: the overlap scheduler .* topk 1 only"):
+        ServerArgs(model_path=target, **spec_kwargs("EAGLE", self_head, 3, 4, 8)).validate()
+    with pytest.raises(ConfigError, match="--speculative-eagle-topk 2"):
+        Engine(model_path=target, **spec_kwargs("EAGLE", self_head, 3, 2, 5))
+    monkeypatch.setenv(env, "0")
+    assert not ServerArgs(model_path=target, **spec_kwargs("EAGLE", self_head, 3, 4, 8)).validate().enable_spec_v2
+
+
+def test_default_tree_is_a_chain_with_the_overlap_scheduler(target, self_head):
+    args = ServerArgs(model_path=target, speculative_algorithm="EAGLE", speculative_draft_model_path=self_head,
+                      enable_spec_v2=True).validate()
+    args.resolve_speculative_defaults("LlamaForCausalLM")  # (5, 4, 8) without the overlap scheduler
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
+
+
+# ------------------------------------------------------------------ lossless
+@pytest.fixture(scope="module")
+def drafts(target, self_head, tmp_path_factory):
+    return {"EAGLE": self_head, "STANDALONE": target, "NGRAM": None,
+            "EAGLE3": make_eagle3_head_dir(str(tmp_path_factory.mktemp("d") / "eagle3"), target, kind="random")}
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        return ([o["output_ids"] for o in e.generate(PROMPTS[:6], [greedy(n) for n in LENGTHS])],
+                [o["output_ids"] for o in e.generate(LATE, greedy(24))],
+                [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))])
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
+def test_greedy_equals_plain_across_joins_leaves_and_batch_aware_steps(target, drafts, plain, algorithm):
+    with Engine(model_path=target, max_total_tokens=4096, **v2(algorithm, drafts[algorithm], **POLICY)) as e:
+        first, late = staggered(e, PROMPTS[:6], [greedy(n) for n in LENGTHS], LATE, greedy(24))
+        info = e.get_server_info()
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in first] == plain[0]
+    assert [o["output_ids"] for o in late] == plain[1]
+    assert info["spec_overlap"] and info["spec_overlapped_steps"] > 0  # output processing ran beside a forward
+    assert info["spec_verify_ct"] > 0 and info["spec_plain_steps"] > 0 and info["spec_shrunk_steps"] > 0
+    assert [o["meta_info"]["completion_tokens"] for o in first] == LENGTHS
+    if algorithm in ("EAGLE", "STANDALONE"):  # drafts that mirror the target: accepted
+        assert info["avg_spec_accept_length"] > 1.5
+
+
+@pytest.mark.parametrize("extra", [
+    {"max_new_tokens": 7},
+    {"stop_token_ids": None},  # filled in with a token plain decoding emits
+    {"stop": None},  # filled in with text plain decoding emits: found one step late, trimmed back
+    {"min_new_tokens": 10, "logit_bias": {"5": 3.0}, "repetition_penalty": 1.3},
+])
+def test_finishes_logprobs_and_text_equal_plain(target, self_head, extra):
+    params = greedy(24, return_logprob=True, top_logprobs_num=2)
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        ref = e.generate(PROMPTS[0], params)
+        if "stop_token_ids" in extra:
+            extra = {"stop_token_ids": [ref["output_ids"][9]], "ignore_eos": False}
+        if "stop" in extra:
+            extra = {"stop": [e.tokenizer.decode(ref["output_ids"][10:12])]}
+        params = {**params, **extra}
+        want = e.generate(PROMPTS[:4], params)
+    with Engine(model_path=target, max_total_tokens=4096, **v2("EAGLE", self_head)) as e:
+        got = e.generate(PROMPTS[:4], params)
+        info = e.get_server_info()
+        assert_no_kv_leak(e)
+    assert_drafting_happened(got, min_accept_length=1.5)
+    for g, w in zip(got, want, strict=True):
+        assert (g["output_ids"], g["text"]) == (w["output_ids"], w["text"])
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        assert g["meta_info"]["completion_tokens"] == w["meta_info"]["completion_tokens"]
+        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in gl] == [t for _, t, _ in wl]
+        assert [lp for lp, _, _ in gl] == pytest.approx([lp for lp, _, _ in wl], abs=1e-4)
+    if "stop" in extra:  # the stop string ended requests after the next forward part had already run
+        assert isinstance(got[0]["meta_info"]["finish_reason"]["matched"], str)
+        assert info["spec_trimmed_finishes"] > 0
+
+
+def test_seeded_sampling_equals_plain(target, self_head):
+    params = [{"temperature": 0.4, "top_p": 0.9, "max_new_tokens": 24, "ignore_eos": True, "seed": 7 + i}
+              for i in range(4)]
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        want = [o["output_ids"] for o in e.generate(PROMPTS[:4], params)]
+    with Engine(model_path=target, max_total_tokens=4096, **v2("EAGLE", self_head)) as e:
+        got = e.generate(PROMPTS[:4], params)
+        assert e.get_server_info()["spec_overlapped_steps"] > 0
+    assert [o["output_ids"] for o in got] == want
+    assert_drafting_happened(got)
+
+
+def test_chunked_prefill_radix_reuse_and_retraction(target, self_head, plain):
+    assert_chunked_radix_and_retraction_lossless(target, v2("EAGLE", self_head), PROMPTS, greedy(24), plain[2],
+                                                 min_accept_length=1.5, retraction_tokens=160)
+
+
+def test_abort_mid_generation_frees_everything_and_others_go_on(target, self_head, plain):
+    with Engine(model_path=target, max_total_tokens=4096, **v2("EAGLE", self_head)) as e:
+        box: dict = {}
+        others = threading.Thread(target=lambda: box.setdefault("outs", e.generate(PROMPTS, greedy(24))))
+        others.start()
+        chunks = 0
+        for _ in e.generate(PROMPTS[0], greedy(200), stream=True):  # leaving the loop early aborts it
+            chunks += 1
+            if chunks == 3:
+                break
+        others.join()
+        assert [o["output_ids"] for o in box["outs"]] == plain[2]
+        assert e.get_server_info()["spec_overlapped_steps"] > 0
+        assert_no_kv_leak(e)
