@@ -30,9 +30,9 @@ SPEC_V2_ENV = ("SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2")  # the overl
 SPEC_V2_NAMES = "--enable-spec-v2 / SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2"
 
 
-def _env_flag(names: tuple[str, ...]) -> bool:
-    """True when one of the environment variables is set to a true value (1, true, yes, on)."""
-    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in names)
+def env_flag(names: tuple[str, ...]) -> bool:
+    """True when one of the environment variables (a SPECSERVE_ name and its SGLANG_ twin) is 1, true or yes."""
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes") for n in names)
 
 
 class ConfigError(ValueError):
@@ -168,7 +168,7 @@ class ServerArgs:
     def _validate_spec_v2(self) -> None:
         """The overlap scheduler: on by flag or environment; topk 1 only (an explicit topk > 1 fails)."""
         if not self.enable_spec_v2:
-            self.enable_spec_v2 = _env_flag(SPEC_V2_ENV)
+            self.enable_spec_v2 = env_flag(SPEC_V2_ENV)
         if not self.enable_spec_v2:
             return
         if self.speculative_algorithm is None:

@@ -16,10 +16,10 @@ other method (lossless).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from specserve.config import env_flag
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.batch_policy import TreeShape
 from specserve.spec.ngram_cache import NgramCache, capacity_memory_warning, physical_ram_bytes
@@ -31,7 +31,7 @@ FORCE_GREEDY_ENV = ("SPECSERVE_NGRAM_FORCE_GREEDY_VERIFY", "SGLANG_NGRAM_FORCE_G
 
 
 def force_greedy_verify_from_env() -> bool:
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes") for name in FORCE_GREEDY_ENV)
+    return env_flag(FORCE_GREEDY_ENV)
 
 
 @register_proposer("NGRAM")
