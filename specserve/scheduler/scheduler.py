@@ -426,7 +426,7 @@ class Scheduler:
         if req.stop_checker is not None:
             text, matched = req.stop_checker.add([tok], allow_match=past_min)
             req.pending_text += text
-        if past_min and tok in req.stop_ids:
+        if self.hits_stop_id(req, tok, n_out):
             req.finished_reason = {"type": "stop", "matched": tok}
         elif matched is not None:
             req.finished_reason = {"type": "stop", "matched": matched}
@@ -436,6 +436,11 @@ class Scheduler:
         if req.finished and req.stop_checker is not None:
             req.pending_text += req.stop_checker.flush()
 
+    @staticmethod
+    def hits_stop_id(req: Req, tok: int, n_out: int) -> bool:
+        """`tok`, the n_out-th output token, is an EOS / stop_token_id and min_new_tokens is reached."""
+        return n_out >= req.params.min_new_tokens and tok in req.stop_ids
+
     def ends_by_length(self, req: Req, n_out: int) -> bool:
         """max_new_tokens or the context length is reached with n_out output tokens."""
         return n_out >= req.params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len
@@ -443,7 +448,7 @@ class Scheduler:
     def ends_without_text(self, req: Req, tok: int, n_out: int) -> bool:
         """Whether req finishes on its n_out-th token `tok` for a reason that needs no detokenization (a stop id
         past min_new_tokens, max_new_tokens, the context length): ``_check_finish`` minus stop strings."""
-        return (n_out >= req.params.min_new_tokens and tok in req.stop_ids) or self.ends_by_length(req, n_out)
+        return self.hits_stop_id(req, tok, n_out) or self.ends_by_length(req, n_out)
 
     def _step_output(self, req: Req, new_ids: list[int], logprob_start: int,
                      completion: int | None = None) -> ReqOutput:

@@ -16,8 +16,9 @@ runs H(t-1), and ``run`` returns step t-1's outputs:
     forward thread     F(t-1)  | F(t)                | F(t+1)               |
     scheduler thread           | H(t-1) .. join F(t) | H(t) .. join F(t+1)  |
 
-On CUDA the forward part is mostly kernel launches, so the host work hides behind the GPU; on CPU torch ops
-release the GIL, so H runs on another core while F computes. A request whose stop string H finds at step t-1
+On CUDA the forward part is mostly kernel launches and waits for the device with the GIL released, so the host
+work can hide behind the GPU (not measured yet). On CPU both parts need the GIL for their Python, so they mostly
+take turns: no measurable gain on the 2-core CPU (docs/benchmarks.md). A request whose stop string H finds at step t-1
 was already part of F(t): its tokens from F(t) are dropped and its output and KV trimmed back when the pipeline
 joins (SGLang's overlap scheduler also finds finishes one step late). Every token comes from the same
 verification as without overlap, so outputs are identical.
@@ -79,9 +80,6 @@ class OverlapPipeline:
         with torch.inference_mode():  # per thread, like the scheduler thread's
             self.spec._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens
             return self.spec.forward_step(reqs, shape)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)
 
 
 def _result(future: Future | None):
