@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from specserve import Engine
 from specserve.spec.accept_stats import accept_length
 
@@ -68,3 +70,30 @@ def staggered(engine: Engine, prompts, params, late_prompts, late_params) -> tup
     late = engine.generate(late_prompts, late_params)
     first.join()
     return box["first"], late
+
+
+def plain_finish_case(target: str, prompts, params: dict, extra: dict) -> tuple[dict, list[dict]]:
+    """A finish case and plain decoding's outputs for it: a None ``stop_token_ids`` / ``stop`` in `extra` is filled
+    with a token / text plain decoding emits for prompts[0] (mid-generation, so the finish lands inside an
+    accepted run). -> (the request params, plain outputs for `prompts`)."""
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        ref = e.generate(prompts[0], params)
+        if "stop_token_ids" in extra:
+            extra = {"stop_token_ids": [ref["output_ids"][9]], "ignore_eos": False}
+        if "stop" in extra:
+            extra = {"stop": [e.tokenizer.decode(ref["output_ids"][10:12])]}
+        params = {**params, **extra}
+        return params, e.generate(prompts, params)
+
+
+def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
+    """Ids, text, finish reason, completion tokens and logprobs (chosen and top lists) equal `want`'s."""
+    for g, w in zip(got, want, strict=True):
+        assert (g["output_ids"], g["text"]) == (w["output_ids"], w["text"])
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        assert g["meta_info"]["completion_tokens"] == w["meta_info"]["completion_tokens"]
+        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in gl] == [t for _, t, _ in wl]
+        assert [lp for lp, _, _ in gl] == pytest.approx([lp for lp, _, _ in wl], abs=1e-4)
+        gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
+        assert [[t for _, t, _ in row] for row in gt] == [[t for _, t, _ in row] for row in wt]

@@ -9,7 +9,13 @@ import torch
 from specserve import Engine
 from specserve.testing.tiny import make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.spec.helpers import assert_chunked_radix_and_retraction_lossless, assert_drafting_happened, spec_kwargs
+from tests.spec.helpers import (
+    assert_chunked_radix_and_retraction_lossless,
+    assert_drafting_happened,
+    assert_same_outputs,
+    plain_finish_case,
+    spec_kwargs,
+)
 
 TREES = [(3, 1, 4), (5, 4, 8), (4, 2, 7), (5, 8, 32)]  # (num_steps, topk, num_draft_tokens)
 # 16 mixed-length prompts: the 8 shared ones and variations of them
@@ -119,29 +125,12 @@ def test_deeper_target_random_head(model_factory, tmp_path):
 def test_finish_and_processing_inside_accepted_runs(target, heads, extra):
     """The output, finish reason and logprobs equal plain decoding's even when the finish lands inside an
     accepted run of drafted tokens, and with penalties that depend on the drafted path."""
-    params = greedy(24, return_logprob=True, top_logprobs_num=2)
-    with Engine(model_path=target, max_total_tokens=4096) as e:
-        ref = e.generate(PROMPTS[0], params)
-        if "stop_token_ids" in extra:
-            extra = {"stop_token_ids": [ref["output_ids"][9]], "ignore_eos": False}
-        if "stop" in extra:
-            extra = {"stop": [e.tokenizer.decode(ref["output_ids"][10:12])]}
-        params = {**params, **extra}
-        want = e.generate(PROMPTS[:2], params)
+    params, want = plain_finish_case(target, PROMPTS[:2], greedy(24, return_logprob=True, top_logprobs_num=2), extra)
     with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE", heads["self"], 4, 1, 5)) as e:
         got = e.generate(PROMPTS[:2], params)
         assert_no_kv_leak(e)
     assert_drafting_happened(got)
-    for g, w in zip(got, want, strict=True):
-        assert g["output_ids"] == w["output_ids"]
-        assert g["text"] == w["text"]
-        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
-        assert g["meta_info"]["completion_tokens"] == w["meta_info"]["completion_tokens"]
-        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
-        assert [t for _, t, _ in gl] == [t for _, t, _ in wl]
-        assert [lp for lp, _, _ in gl] == pytest.approx([lp for lp, _, _ in wl], abs=1e-4)
-        gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
-        assert [[t for _, t, _ in row] for row in gt] == [[t for _, t, _ in row] for row in wt]
+    assert_same_outputs(got, want)
 
 
 def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, heads, plain):

@@ -16,6 +16,8 @@ from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.spec.helpers import (
     assert_chunked_radix_and_retraction_lossless,
     assert_drafting_happened,
+    assert_same_outputs,
+    plain_finish_case,
     spec_kwargs,
     staggered,
 )
@@ -87,27 +89,13 @@ def test_greedy_equals_plain_across_joins_leaves_and_batch_aware_steps(target, d
     {"min_new_tokens": 10, "logit_bias": {"5": 3.0}, "repetition_penalty": 1.3},
 ])
 def test_finishes_logprobs_and_text_equal_plain(target, self_head, extra):
-    params = greedy(24, return_logprob=True, top_logprobs_num=2)
-    with Engine(model_path=target, max_total_tokens=4096) as e:
-        ref = e.generate(PROMPTS[0], params)
-        if "stop_token_ids" in extra:
-            extra = {"stop_token_ids": [ref["output_ids"][9]], "ignore_eos": False}
-        if "stop" in extra:
-            extra = {"stop": [e.tokenizer.decode(ref["output_ids"][10:12])]}
-        params = {**params, **extra}
-        want = e.generate(PROMPTS[:4], params)
+    params, want = plain_finish_case(target, PROMPTS[:4], greedy(24, return_logprob=True, top_logprobs_num=2), extra)
     with Engine(model_path=target, max_total_tokens=4096, **v2("EAGLE", self_head)) as e:
         got = e.generate(PROMPTS[:4], params)
         info = e.get_server_info()
         assert_no_kv_leak(e)
     assert_drafting_happened(got, min_accept_length=1.5)
-    for g, w in zip(got, want, strict=True):
-        assert (g["output_ids"], g["text"]) == (w["output_ids"], w["text"])
-        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
-        assert g["meta_info"]["completion_tokens"] == w["meta_info"]["completion_tokens"]
-        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
-        assert [t for _, t, _ in gl] == [t for _, t, _ in wl]
-        assert [lp for lp, _, _ in gl] == pytest.approx([lp for lp, _, _ in wl], abs=1e-4)
+    assert_same_outputs(got, want)
     if "stop" in extra:  # the stop string ended requests after the next forward part had already run
         assert isinstance(got[0]["meta_info"]["finish_reason"]["matched"], str)
         assert info["spec_trimmed_finishes"] > 0
