@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from specserve.bench.bench_speculative import parse_int_list
 from specserve.bench.report import format_table, plot_bars, plot_lines, write_jsonl
 
 SHAPES = {
@@ -80,7 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma list of parts to skip: decode, verify, simulated")
     ns = p.parse_args(argv)
     try:
-        ns.verify_sizes = _int_list(ns.verify_sizes, "--verify-sizes")
+        ns.verify_sizes = parse_int_list(ns.verify_sizes, "--verify-sizes")
         ns.accept_lens = _float_list(ns.accept_lens, "--accept-lens")
         ns.skip = {s for s in ns.skip.split(",") if s}
         for name in ("context", "decode_tokens", "steps", "reps"):
@@ -98,16 +99,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     return ns
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} must be a comma list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} must list integers >= 1, got {text!r}")
-    return values
 
 
 def _float_list(text: str, flag: str) -> list[float]:

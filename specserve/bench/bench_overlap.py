@@ -20,6 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from specserve.bench.bench_speculative import parse_int_list
 from specserve.bench.report import format_table
 
 NEVER_MATCHES = ["\n\n\n\n\n\n", "<never-emitted-stop>"]  # checked after every token, never found
@@ -37,7 +38,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logprobs", action="store_true", help="return logprobs with top-5 lists")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-threads", type=int, default=None)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        a.batch_size = parse_int_list(a.batch_size, "--batch-size")
+    except ValueError as e:
+        p.error(str(e))
+    return a
 
 
 def _engines(args: argparse.Namespace):
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = held_out_prompts(16)
     engines = _engines(args)
     try:
-        rows = [bench_batch(engines, int(b), args, prompts) for b in args.batch_size.split(",")]
+        rows = [bench_batch(engines, b, args, prompts) for b in args.batch_size]
     finally:
         for e in engines:
             e.shutdown()
