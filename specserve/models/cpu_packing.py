@@ -7,6 +7,10 @@ nothing (and pays more per call on tiny weights), so only bf16/fp16 weights are 
 
 The packed kernel is ``torch.ops.mkldnn._linear_pointwise`` (what torch.compile's CPU backend uses). It
 is checked against ``F.linear`` on a random input when packing; any failure keeps the plain linear.
+
+Under ``--enable-torch-compile`` the call goes through the custom op ``specserve::packed_linear``: inductor's own
+lowering of ``_linear_pointwise`` only accepts weights it packed itself (frozen graph constants) and fails on
+ours, while a custom op is an opaque call inside the compiled graph (no graph break, same kernel).
 """
 
 from __future__ import annotations
@@ -22,6 +26,17 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@torch.library.custom_op("specserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ a oneDNN-packed weight (+ bias) -> [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
 class PackedLinear(nn.Module):
     """A Linear whose weight lives in oneDNN's packed layout (the plain weight is not kept)."""
 
@@ -32,6 +47,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -34,3 +34,16 @@ def test_engine_greedy_same_with_and_without_packing(model_factory):
             assert (packed > 0) != disable
             outs.append([o["output_ids"] for o in e.generate(PROMPTS[:4], greedy(16))])
     assert outs[0] == outs[1]
+
+
+def test_packed_linear_under_torch_compile():
+    """Compiled graphs call the packed kernel through the specserve::packed_linear custom op (inductor's own
+    lowering rejects weights it did not pack itself): same result as the eager packed module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.SiLU(), nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
+    pack_linears_for_cpu(model)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        got = torch.compile(model)(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -5,8 +5,10 @@ reported."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import Engine
+from specserve.models.cpu_packing import PackedLinear
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.spec.helpers import assert_drafting_happened, spec_kwargs
 
@@ -37,3 +39,17 @@ def test_compiled_eagle_tree_equals_plain(target, self_head, plain):
     assert [o["output_ids"] for o in outs] == plain
     assert_drafting_happened(outs, min_accept_length=1.5)
     assert info["torch_compile_graphs"] >= 2  # the target's verify and the head's draft steps at least
+
+
+def test_compiled_bf16_with_packed_linears(model_factory):
+    """bf16 on CPU: the oneDNN-packed linears stay packed under torch.compile (this used to fail in inductor's
+    lowering) and the compiled engine decodes what the eager one does."""
+    path = model_factory("llama", dtype=torch.bfloat16)
+    outs = []
+    for compiled in (False, True):
+        with Engine(model_path=path, max_total_tokens=2048, enable_torch_compile=compiled) as e:
+            assert any(isinstance(m, PackedLinear) for m in e.scheduler.runner.model.modules())
+            outs.append([o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(16))])
+            graphs = e.get_server_info()["torch_compile_graphs"] if compiled else None
+    assert outs[0] == outs[1]
+    assert graphs > 0
