@@ -59,6 +59,7 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = field(default_factory=tuple)  # residual stream at the INPUT of these layers
     input_embeds: torch.Tensor | None = None  # [T, h] optional, replaces the embedding lookup
     step_kv: StepKV | None = None  # pool-free forwards only: K/V of earlier unrolled draft steps
+    rope_rows: dict = field(default_factory=dict)  # RoPE cos/sin rows of this forward's positions, per rotary module
 
 
 def build_attn_metadata(
@@ -90,6 +91,9 @@ def build_attn_metadata(
         return AttnMetadata(bsz, max_q, kv_slots, None, False, q_index, out_index)
     if no_custom and same_q and same_kv and max_q == max_kv:
         return AttnMetadata(bsz, max_q, kv_slots, None, True, q_index, out_index)
+    if no_custom and max_q == 1:  # decode with unequal lengths: each query sees its request's keys
+        mask = torch.arange(max_kv, device=device) < torch.tensor(kv_lens, device=device)[:, None]  # [B, Kmax]
+        return AttnMetadata(bsz, max_q, kv_slots, mask[:, None, None, :], False, q_index, out_index)
     mask = _causal_padded_mask(kv_lens, q_lens, max_q, max_kv, device)
     if not no_custom:
         for b, custom in enumerate(custom_masks):

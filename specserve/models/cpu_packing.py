@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.models.direct_call import DirectCall
+
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
@@ -37,7 +39,7 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(DirectCall):
     """A Linear whose weight lives in oneDNN's packed layout (the plain weight is not kept)."""
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:

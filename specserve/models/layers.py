@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention import ForwardBatch, attention
+from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.spec import ModelSpec, UnsupportedModelError
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -55,49 +56,62 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, ramp, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves) with a cos/sin table over positions, built lazily on the device."""
+class RotaryEmbedding(DirectCall):
+    """Neox-style RoPE (rotate halves) with a cos/sin table over positions, built lazily on the device.
+
+    The table holds, per position, ``cos | cos`` and ``-sin | sin`` (each [D]), so a rotation is
+    ``x * cos + cat(x2, x1) * sin`` (the reference ``x * cos + rotate_half(x) * sin``, same rounding). The rows
+    for a forward's positions are gathered once and reused by every layer sharing this module.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, scaling)
-        self._cos_sin: torch.Tensor | None = None  # [P, D] = cos | sin, built on first use
+        self._table_cache: torch.Tensor | None = None  # [P, 2, D] = (cos | cos, -sin | sin), built on first use
 
     def cover(self, n: int) -> None:
         """Make the table reach positions up to n (rebuilt lazily on next use)."""
         if n > self.max_positions:
-            self.max_positions, self._cos_sin = n, None
+            self.max_positions, self._table_cache = n, None
 
-    def _table(self, device, dtype) -> None:
-        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2] float32
-        self._cos_sin = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.scale).to(dtype)
+    def _table(self, device, dtype) -> torch.Tensor:
+        table = self._table_cache
+        if table is None or table.device != device or table.dtype != dtype:
+            t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2] float32
+            cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+            table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1).to(dtype)  # [P, 2, D]
+            self._table_cache = table
+        return table
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions [T]; x [T, heads, D] (q and k heads together) -> rotated x."""
-        table = self._cos_sin
-        if table is None or table.device != x.device or table.dtype != x.dtype:
-            self._table(x.device, x.dtype)
-            table = self._cos_sin
-        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(x, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch | None = None):
+        """positions [T] -> (cos, sin) [T, 1, D] each in x's dtype. With a ForwardBatch the rows are gathered once
+        per forward and kept on it for the other layers sharing this module."""
+        key = (id(self), x.dtype)
+        if fb is not None and key in fb.rope_rows:
+            return fb.rope_rows[key]
+        cos, sin = self._table(x.device, x.dtype)[positions].unsqueeze(1).unbind(2)  # [T, 1, D] each
+        if fb is not None and not torch.compiler.is_compiling():
+            fb.rope_rows[key] = (cos, sin)
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
+        """positions [T] (fb.positions when fb is given); x [T, heads, D] (q and k heads together) -> rotated x."""
+        cos, sin = self.cos_sin(positions, x, fb)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class Attention(nn.Module):
+class Attention(DirectCall):
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id, self.rotary = layer_id, rotary
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -112,24 +126,24 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = self.rotary(positions, qk)  # q and k heads rotated in one go
+        qk = self.rotary(positions, qk, fb if positions is fb.positions else None)  # q and k heads in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         return self.o_proj(attention(q, k, v, self.layer_id, fb, self.scale))  # [T, hidden]
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(DirectCall):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall):
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

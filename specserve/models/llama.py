@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.attention import ForwardBatch
+from specserve.models.direct_call import DirectCall, Embedding, Linear
 from specserve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specserve.models.spec import ModelSpec
 from specserve.models.weights import CheckpointLoadable
@@ -25,10 +26,10 @@ class ModelOutput:
     aux_hidden: list[torch.Tensor] = field(default_factory=list)  # [T, h] each, per fb.capture_layers
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(DirectCall):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -61,7 +62,7 @@ class LlamaForCausalLM(CheckpointLoadable):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
+from specserve.models.direct_call import DirectCall
 from specserve.models.layers import FUSED_PIECES, fused_shard_range
 
 
-class CheckpointLoadable(nn.Module):
+class CheckpointLoadable(DirectCall):
     """Mixin for modules loaded by ``specserve.models.loader.load_model``."""
 
     def skip_checkpoint_tensor(self, name: str) -> bool:

@@ -33,6 +33,7 @@ from torch import nn
 
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
+from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.loader import read_config, resolve_model_path, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -110,13 +111,13 @@ def save_token_map(ids: torch.Tensor, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the hot head
-class HotVocabHead(nn.Module):
+class HotVocabHead(DirectCall):
     """An LM head (the target's, for EAGLE) restricted to the hot rows: draft hidden [R, h] -> (logits [R, Vh]
     float32, hot ids [Vh] int64). Column j of the logits is the full head's logit of token ``hot_ids[j]``."""
 
     def __init__(self, weight: torch.Tensor, hot_ids: torch.Tensor) -> None:  # weight [Vh, h], hot_ids [Vh]
         super().__init__()
-        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        self.proj = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         self.proj.weight = nn.Parameter(weight, requires_grad=False)  # no copy
         self.register_buffer("hot_ids", hot_ids.to(device=weight.device, dtype=torch.int64), persistent=False)
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specserve.attention import ForwardBatch
+from specserve.models.direct_call import Linear
 from specserve.models.layers import DecoderLayer, RotaryEmbedding
 from specserve.models.spec import ModelSpec
 from specserve.models.weights import CheckpointLoadable
@@ -34,7 +35,7 @@ class EagleHead(CheckpointLoadable):
         super().__init__()
         self.spec = spec
         h = spec.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = Linear(2 * h, h, bias=True)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
         self.layers = nn.ModuleList([DecoderLayer(spec, 0, rotary)])
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE's layer 0 has no input norm

@@ -19,15 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from specserve.attention import ForwardBatch
+from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.models.spec import ModelSpec
 from specserve.models.weights import CheckpointLoadable, copy_checked
 
 
-class Eagle3MidLayer(nn.Module):
+class Eagle3MidLayer(DirectCall):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h = spec.hidden_size
@@ -35,7 +35,7 @@ class Eagle3MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
         self.self_attn = Attention(spec, 0, rotary)
         attn = self.self_attn  # q/k/v read [embed | hidden], 2h wide
-        attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=spec.attention_bias)
+        attn.qkv_proj = Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=spec.attention_bias)
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = GatedMLP(h, spec.intermediate_size, spec.mlp_bias)
 
@@ -57,11 +57,11 @@ class Eagle3Head(CheckpointLoadable):
         h = spec.hidden_size
         self.target_hidden_size = cfg.get("target_hidden_size") or h
         self.draft_vocab_size = cfg.get("draft_vocab_size")
-        self.fc = nn.Linear(3 * self.target_hidden_size, h, bias=False)
+        self.fc = Linear(3 * self.target_hidden_size, h, bias=False)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
         self.midlayer = Eagle3MidLayer(spec, rotary)
         self.norm = RMSNorm(h, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False) if self.draft_vocab_size else None
+        self.lm_head = Linear(h, self.draft_vocab_size, bias=False) if self.draft_vocab_size else None
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size or 0, dtype=torch.int64), persistent=False)
 
     def aux_layer_ids(self) -> list[int] | None:

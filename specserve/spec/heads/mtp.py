@@ -20,9 +20,9 @@ target's.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specserve.attention import ForwardBatch
+from specserve.models.direct_call import Linear
 from specserve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from specserve.models.spec import ModelSpec
 
@@ -34,7 +34,7 @@ class MtpLayer(DecoderLayer):
         super().__init__(spec, 0, rotary)  # attention layer 0 of the proposer's own one-layer KV pool
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
-        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_proj = Linear(2 * h, h, bias=False)
         self.final_layernorm = RMSNorm(h, eps)
 
     def set_max_positions(self, n: int) -> None:
