@@ -116,9 +116,11 @@ class SchedulerLoop:
                 box.put((False, e))
 
     def _abort_all(self, message: str) -> list[ReqOutput]:
-        rids = [r.rid for r in [*self.scheduler.waiting, *self.scheduler.running]]
-        if self.scheduler.chunked is not None:
-            rids.append(self.scheduler.chunked.rid)
+        sched = self.scheduler
+        reqs = [r for r, _, _ in sched.prefilling] + [*sched.waiting, *sched.running]
+        if sched.chunked is not None:
+            reqs.append(sched.chunked)
+        rids = list(dict.fromkeys(r.rid for r in reqs))  # a failed prefill's request may also be chunked/running
         outs = []
         for rid in rids:
             try:

@@ -80,6 +80,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
         self._extra_outputs: list[ReqOutput] = []  # outputs made outside a step (retraction failures, a drain)
+        self.prefilling: list[tuple[Req, int, int]] = []  # the prefill batch while it runs (see step)
         self.vocab_size = self.runner.spec.vocab_size
         self.context_len = self.runner.context_len
         self.spec: SpecDecoder | None = None
@@ -99,6 +100,10 @@ class Scheduler:
     def abort(self, rid: str) -> ReqOutput | None:
         """Abort a waiting or running request; frees its KV. Returns its final output, or None if unknown."""
         self._drain_spec()
+        for i, (req, start, take) in enumerate(self.prefilling):
+            if req.rid == rid:  # its prefill raised: give back the chunk's slots unless its KV was counted
+                del self.prefilling[i]
+                return self._abort_failed_prefill(req, start, take)
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -118,6 +123,17 @@ class Scheduler:
                 return self._finish_output(req, {"type": "abort", "message": "aborted"})
         return None
 
+    def _abort_failed_prefill(self, req: Req, start: int, take: int) -> ReqOutput:
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.running:
+            self.running.remove(req)
+        if req.req_pool_idx is not None:
+            if req.kv_len == start:  # the forward never completed: the chunk's slots hold no cached KV
+                self.allocator.free(self.req_pool.req_to_token[req.req_pool_idx, start : start + take].clone())
+            self._release(req)
+        return self._finish_output(req, {"type": "abort", "message": "aborted"})
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._extra_outputs)
 
@@ -127,7 +143,10 @@ class Scheduler:
         batch = self._select_prefill()
         if batch:
             self._drain_spec()
+            # (req, kv_len before, tokens taken): a prefill that raises leaves these for abort() to release
+            self.prefilling = [(r, r.kv_len, t) for r, t in batch]
             outputs = self._run_prefill(batch)
+            self.prefilling = []
         elif self.running:
             outputs = self._run_decode()
         else:

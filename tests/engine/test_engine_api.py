@@ -200,6 +200,34 @@ def test_no_leak_after_mixed_work(model_factory):
         assert_no_kv_leak(e)
 
 
+@pytest.mark.parametrize("chunk", [-1, 8])  # whole prompts / chunked prefill (the request is also `chunked`)
+def test_failing_prefill_aborts_its_requests_and_the_engine_keeps_serving(model_factory, monkeypatch, chunk):
+    """A prefill forward that raises ends the requests in it with an abort (they used to be in no list, so their
+    callers waited forever), gives back their KV, and later requests are served as before."""
+    path = model_factory("llama", max_position_embeddings=1024)
+    with Engine(model_path=path, max_total_tokens=2048, chunked_prefill_size=chunk) as e:
+        want = [o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(8))]
+        e.flush_cache()
+        runner, real_forward = e.scheduler.runner, e.scheduler.runner.forward
+        failures = []
+
+        def forward(fb):
+            if fb.mode.value == "extend" and not failures:
+                failures.append(fb.mode)
+                raise RuntimeError("injected prefill failure")
+            return real_forward(fb)
+
+        monkeypatch.setattr(runner, "forward", forward)
+        outs = e.generate(PROMPTS[:3], greedy(8))
+        assert failures
+        aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
+        assert aborted and all("injected prefill failure" in o["meta_info"]["finish_reason"]["message"]
+                               for o in aborted)
+        assert_no_kv_leak(e)
+        assert [o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(8))] == want
+        assert_no_kv_leak(e)
+
+
 # ---------------------------------------------------------------- errors
 @pytest.mark.parametrize("params,field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
