@@ -28,10 +28,15 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("specserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ a oneDNN-packed weight (+ bias) -> [T, out]."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("specserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """_packed_matmul as an op that compiled graphs call as is."""
+    return _packed_matmul(x, packed, bias)
 
 
 @packed_linear.register_fake
@@ -51,7 +56,7 @@ class PackedLinear(DirectCall):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if torch.compiler.is_compiling():
             return packed_linear(x, self.packed, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return _packed_matmul(x, self.packed, self.bias)
 
 
 def _pack(linear: nn.Linear) -> PackedLinear | None:
@@ -59,7 +64,7 @@ def _pack(linear: nn.Linear) -> PackedLinear | None:
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         probe = torch.randn(3, linear.in_features, dtype=w.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, linear.bias, "none", [], "")
+        got = _packed_matmul(probe, packed, linear.bias)
         want = F.linear(probe, w, linear.bias)
         if not torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2):
             return None
