@@ -10,7 +10,14 @@ Measured, with the same prompts (token ids, so tokenization is not timed) and th
       timing ``t.sum()`` over a large fp32 tensor (best of several reps).
 2. Batch-N (default 16) throughput with mixed prompt and output lengths (``ignore_eos``, so every request
    makes exactly its ``max_new_tokens``) vs transformers' left-padded batch ``generate`` with
-   ``max_new_tokens`` = the largest one; both count only each request's own (useful) tokens.
+   ``max_new_tokens`` = the largest one; both count only each request's own (useful) tokens. Two workloads:
+   a. one wave: N requests submitted at once. Both engines take as many decode steps as the longest request
+      needs, so this row compares the cost of a batched step;
+   b. a stream: ``--batch-waves`` x N requests, served N at a time. specserve runs with
+      ``max_running_requests=N`` and starts a waiting request as soon as one finishes (continuous batching);
+      transformers runs them as consecutive padded batches of N, each lasting as long as its longest request.
+      This row adds what continuous batching saves: the steps a padded batch spends waiting for its longest
+      request while others could start.
 
 Tokens/s = generated tokens / wall time of the whole generate call (prefill included), median of ``--reps``
 timed runs after one warm-up. specserve's prefix cache is flushed before every run, so repeated prompts
@@ -66,7 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("workloads")
     g.add_argument("--prompt-len", type=int, default=32, help="batch-1 prompt length (tokens)")
     g.add_argument("--decode-tokens", type=int, default=128, help="batch-1 tokens generated")
-    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--batch-size", type=int, default=16, help="requests decoded together (both engines)")
+    g.add_argument("--batch-waves", type=int, default=4,
+                   help="the stream row serves waves x batch-size requests, batch-size at a time (0: no stream row)")
     g.add_argument("--batch-prompt-min", type=int, default=8)
     g.add_argument("--batch-prompt-max", type=int, default=128)
     g.add_argument("--batch-new-min", type=int, default=16)
@@ -93,6 +102,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                  "batch_new_min", "bw_reps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.batch_waves < 0:
+        p.error("--batch-waves must be >= 0")
     if a.batch_prompt_min > a.batch_prompt_max or a.batch_new_min > a.batch_new_max:
         p.error("batch length ranges: min must be <= max")
     longest = max(a.prompt_len + a.decode_tokens, a.batch_prompt_max + a.batch_new_max)
@@ -232,16 +243,26 @@ def weight_bytes(model: nn.Module) -> dict:
 @dataclass
 class Workload:
     name: str
-    prompts: list[list[int]]  # B prompts of token ids
-    new_tokens: list[int]  # B max_new_tokens (all produced: ignore_eos / eos_token_id=None)
+    prompts: list[list[int]]  # R prompts of token ids
+    new_tokens: list[int]  # R max_new_tokens (all produced: ignore_eos / eos_token_id=None)
+    batch_size: int = 0  # requests decoded together; 0 = all R at once
+
+    def __post_init__(self) -> None:
+        self.batch_size = self.batch_size or len(self.prompts)
 
     @property
     def useful_tokens(self) -> int:
         return sum(self.new_tokens)
 
+    def waves(self) -> list[tuple[list[list[int]], list[int]]]:
+        """The requests in submission order, cut into groups of batch_size (transformers' padded batches)."""
+        n = self.batch_size
+        return [(self.prompts[i:i + n], self.new_tokens[i:i + n]) for i in range(0, len(self.prompts), n)]
+
     def describe(self) -> dict:
-        return {"batch_size": len(self.prompts), "prompt_lens": [len(p) for p in self.prompts],
-                "new_tokens": self.new_tokens, "useful_tokens": self.useful_tokens}
+        return {"batch_size": self.batch_size, "requests": len(self.prompts),
+                "prompt_lens": [len(p) for p in self.prompts], "new_tokens": self.new_tokens,
+                "useful_tokens": self.useful_tokens}
 
 
 def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -255,11 +276,22 @@ def decode_workload(args: argparse.Namespace, vocab: int) -> Workload:
     return Workload("decode_b1", [_random_ids(rng, args.prompt_len, vocab)], [args.decode_tokens])
 
 
-def batch_workload(args: argparse.Namespace, vocab: int) -> Workload:
+def batch_workload(args: argparse.Namespace, vocab: int, waves: int = 1) -> Workload:
+    """waves x batch-size requests of mixed lengths (seeded; the first wave is the same for every `waves`)."""
     rng = random.Random(args.seed + 1)
-    lens = [rng.randint(args.batch_prompt_min, args.batch_prompt_max) for _ in range(args.batch_size)]
-    news = [rng.randint(args.batch_new_min, args.batch_new_max) for _ in range(args.batch_size)]
-    return Workload(f"batch{args.batch_size}", [_random_ids(rng, n, vocab) for n in lens], news)
+    prompts, news = [], []
+    for _ in range(waves):
+        lens = [rng.randint(args.batch_prompt_min, args.batch_prompt_max) for _ in range(args.batch_size)]
+        news += [rng.randint(args.batch_new_min, args.batch_new_max) for _ in range(args.batch_size)]
+        prompts += [_random_ids(rng, n, vocab) for n in lens]
+    name = f"batch{args.batch_size}" + (f"_stream{len(prompts)}" if waves > 1 else "")
+    return Workload(name, prompts, news, args.batch_size)
+
+
+def batch_workloads(args: argparse.Namespace, vocab: int) -> list[Workload]:
+    """The one-wave row, then the stream row (when --batch-waves > 1)."""
+    return [batch_workload(args, vocab)] + ([batch_workload(args, vocab, args.batch_waves)]
+                                            if args.batch_waves > 1 else [])
 
 
 def kv_tokens_needed(workloads: list[Workload]) -> int:
@@ -316,7 +348,7 @@ def specserve_engine(model_dir: str, dtype: str, args: argparse.Namespace, workl
 
     return specserve.Engine(
         model_path=model_dir, dtype=dtype, max_total_tokens=kv_tokens_needed(workloads), log_level="warning",
-        num_threads=args.threads,
+        num_threads=args.threads, max_running_requests=max(w.batch_size for w in workloads),
     )
 
 
@@ -348,15 +380,18 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 def hf_run(model, wl: Workload, pad_id: int) -> tuple[list[list[int]], int]:
-    """One padded generate for the whole batch; counts each request's own tokens only."""
-    ids, mask = left_pad(wl.prompts, pad_id)  # [B, L]
-    with torch.inference_mode():
-        out = model.generate(  # [B, L + max(new_tokens)]; eos_token_id=None: never stops early, EOS not masked
-            input_ids=ids, attention_mask=mask, max_new_tokens=max(wl.new_tokens), do_sample=False,
-            eos_token_id=None, pad_token_id=pad_id,
-        )
-    gen = out[:, ids.shape[1]:].tolist()
-    outputs = [row[:n] for row, n in zip(gen, wl.new_tokens, strict=True)]
+    """One padded generate per wave of batch_size requests, one after the other; counts each request's own
+    tokens only."""
+    outputs: list[list[int]] = []
+    for prompts, new_tokens in wl.waves():
+        ids, mask = left_pad(prompts, pad_id)  # [B, L]
+        with torch.inference_mode():
+            out = model.generate(  # [B, L + max(new_tokens)]; eos_token_id=None: never stops early, EOS not masked
+                input_ids=ids, attention_mask=mask, max_new_tokens=max(new_tokens), do_sample=False,
+                eos_token_id=None, pad_token_id=pad_id,
+            )
+        gen = out[:, ids.shape[1]:].tolist()
+        outputs += [row[:n] for row, n in zip(gen, new_tokens, strict=True)]
     return outputs, sum(len(o) for o in outputs)
 
 
@@ -410,7 +445,7 @@ def bench_model(label: str, model_dir: str, dtype: str, args: argparse.Namespace
                 bw: dict | None, llc: int | None) -> list[dict]:
     """All rows of one model: batch-1 decode (+ bandwidth fraction when bw is given) and optionally batch."""
     vocab = read_config(model_dir)["vocab_size"]
-    workloads = [decode_workload(args, vocab)] + ([batch_workload(args, vocab)] if with_batch else [])
+    workloads = [decode_workload(args, vocab)] + (batch_workloads(args, vocab) if with_batch else [])
     _log(f"{label}: specserve vs transformers ({dtype}, {args.threads} threads), runs alternating ...")
     engine = specserve_engine(model_dir, dtype, args, workloads)
     hf_model, pad_id = load_hf(model_dir, dtype)
@@ -431,19 +466,21 @@ def bench_model(label: str, model_dir: str, dtype: str, args: argparse.Namespace
         add_bandwidth(row, wbytes, bw, llc)
     rows = [row]
     for wl, res in zip(workloads[1:], results[1:], strict=True):
-        rows.append(make_row(f"{label}_{wl.name}", label, "batch_throughput", TARGETS["batch"], wl, *res))
+        stream = len(wl.prompts) > wl.batch_size
+        rows.append(make_row(f"{label}_{wl.name}", label, "batch_stream" if stream else "batch_one_wave",
+                             TARGETS["batch"], wl, *res))
         rows[-1]["dtype"] = dtype
     return rows
 
 
 # ---------------------------------------------------------------------------------------------- report
 def format_table(report: dict) -> str:
-    head = f"{'benchmark':<22}{'dtype':>10}{'specserve tok/s':>17}{'HF tok/s':>12}{'ratio':>8}{'target':>8}  ok  ids"
+    head = f"{'benchmark':<28}{'dtype':>10}{'specserve tok/s':>17}{'HF tok/s':>12}{'ratio':>8}{'target':>8}  ok  ids"
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         ids = r["greedy_ids"]
         lines.append(
-            f"{r['name']:<22}{r['dtype']:>10}{r['specserve_tokens_per_s']:>17.1f}{r['transformers_tokens_per_s']:>12.1f}"
+            f"{r['name']:<28}{r['dtype']:>10}{r['specserve_tokens_per_s']:>17.1f}{r['transformers_tokens_per_s']:>12.1f}"
             f"{r['ratio']:>7.2f}x{r['target']:>7.1f}x  {'yes' if r['meets_target'] else 'NO ':<4}"
             f"{ids['rows_equal']}/{ids['rows']} equal"
         )
@@ -461,7 +498,8 @@ def format_table(report: dict) -> str:
                 f"specserve {f['specserve']:.1%}, transformers {f['transformers']:.1%}"
             )
     lines.append("tokens/s = generated tokens / wall time of generate (prefill included), median of reps; "
-                 "batch rows count each request's own tokens only")
+                 "batch rows count each request's own tokens only; a _stream row serves its requests batch-size "
+                 "at a time (specserve: continuous batching; transformers: consecutive padded batches)")
     return "\n".join(lines)
 
 
