@@ -93,6 +93,9 @@ class StepRecord:
     taken: list[int]  # [B] tokens the forward part appended (it stops at a stop id / length finish)
     n_nodes: list[int]  # [B] real tree nodes
     depths: list[int]  # [B] deepest drafted node
+    # [B] this forward part ended the request (req.spec_stopped as it set it: with the overlap scheduler the next
+    # step's forward part may set the flag while this record is being processed)
+    stopped: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -217,6 +220,7 @@ class SpecDecoder:
             self._keep_slots(req, root_pos[b], slots[b], accepted[:keep])
             record.n_out.append(n_out)
             record.taken.append(take)
+            record.stopped.append(req.spec_stopped)
             if not req.spec_stopped:
                 steps.append(VerifiedStep(req, root_pos[b], accepted, tokens[:take], row_offset))
             row_offset += n_nodes[b]
@@ -333,7 +337,7 @@ class SpecDecoder:
                 self.sched._check_finish(req, tok, record.n_out[b] + k + 1)
                 if req.finished:
                     break
-            if req.spec_stopped and not req.finished:
+            if record.stopped[b] and not req.finished:
                 raise RuntimeError(f"request {req.rid} stopped in the forward part but not by the finish checks")
             self._count(req, len(record.tokens[b]) - 1, len(emitted), record.n_nodes[b] - 1, record.depths[b])
             completion = record.n_out[b] + len(emitted)

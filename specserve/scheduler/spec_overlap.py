@@ -58,7 +58,13 @@ class OverlapPipeline:
             return outputs + spec.timed_plain_step([r for r in reqs if not r.finished])
         start = time.perf_counter()
         future = self._thread.submit(self._forward, active, shape) if active else None
-        outputs, done = spec.process(self.pending) if self.pending is not None else ([], [])
+        try:
+            outputs, done = spec.process(self.pending) if self.pending is not None else ([], [])
+        except BaseException:  # let the forward part end before the scheduler aborts requests it is using
+            self.pending = None
+            if future is not None:
+                future.exception()
+            raise
         if future is not None and self.pending is not None:
             self.overlapped_steps += 1
         self.pending = _result(future)  # exceptions of the forward part surface here

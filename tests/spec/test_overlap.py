@@ -132,3 +132,45 @@ def test_abort_mid_generation_frees_everything_and_others_go_on(target, self_hea
         assert [o["output_ids"] for o in box["outs"]] == plain[2]
         assert e.get_server_info()["spec_overlapped_steps"] > 0
         assert_no_kv_leak(e)
+
+
+def test_a_finish_found_by_the_next_forward_part_first_is_not_an_error(target, self_head, monkeypatch):
+    """Force the race the threads allow: the next step's forward part (which marks a request that ends in it as
+    stopped) completes before the previous step's outputs are processed. Processing must judge each request by
+    what its own step's forward part found, and outputs must equal plain decoding's."""
+    from specserve.scheduler import spec_decode, spec_overlap
+
+    done = threading.Condition()
+    counts = {"forwards": 0, "processed": 0}
+    orig_forward, orig_process = spec_overlap.OverlapPipeline._forward, spec_decode.SpecDecoder.process
+
+    def forward(self, reqs, shape):
+        try:
+            return orig_forward(self, reqs, shape)
+        finally:
+            with done:
+                counts["forwards"] += 1
+                done.notify_all()
+
+    raced = []
+
+    def process(self, record):
+        with done:  # record k is processed beside forward part k + 1: let that one finish first
+            counts["processed"] += 1
+            done.wait_for(lambda: counts["forwards"] > counts["processed"], timeout=2)  # a drain has none
+        raced.extend(r for b, r in enumerate(record.reqs) if r.spec_stopped and not record.stopped[b])
+        return orig_process(self, record)
+
+    monkeypatch.setattr(spec_overlap.OverlapPipeline, "_forward", forward)
+    monkeypatch.setattr(spec_decode.SpecDecoder, "process", process)
+    params = [dict(greedy(24), max_new_tokens=5 + 3 * i) for i in range(4)]  # requests end in different steps
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        want = e.generate(PROMPTS[:4], params)
+    with Engine(model_path=target, max_total_tokens=4096, **v2("EAGLE", self_head)) as e:
+        got = e.generate(PROMPTS[:4], params)
+        assert e.get_server_info()["spec_overlapped_steps"] > 0
+        assert_no_kv_leak(e)
+    assert raced, "no request was ended by a forward part before its previous step's outputs were processed"
+    assert_drafting_happened(got, min_accept_length=1.5)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in want]
