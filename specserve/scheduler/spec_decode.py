@@ -91,11 +91,11 @@ class StepRecord:
     tokens: list[list[int]]  # [B] verified new tokens (accepted drafts + bonus), before any finish
     n_out: list[int]  # [B] output length before the step
     taken: list[int]  # [B] tokens the forward part appended (it stops at a stop id / length finish)
-    n_nodes: list[int]  # [B] real tree nodes
-    depths: list[int]  # [B] deepest drafted node
     # [B] this forward part ended the request (req.spec_stopped as it set it: with the overlap scheduler the next
     # step's forward part may set the flag while this record is being processed)
-    stopped: list[bool] = field(default_factory=list)
+    stopped: list[bool]
+    n_nodes: list[int]  # [B] real tree nodes
+    depths: list[int]  # [B] deepest drafted node
 
     @property
     def num_tokens(self) -> int:
@@ -208,7 +208,7 @@ class SpecDecoder:
         out = self._verify_forward(reqs, tree, root_pos, n_nodes, slots)
         logits = self._padded(out.logits, tree)  # [B, N, V]
         result = self._verify(reqs, tree, logits)
-        record = StepRecord(reqs, logits, result.accepted_nodes.tolist(), result.token_lists(), [], [], n_nodes,
+        record = StepRecord(reqs, logits, result.accepted_nodes.tolist(), result.token_lists(), [], [], [], n_nodes,
                             tree.depth.max(dim=1).values.tolist())
         steps, row_offset = [], 0
         for b, req in enumerate(reqs):

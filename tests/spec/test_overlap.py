@@ -174,3 +174,29 @@ def test_a_finish_found_by_the_next_forward_part_first_is_not_an_error(target, s
     assert_drafting_happened(got, min_accept_length=1.5)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [o["meta_info"]["finish_reason"] for o in got] == [o["meta_info"]["finish_reason"] for o in want]
+
+
+def test_a_failing_output_part_aborts_its_requests_and_the_engine_keeps_serving(target, self_head, plain,
+                                                                                   monkeypatch):
+    """The output part raising while the next forward part runs beside it: the requests end with an abort (none
+    is left waiting), their KV comes back, and later requests are served as before."""
+    from specserve.scheduler import spec_decode
+
+    orig_process, calls = spec_decode.SpecDecoder.process, []
+
+    def process(self, record):
+        calls.append(record)
+        if len(calls) == 3:
+            raise RuntimeError("injected output failure")
+        return orig_process(self, record)
+
+    with Engine(model_path=target, max_total_tokens=4096, **v2("EAGLE", self_head)) as e:
+        monkeypatch.setattr(spec_decode.SpecDecoder, "process", process)
+        outs = e.generate(PROMPTS[:3], greedy(24))
+        assert len(calls) >= 3
+        reasons = [o["meta_info"]["finish_reason"] for o in outs]
+        assert all(r["type"] == "abort" and "injected output failure" in r["message"] for r in reasons)
+        assert_no_kv_leak(e)
+        again = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in again] == plain[2]
+        assert_no_kv_leak(e)
