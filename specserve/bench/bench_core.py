@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--decode-tokens", type=int, default=128, help="batch-1 tokens generated")
     g.add_argument("--batch-size", type=int, default=16, help="requests decoded together (both engines)")
     g.add_argument("--batch-waves", type=int, default=4,
-                   help="the stream row serves waves x batch-size requests, batch-size at a time (0: no stream row)")
+                   help="the stream row serves waves x batch-size requests, batch-size at a time "
+                        "(0 or 1: no stream row)")
     g.add_argument("--batch-prompt-min", type=int, default=8)
     g.add_argument("--batch-prompt-max", type=int, default=128)
     g.add_argument("--batch-new-min", type=int, default=16)
