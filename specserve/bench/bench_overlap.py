@@ -4,8 +4,8 @@ Two engines with the same EAGLE-3 chain (topk 1) are loaded in this process, one
 repetition sends the same batch of held-out prompts to one, then the other (A B A B), greedy, fixed token counts
 (ignore_eos). ``--stop`` gives every request stop strings that never match and ``--logprobs`` asks for top-5
 logprobs: the per-token output work the overlap scheduler moves beside the next forward. Reported per batch size:
-tokens/s of each (median over the repetitions), the median of the per-repetition ratios, greedy equality, and how
-many steps overlapped.
+tokens/s of each (median over the repetitions), the median of the per-repetition ratios, in how many repetitions
+the overlap scheduler was faster, greedy equality, and how many steps overlapped.
 
     python -m specserve.bench.bench_overlap [--batch-size 1,32] [--reps 5] [--stop] [--logprobs]
 """
@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logprobs", action="store_true", help="return logprobs with top-5 lists")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--enable-torch-compile", action="store_true", help="both engines compile their forwards")
     a = p.parse_args(argv)
     try:
         a.batch_size = parse_int_list(a.batch_size, "--batch-size")
@@ -52,7 +53,8 @@ def _engines(args: argparse.Namespace):
     common = dict(model_path=args.model_path, speculative_algorithm="EAGLE3", dtype=args.dtype,
                   speculative_draft_model_path=args.draft_model_path, speculative_num_steps=args.steps,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=args.steps + 1, num_threads=args.num_threads,
-                  disable_speculative_auto_off=True, log_level="warning", max_total_tokens=16384)
+                  disable_speculative_auto_off=True, log_level="warning", max_total_tokens=16384,
+                  enable_torch_compile=args.enable_torch_compile)
     return Engine(**common), Engine(**common, enable_spec_v2=True)
 
 
@@ -84,7 +86,8 @@ def bench_batch(engines, batch: int, args: argparse.Namespace, prompts: list[str
     ratios = [b / a for a, b in zip(rates["serial"], rates["overlap"], strict=True)]
     return {"batch": batch, "serial_tok_s": statistics.median(rates["serial"]),
             "overlap_tok_s": statistics.median(rates["overlap"]), "ratio": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios), "equal": equal,
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "wins": f"{sum(r > 1 for r in ratios)}/{len(ratios)}",
+            "equal": equal,
             "overlapped_steps": overlap.get_server_info()["spec_overlapped_steps"] - before}
 
 
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_table(rows, [("batch", "batch", None), ("serial_tok_s", "serial tok/s", ".1f"),
                               ("overlap_tok_s", "overlap tok/s", ".1f"), ("ratio", "overlap / serial", ".3f"),
                               ("ratio_min", "min", ".3f"), ("ratio_max", "max", ".3f"),
+                              ("wins", "overlap faster", None),
                               ("equal", "greedy equal", None), ("overlapped_steps", "overlapped steps", None)]))
     return rows
 

@@ -15,4 +15,6 @@ def test_bench_overlap_smoke(tmp_path, llama_dir, capsys):
         assert r["overlapped_steps"] > 0
         assert r["serial_tok_s"] > 0 and r["overlap_tok_s"] > 0
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+        wins, reps = map(int, r["wins"].split("/"))
+        assert reps == 2 and 0 <= wins <= reps
     assert "overlap / serial" in capsys.readouterr().out
