@@ -13,7 +13,9 @@ z_{i+1+k}:
 
 The draft vocabulary of an EAGLE-3 head is the ``draft_vocab_size`` most frequent target ids of the training
 data (EOS always in); it is written as ``d2t`` (draft id -> target id offset) and ``t2d`` (bool over the target
-vocabulary), the layout of the published EAGLE-3 checkpoints.
+vocabulary), the layout of the published EAGLE-3 checkpoints. A draft vocabulary as large as the target's trains
+through the target's LM head (frozen) and is exported the same way: ``lm_head`` = the target's rows, ``d2t`` all
+zero, ``t2d`` all true (serving then skips the id map).
 """
 
 from __future__ import annotations
@@ -162,11 +164,17 @@ class EagleTrainer:
 
     # ------------------------------------------------------------------ export
     def export(self, out_dir: str, dtype: torch.dtype, tokenizer_dir: str | None) -> None:
-        tensors = checkpoint_tensors(self.head)
-        if self.draft_ids is not None:
-            d2t, t2d = d2t_t2d(self.draft_ids.cpu(), self.target.spec.vocab_size)
+        tensors, config = checkpoint_tensors(self.head), self.config
+        if isinstance(self.head, Eagle3Head):
+            vocab = self.target.spec.vocab_size
+            draft_ids = self.draft_ids
+            if draft_ids is None:  # the whole vocabulary: the target's LM head, which the head trained through
+                draft_ids = torch.arange(vocab)
+                tensors["lm_head.weight"] = self.target.lm_head.weight.detach()
+                config = {**config, "draft_vocab_size": vocab}
+            d2t, t2d = d2t_t2d(draft_ids.cpu(), vocab)
             tensors.update(d2t=d2t, t2d=t2d)
-        save_folder(out_dir, self.config, tensors, dtype, tokenizer_dir)
+        save_folder(out_dir, config, tensors, dtype, tokenizer_dir)
 
 
 def train_eagle(target_path: str, tokens: torch.Tensor, opts: EagleOptions, cfg: TrainConfig, out_dir: str,

@@ -38,15 +38,19 @@ def _perm(n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("tree", [(3, 1, 4), (4, 3, 8)])
-@pytest.mark.parametrize("draft_vocab", ["target", "permuted", "half"])
+@pytest.mark.parametrize("draft_vocab", ["target", "identity", "permuted", "half"])
 def test_greedy_equals_plain_with_self_head(target, vocab, plain, tmp_path, tree, draft_vocab):
-    ids = {"target": None, "permuted": _perm(vocab), "half": sorted(_perm(vocab)[: vocab // 2])}[draft_vocab]
+    # identity: the head's own LM head over the whole target vocabulary in target order (d2t all zero), as demo-eagle3
+    ids = {"target": None, "identity": list(range(vocab)), "permuted": _perm(vocab),
+           "half": sorted(_perm(vocab)[: vocab // 2])}[draft_vocab]
     head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self", draft_vocab=ids)
     with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE3", head, *tree)) as e:
         outs = e.generate(PROMPTS, greedy(20))
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, min_accept_length=1.2)
         assert_no_kv_leak(e)
+        # an identity d2t maps nothing (no gather per draft level); a real map is kept
+        assert (e.loop.scheduler.spec.proposer.d2t_ids is None) == (draft_vocab in ("target", "identity"))
 
 
 def test_random_head_chunked_prefill_equals_plain(target, vocab, plain, tmp_path):

@@ -78,6 +78,31 @@ def test_trained_head_is_lossless_and_beats_an_untrained_one(bigram_target, toke
     assert _accept_length(outs) > _accept_length(before) + 0.3, (_accept_length(outs), _accept_length(before))
 
 
+def test_eagle3_head_over_the_whole_vocabulary_exports_the_published_layout(bigram_target, tokens, tmp_path):
+    """draft_vocab_size >= the target's vocabulary: the head trains through the target's LM head and is written with
+    that LM head, an all-zero d2t and an all-true t2d (what the bundled demo-eagle3 is); it loads and drafts."""
+    import json
+
+    from safetensors import safe_open
+
+    from specserve.models.loader import load_model
+
+    out = str(tmp_path / "full-vocab")
+    target, spec, _ = load_model(bigram_target, dtype="float32")
+    metrics = train_eagle(bigram_target, tokens, EagleOptions("EAGLE3", draft_vocab_size=spec.vocab_size + 10),
+                          HEAD_TRAIN, out, dtype=torch.float32)
+    assert metrics["acc0"] > 0.3, metrics  # it learned (chance is ~1/vocab); the frozen LM head learns slower
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["draft_vocab_size"] == spec.vocab_size
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), target.lm_head.weight.detach())
+        assert not f.get_tensor("d2t").any() and f.get_tensor("d2t").numel() == spec.vocab_size
+        assert f.get_tensor("t2d").all() and f.get_tensor("t2d").numel() == spec.vocab_size
+    outs = _spec(bigram_target, "EAGLE3", out)
+    assert [o["output_ids"] for o in outs] == _plain(bigram_target)
+    assert_drafting_happened(outs, min_accept_length=1.3)
+
+
 def _cli_train(tmp_path, target: str, data: str, out: str, *extra: str) -> int:
     return cli_main(["train-eagle", "--target", target, "--data", data, "--out", out, "--batch-size", "4",
                      "--seq-len", "32", "--no-progress", "--no-bf16", "--dtype", "float32", *extra])
