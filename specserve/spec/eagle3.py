@@ -45,14 +45,14 @@ class Eagle3Proposer(EagleProposer):
         head_vocab = self.head.draft_vocab_size
         self.d2t_ids = None  # [Vd] target id of each draft id; None = the identity (no gather per draft level)
         if head_vocab:
-            self.d2t_ids = torch.arange(head_vocab, device=self.device) + self.head.d2t  # [Vd] target ids
-            if int(self.d2t_ids.max()) >= runner.spec.vocab_size or int(self.d2t_ids.min()) < 0:
+            ids = torch.arange(head_vocab, device=self.device) + self.head.d2t  # [Vd] target ids
+            if int(ids.max()) >= runner.spec.vocab_size or int(ids.min()) < 0:
                 raise ConfigError(
                     "--speculative-draft-model-path: the EAGLE-3 head's d2t maps draft ids outside the target "
                     f"vocabulary of {runner.spec.vocab_size}"
                 )
-            if not bool(self.head.d2t.any()):  # a draft vocabulary that is the target's, in the target's order
-                self.d2t_ids = None
+            if bool(self.head.d2t.any()):  # an all-zero d2t: the target's vocabulary in the target's order
+                self.d2t_ids = ids
         logger.info("EAGLE-3 head: capture layers %s, draft vocabulary %s", self.capture_layers,
                     head_vocab or "= target's")
 

@@ -40,7 +40,8 @@ def _perm(n: int) -> list[int]:
 @pytest.mark.parametrize("tree", [(3, 1, 4), (4, 3, 8)])
 @pytest.mark.parametrize("draft_vocab", ["target", "identity", "permuted", "half"])
 def test_greedy_equals_plain_with_self_head(target, vocab, plain, tmp_path, tree, draft_vocab):
-    # identity: the head's own LM head over the whole target vocabulary in target order (d2t all zero), as demo-eagle3
+    # identity: the head's own LM head over the whole target vocabulary in target order (d2t all zero), as
+    # train-eagle writes a whole-vocabulary head
     ids = {"target": None, "identity": list(range(vocab)), "permuted": _perm(vocab),
            "half": sorted(_perm(vocab)[: vocab // 2])}[draft_vocab]
     head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self", draft_vocab=ids)

@@ -80,7 +80,7 @@ def test_trained_head_is_lossless_and_beats_an_untrained_one(bigram_target, toke
 
 def test_eagle3_head_over_the_whole_vocabulary_exports_the_published_layout(bigram_target, tokens, tmp_path):
     """draft_vocab_size >= the target's vocabulary: the head trains through the target's LM head and is written with
-    that LM head, an all-zero d2t and an all-true t2d (what the bundled demo-eagle3 is); it loads and drafts."""
+    that LM head, an all-zero d2t and an all-true t2d (the published layout); it loads and drafts."""
     import json
 
     from safetensors import safe_open
