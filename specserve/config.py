@@ -113,6 +113,10 @@ class ServerArgs:
         default=1.0, metadata={"help": "Lossy relaxation of sampling verification (1.0 = lossless)."}
     )
     speculative_token_map: str | None = field(default=None, metadata={"help": "FR-Spec hot-token file."})
+    speculative_draft_stop_threshold: float = field(default=0.0, metadata={
+        "help": "EAGLE / EAGLE3 / NEXTN / STANDALONE: stop drafting deeper levels once every request's best live "
+                "draft path has a cumulative draft probability below this (a shallower, cheaper tree; outputs "
+                "stay exact). 0 = off. Drafting always stops once deeper levels cannot change the verified tree."})
     speculative_batch_token_budget: int = field(default=64, metadata={
         "help": "Batch-aware speculation: while batch x num_draft_tokens exceeds this, the draft tree shrinks to a "
                 "chain of budget // batch nodes (off below 2); 0 = never shrink."})
@@ -204,6 +208,9 @@ class ServerArgs:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ConfigError(f"{flag_name(name)} must be in (0, 1] (1.0 = lossless), got {value}")
+        if not 0.0 <= self.speculative_draft_stop_threshold < 1.0:
+            raise ConfigError(f"--speculative-draft-stop-threshold must be in [0, 1) (0 = off), got "
+                              f"{self.speculative_draft_stop_threshold}")
         if self.speculative_algorithm == "NGRAM":
             self._validate_ngram()
             return

@@ -49,7 +49,8 @@ COMMAND = "bench-speculative"
 SIMULATE_ENV = ("SPECSERVE_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_LEN")
 TABLE_COLUMNS = (
     ("batch_size", "batch", None), ("config", "config", None), ("accept_length", "accept len", ".2f"),
-    ("step_ms", "decode step ms", ".2f"), ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speed-up", ".2f"),
+    ("draft_forwards_per_tree", "draft fwd/tree", ".2f"), ("step_ms", "decode step ms", ".2f"),
+    ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speed-up", ".2f"),
     ("best_mark", "best", None),
 )
 
@@ -180,6 +181,7 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
     from specserve.bench.bench_core import flush_prefix_cache
 
     clock.reset()
+    trees0, forwards0 = _draft_counts(engine)
     rates, metas = [], []
     for _ in range(reps):
         flush_prefix_cache(engine)
@@ -195,6 +197,7 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
     plain_tokens = sum(m.get("spec_plain_tokens", 0) for m in metas)
     steps = len(clock.times.get("decode_step", []))
+    trees, forwards = (now - before for now, before in zip(_draft_counts(engine), (trees0, forwards0), strict=True))
     return {
         "completion_tokens": tokens // reps, "tokens_per_s": statistics.median(rates), "decode_steps": steps // reps,
         "verify_steps": verify // reps if verify else None,
@@ -203,7 +206,16 @@ def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: di
         "step_ms": clock.mean_ms("decode_step"),
         "verify_ms": _or_none(clock.mean_ms("target_verify")),
         "draft_ms": _or_none(clock.mean_ms("propose") + clock.mean_ms("after_verify")),
+        # draft-level forwards per tree drafted beyond its first level (up to steps - 1; fewer where drafting
+        # stopped early: --speculative-draft-stop-threshold, or deeper levels that cannot change the tree)
+        "draft_forwards_per_tree": forwards / trees if trees else None,
     }
+
+
+def _draft_counts(engine) -> tuple[int, int]:
+    """(EAGLE-family trees drafted beyond their first level, their draft forwards) so far; (0, 0) otherwise."""
+    info = engine.get_server_info()
+    return info.get("spec_draft_trees", 0), info.get("spec_draft_forwards", 0)
 
 
 def _or_none(x: float) -> float | None:

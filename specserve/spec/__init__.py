@@ -6,6 +6,7 @@ from specserve.spec.tree import (
     LevelExpansion,
     build_chain,
     build_tree,
+    drafting_can_stop,
     expand_level,
     select_eagle_tree,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "VerifyResult",
     "build_chain",
     "build_tree",
+    "drafting_can_stop",
     "expand_level",
     "select_eagle_tree",
     "verify_greedy",

@@ -12,6 +12,9 @@ Drafting one tree (``propose``), with S = num_steps, K = topk, N = num_draft_tok
   level j = 1 .. S-1: one draft forward over the K live branches of every request (tree attention over scratch
   KV slots: a branch sees the prefix and its own ancestors), top-K children each, the best K of the K*K by
   cumulative probability stay live (``EagleCandidates``);
+  drafting stops before level S-1 once deeper levels cannot change the selected tree, or (with
+  --speculative-draft-stop-threshold) once every best live path is less likely than the threshold
+  (``drafting_can_stop``);
   then the best N-1 candidates + the root form the verify tree (``select_eagle_tree``).
 After verification, ``after_verify`` runs the draft extend over the accepted tokens with the target's hidden
 states at the accepted nodes (the draft-tree KV written while drafting is scratch and is dropped).
@@ -62,6 +65,9 @@ class EagleProposer(Proposer):
         self.steps = args.speculative_num_steps
         self.topk = args.speculative_eagle_topk
         self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.stop_threshold = args.speculative_draft_stop_threshold
+        self.draft_trees = 0  # trees drafted with levels beyond the stored first one (S > 1)
+        self.draft_forwards = 0  # their draft-level forwards: up to S - 1 each, fewer when drafting stops early
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
@@ -188,12 +194,16 @@ class EagleProposer(Proposer):
             hidden = torch.stack([s.hidden for s in states])  # [B, h]
             live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
             live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
+            self.draft_trees += 1
             with torch.inference_mode():
-                self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K)
+                self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1)
         return cands.select(roots, N)
 
-    def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int) -> None:
-        """Levels 1 .. S-1: one draft forward each over the K live branches of every request."""
+    def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int,
+                      keep: int) -> int:
+        """Levels 1 .. S-1: one draft forward each over the K live branches of every request, until the kept set
+        of `keep` candidates can no longer change (or is confident enough: ``drafting_can_stop``).
+        -> the number of draft forwards run."""
         dev, B = self.device, len(reqs)
         h_dim = live_hidden.shape[-1]
         table = self.runner.req_to_token_pool.req_to_token
@@ -207,6 +217,8 @@ class EagleProposer(Proposer):
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         try:
             for j in range(1, S):
+                if cands.can_stop(keep, self.stop_threshold):
+                    return j - 1
                 slots = scratch[:, j - 1]  # [B, K]
                 # scratch columns of req_to_token from `base` on hold the draft-tree slots of levels 1..j
                 cols = base.view(B, 1) + (j - 1) * K + torch.arange(K, device=dev).view(1, K)  # [B, K]
@@ -221,7 +233,7 @@ class EagleProposer(Proposer):
                 child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
                 if j == S - 1:
-                    break
+                    return j
                 branch = best // K  # [B, K] live branch each new live candidate extends
                 live_tokens = child_ids.view(B, K * K).gather(1, best)
                 live_hidden = out_hidden.gather(1, branch.unsqueeze(-1).expand(B, K, h_dim))

@@ -264,6 +264,31 @@ def expand_level(live_scores: Tensor, child_probs: Tensor, child_tokens: Tensor)
     return LevelExpansion(scores, child_tokens.reshape(B, L * K), parent_branch, best)
 
 
+def drafting_can_stop(cand_scores: Tensor, live_scores: Tensor, keep: int, threshold: float = 0.0) -> Tensor:
+    """Per request, whether drafting deeper levels is pointless (exact) or not worth it (threshold) -> [B] bool.
+
+    cand_scores [B, M]: cumulative scores of every candidate drafted so far (probabilities in [0, 1]);
+    live_scores [B, K]: those of the live branches, the only ones a next level expands; keep = N - 1, the number
+    of candidates the rerank keeps (``select_eagle_tree``).
+
+    Exact stop: a future candidate descends from a live branch, so its score is at most max(live_scores) (a
+    child's score is its parent's times a probability <= 1), and its index is larger than every current one. A
+    current candidate with score >= max(live_scores) therefore ranks before it (score desc, ties by index asc).
+    When at least `keep` current candidates do, no future candidate can enter the kept set: the tree selected now
+    equals the one a full-depth draft would select.
+
+    Threshold stop (changes the TREE, never the output: verification is exact for any tree): the best live path's
+    probability is below `threshold`, so deeper nodes are unlikely to be accepted. With fewer than `keep`
+    candidates drafted (a chain, or a tree stopped at its first level) the tree is then smaller than N nodes.
+    threshold 0 turns it off.
+    """
+    best_live = live_scores.max(dim=1, keepdim=True).values  # [B, 1]
+    exact = (cand_scores >= best_live).sum(dim=1) >= keep  # [B]
+    if threshold <= 0:
+        return exact
+    return exact | (best_live.squeeze(1) < threshold)
+
+
 class EagleCandidates:
     """Accumulates the candidate list of one EAGLE-2 draft (level by level, parents before children).
 
@@ -294,13 +319,20 @@ class EagleCandidates:
         self._count += lvl.scores.shape[1]
         return lvl.best
 
+    def can_stop(self, keep: int, threshold: float = 0.0) -> bool:
+        """True when no request needs a deeper level (``drafting_can_stop`` for every request)."""
+        return bool(drafting_can_stop(torch.cat(self._scores, 1), self.live_scores, keep, threshold).all())
+
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         """(cand_tokens, cand_parents, cand_scores), each [B, M]."""
         return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), torch.cat(self._scores, 1)
 
     def select(self, root_tokens: Tensor, num_draft_tokens: int) -> DraftTree:
+        """The rerank over what was drafted: N = num_draft_tokens nodes, fewer when drafting stopped before N - 1
+        candidates existed (``can_stop`` with a threshold)."""
         tokens, parents, scores = self.tensors()
-        return select_eagle_tree(root_tokens, tokens, parents, scores, num_draft_tokens, topk=self.topk)
+        n = min(num_draft_tokens, tokens.shape[1] + 1)
+        return select_eagle_tree(root_tokens, tokens, parents, scores, n, topk=self.topk)
 
 
 def select_eagle_tree(

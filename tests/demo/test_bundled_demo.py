@@ -13,6 +13,7 @@ from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.demo_models import DEMO_NAMES, DEMO_ROOT, TOKEN_MAP, demo_available, demo_path
 from specserve.spec.accept_stats import accept_length
+from specserve.spec.tree import EagleCandidates
 from specserve.train.corpus import held_out_prompts
 
 GREEDY = {"max_new_tokens": 32, "temperature": 0}
@@ -83,6 +84,43 @@ def test_each_algorithm_drafts_on_the_demo_family(prompts, case):
         outs = e.generate(prompts, GREEDY)
     assert [o["output_ids"] for o in outs] == want
     assert accept_length([o["meta_info"] for o in outs]) > 1.0, case
+
+
+def _eagle3_trees(prompts, monkeypatch, full_depth: bool, **kw):
+    """Greedy outputs, the verified trees (tokens, parents) step by step, and the draft forwards / trees counts
+    of the demo EAGLE-3 pair (5/4/8 tree, float32)."""
+    select, trees = EagleCandidates.select, []
+
+    def recording_select(self, root_tokens, n):
+        tree = select(self, root_tokens, n)
+        trees.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return tree
+
+    monkeypatch.setattr(EagleCandidates, "select", recording_select)
+    if full_depth:  # the draft before the stop existed: every tree drafts all its levels
+        monkeypatch.setattr(EagleCandidates, "can_stop", lambda self, keep, threshold=0.0: False)
+    with Engine(model_path="demo", dtype="float32", **CASES["EAGLE3"][1], speculative_num_steps=5,
+                speculative_eagle_topk=4, speculative_num_draft_tokens=8, **kw) as e:
+        outs = e.generate(prompts, GREEDY)
+        prop = e.loop.scheduler.spec.proposer
+    monkeypatch.undo()
+    return [o["output_ids"] for o in outs], trees, prop.draft_forwards, prop.draft_trees
+
+
+def test_draft_stop_on_the_demo_pair(prompts, monkeypatch):
+    """The exact stop verifies exactly the trees a full-depth draft selects, with fewer draft forwards; a stop
+    threshold drafts less still and changes trees but not the greedy output."""
+    with Engine(model_path="demo", dtype="float32") as e:
+        want = [o["output_ids"] for o in e.generate(prompts, GREEDY)]
+    full, full_trees, full_fw, n_full = _eagle3_trees(prompts, monkeypatch, full_depth=True)
+    stop, stop_trees, stop_fw, n_stop = _eagle3_trees(prompts, monkeypatch, full_depth=False)
+    assert full == stop == want
+    assert stop_trees == full_trees and len(full_trees) == n_full == n_stop > 0
+    assert full_fw == 4 * n_full and stop_fw < full_fw
+    lossy, lossy_trees, lossy_fw, _ = _eagle3_trees(prompts, monkeypatch, full_depth=False,
+                                                    speculative_draft_stop_threshold=0.05)
+    assert lossy == want
+    assert lossy_trees != full_trees and lossy_fw / len(lossy_trees) < stop_fw / n_stop
 
 
 def test_generate_without_model_path_uses_the_demo_with_eagle3(capsys):

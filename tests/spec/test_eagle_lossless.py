@@ -48,6 +48,22 @@ def test_greedy_batch_of_8_equals_plain(target, heads, plain, tree, kind):
         assert_no_kv_leak(e)
 
 
+@pytest.mark.parametrize("tree", [(5, 4, 8), (4, 1, 5)])
+@pytest.mark.parametrize("kind", ["self", "random"])
+def test_draft_stop_threshold_keeps_greedy_output(target, heads, plain, tree, kind):
+    """--speculative-draft-stop-threshold cuts drafting short where the best draft path is unlikely: shallower
+    trees, and for a chain fewer nodes than N. Greedy output stays plain decoding's."""
+    kw = spec_kwargs("EAGLE", heads[kind], *tree, speculative_draft_stop_threshold=0.5)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        prop = e.loop.scheduler.spec.proposer
+        assert [o["output_ids"] for o in outs] == plain
+        assert prop.draft_forwards < (tree[0] - 1) * prop.draft_trees  # stops happened
+        if kind == "self":
+            assert_drafting_happened(outs, min_accept_length=1.2)
+        assert_no_kv_leak(e)
+
+
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_greedy_batch_sizes_equal_plain(target, heads, batch):
     prompts = PROMPTS_16[:batch] if batch > 1 else PROMPTS_16[5:6]
@@ -156,10 +172,13 @@ def _joint_counts(outs) -> dict:
     return counts
 
 
-def test_sampled_distribution_matches_plain(target, heads):
+@pytest.mark.parametrize("stop_threshold", [0.0, 0.5])
+def test_sampled_distribution_matches_plain(target, heads, stop_threshold):
     """Two-sample chi-square test: 600 seeded samples of tokens 2-3 with speculation vs 600 without, at
     temperature 1 with top_k 3 (a small support, so every cell is well filled). Deterministic seeds, so the
-    test is repeatable; a verifier that judged drafts against the wrong node's distribution fails it."""
+    test is repeatable; a verifier that judged drafts against the wrong node's distribution fails it. With a draft
+    stop threshold above every draft probability of this diffuse head, each tree is cut to the root's 3 children
+    (4 nodes instead of 5)."""
     from scipy.stats import chi2_contingency
 
     params = [{"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True, "seed": s}
@@ -167,10 +186,15 @@ def test_sampled_distribution_matches_plain(target, heads):
     prompts = [PROMPTS[3]] * len(params)
     with Engine(model_path=target, max_total_tokens=8192) as e:
         plain = _joint_counts(e.generate(prompts, params))
-    kw = spec_kwargs("EAGLE", heads["self"], 2, 3, 5)
+    # the whole tree at any batch size (no batch-aware shrinking or turning off), so every step drafts one
+    kw = spec_kwargs("EAGLE", heads["self"], 2, 3, 5, speculative_draft_stop_threshold=stop_threshold,
+                     speculative_batch_token_budget=0, disable_speculative_auto_off=True)
     with Engine(model_path=target, max_total_tokens=8192, **kw) as e:
         outs = e.generate(prompts, [{**p, "seed": p["seed"] + 10_000} for p in params])
+        prop = e.loop.scheduler.spec.proposer
     assert_drafting_happened(outs)
+    # every step drafted a tree; with the threshold none reached its one draft level
+    assert prop.draft_trees > 0 and prop.draft_forwards == (0 if stop_threshold else prop.draft_trees)
     spec = _joint_counts(outs)
     cells = sorted(set(plain) | set(spec))
     table = [[plain.get(c, 0) for c in cells], [spec.get(c, 0) for c in cells]]

@@ -82,6 +82,19 @@ def test_greedy_equals_plain_across_joins_leaves_and_batch_aware_steps(target, d
         assert info["avg_spec_accept_length"] > 1.5
 
 
+def test_draft_stop_threshold_shortens_chains_and_keeps_outputs(target, self_head, plain):
+    """A stop threshold cuts chains short (fewer verify nodes than N); the overlapped steps stay exact."""
+    kw = v2("EAGLE", self_head, speculative_draft_stop_threshold=0.5)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        first, late = staggered(e, PROMPTS[:6], [greedy(n) for n in LENGTHS], LATE, greedy(24))
+        prop, info = e.loop.scheduler.spec.proposer, e.get_server_info()
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in first] == plain[0]
+    assert [o["output_ids"] for o in late] == plain[1]
+    assert info["spec_overlapped_steps"] > 0 and info["spec_verify_ct"] > 0
+    assert prop.draft_trees > 0 and prop.draft_forwards < 2 * prop.draft_trees  # chains of 3 were cut
+
+
 @pytest.mark.parametrize("extra", [
     {"max_new_tokens": 7},
     {"stop_token_ids": None},  # filled in with a token plain decoding emits

@@ -5,7 +5,14 @@ import random
 import pytest
 import torch
 
-from specserve.spec import EagleCandidates, build_chain, build_tree, expand_level, select_eagle_tree
+from specserve.spec import (
+    EagleCandidates,
+    build_chain,
+    build_tree,
+    drafting_can_stop,
+    expand_level,
+    select_eagle_tree,
+)
 
 
 def t(x):
@@ -305,6 +312,71 @@ def test_select_rejects_more_draft_tokens_than_candidates():
     cands, _, _ = eagle_topk2_steps3()  # 10 candidates
     assert cands.select(t([7]), 11).num_nodes.tolist() == [11]  # all of them
     with pytest.raises(ValueError):
-        cands.select(t([7]), 12)
+        select_eagle_tree(t([7]), *cands.tensors(), 12)
     with pytest.raises(ValueError):
         cands.select(t([7]), 0)
+
+
+def test_candidates_stopped_early_give_a_smaller_tree():
+    """A draft stopped before N - 1 candidates existed (threshold stop) verifies all of them: M + 1 nodes."""
+    cands, _, _ = eagle_topk2_steps3()  # 10 candidates
+    tree = cands.select(t([7]), 12)
+    assert tree.num_nodes.tolist() == [11]
+    assert torch.equal(tree.tokens, cands.select(t([7]), 11).tokens)
+
+
+def _two_levels():
+    """Level 0 and 1 of eagle_topk2_steps3: scores .5 .25 | .25 .125 .1875 .03125, live c2 (.25) and c4 (.1875)."""
+    cands = EagleCandidates(torch.tensor([[0.5, 0.25]]), t([[10, 11]]))
+    cands.add_level(torch.tensor([[[0.5, 0.25], [0.75, 0.125]]]), t([[[20, 21], [22, 23]]]))
+    return cands
+
+
+@pytest.mark.parametrize("n, stops", [(2, True), (3, True), (4, True), (5, False), (8, False)])
+def test_exact_stop_by_hand(n, stops):
+    # three candidates score >= the best live .25 (c0 .5, c1 .25, c2 .25), and any level-2 candidate scores at
+    # most .25 with a larger index: it cannot beat them, so a tree of up to 3 candidates (N <= 4) is final. At
+    # N = 5 the 4th pick is c4 (.1875), which a level-2 child of c2 (up to .25) could displace: draft on.
+    # (the selections in test_select_eagle_tree_topk2_steps3 agree: N <= 4 holds no level-2 token)
+    assert _two_levels().can_stop(n - 1) is stops
+
+
+def test_threshold_stop_by_hand():
+    cands = _two_levels()  # best live path .25
+    assert cands.can_stop(4, threshold=0.3)
+    assert not cands.can_stop(4, threshold=0.25)  # strictly below
+    scores = torch.tensor([[0.5, 0.25, 0.25, 0.1], [0.9, 0.05, 0.04, 0.01]])
+    live = torch.tensor([[0.25, 0.1], [0.04, 0.01]])
+    # request 0: 3 scores >= .25; request 1: 3 scores >= .04
+    assert drafting_can_stop(scores, live, keep=3).tolist() == [True, True]
+    assert drafting_can_stop(scores, live, keep=4).tolist() == [False, False]
+    assert drafting_can_stop(scores, live, keep=4, threshold=0.05).tolist() == [False, True]
+    # the batch drafts on while any request needs it
+    assert not EagleCandidates(torch.tensor([[0.9, 0.05], [0.3, 0.3]]), t([[1, 2], [3, 4]])).can_stop(3, 0.5)
+
+
+def test_exact_stop_never_changes_the_selected_tree():
+    """Random drafts with many ties: drafting all levels and drafting until ``can_stop(N - 1)`` select the same
+    tree, for every N; the stop does fire (a guard against a test that never stops)."""
+    rng = random.Random(7)
+    B, K, steps = 4, 3, 6
+    choice = [1.0, 0.75, 0.5, 0.25, 0.1, 0.0]
+    stopped_early = 0
+    for _ in range(60):
+        root_p = torch.tensor([rng.choice(choice) for _ in range(B * K)]).view(B, K).sort(dim=1, descending=True)
+        levels = [(torch.tensor([rng.choice(choice) for _ in range(B * K * K)]).view(B, K, K),
+                   torch.randint(0, 50, (B, K, K))) for _ in range(steps - 1)]
+        roots, root_t = t(list(range(B))), torch.randint(0, 50, (B, K))
+        for n in (2, 4, 7, 10, 16):
+            full, early = EagleCandidates(root_p.values, root_t), EagleCandidates(root_p.values, root_t)
+            for probs, toks in levels:
+                full.add_level(probs, toks)
+            for probs, toks in levels:
+                if early.can_stop(n - 1):
+                    stopped_early += 1
+                    break
+                early.add_level(probs, toks)
+            a, b = full.select(roots, n), early.select(roots, n)
+            for field in ("tokens", "parents", "num_nodes", "mask"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (n, field)
+    assert stopped_early > 100

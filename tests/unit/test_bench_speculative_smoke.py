@@ -96,6 +96,10 @@ def test_bench_speculative_end_to_end(model_factory, tmp_path, capsys, monkeypat
         else:
             assert r["algorithm"] == "EAGLE" and r["draft_model_path"] == head
             assert r["accept_length"] >= 1.0 and r["verify_steps"] > 0 and r["draft_ms"] > 0
+            if r["steps"] > 1:  # one level drafted here at most (steps 2), none where the draft stopped first
+                assert 0 <= r["draft_forwards_per_tree"] <= 1
+            else:
+                assert r["draft_forwards_per_tree"] is None
     for b in (1, 2):
         best = [r for r in rows if r["batch_size"] == b and r["best"]]
         assert len(best) == 1 and best[0]["tokens_per_s"] == max(r["tokens_per_s"] for r in rows

@@ -61,6 +61,8 @@ SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d
     (SPEC + ["--speculative-num-steps", "0", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "2"],
      "--speculative-num-steps"),
     (SPEC + ["--speculative-accept-threshold-single", "1.5"], "--speculative-accept-threshold-single"),
+    (SPEC + ["--speculative-draft-stop-threshold", "1.0"], "--speculative-draft-stop-threshold"),
+    (SPEC + ["--speculative-draft-stop-threshold", "-0.1"], "--speculative-draft-stop-threshold"),
     (["--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
     (["--speculative-algorithm", "STANDALONE"], "--speculative-draft-model-path"),
     (["--speculative-algorithm", "NGRAM", "--speculative-ngram-branch-length", "1"],
