@@ -3,6 +3,7 @@
     specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path demo-eagle3]
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
         [--only plain,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
+        [--eagle3-tree S,K,N] [--draft-stop-threshold P]
 
 Batch 1, greedy (temperature 0), exactly ``--max-new-tokens`` per prompt on both sides (specserve ``ignore_eos``;
 transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same prompt token ids, the same
@@ -14,7 +15,8 @@ a shared machine hits all alike), each compared with its counterpart:
                                                         same draft LM); transformers cannot run an EAGLE-3 head
     transformers prompt lookup (N tokens)            <- specserve NGRAM
 
-Our speculative flags stay at the engine's defaults (the resolved tree is printed); transformers' assisted
+Our speculative flags stay at the engine's defaults unless ``--eagle3-tree`` / ``--draft-stop-threshold`` set them
+(the resolved tree is printed); transformers' assisted
 generation keeps its defaults too. Every engine is warmed up first; specserve's prefix cache is flushed (untimed)
 before each prompt. tokens/s = generated tokens / summed wall time of the generate calls (prefill included).
 Written to ``--out-dir``: ``results.jsonl`` (one row per configuration), ``table.md`` and ``speedup.png`` (the
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="our engines compile their decode/verify/draft forwards (graphs are built in the warm-up)")
+    p.add_argument("--eagle3-tree", default=None, metavar="S,K,N",
+                   help="our EAGLE-3 tree: --speculative-num-steps, --speculative-eagle-topk, "
+                        "--speculative-num-draft-tokens (default: the engine's resolution, 5,4,8 on a Llama target)")
+    p.add_argument("--draft-stop-threshold", type=float, default=0.0,
+                   help="--speculative-draft-stop-threshold of our EAGLE-3 and STANDALONE (default 0: off)")
     p.add_argument("--always-speculate", action="store_true",
                    help="our speculative engines speculate on every step (--disable-speculative-auto-off); default: "
                         "the engine's batch-aware policy, which runs plain steps where speculation measures slower")
@@ -116,6 +123,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.only = selected_configs(args.only)
     except ValueError as e:
         p.error(f"--only: {e}")
+    if args.eagle3_tree is not None:
+        try:
+            args.eagle3_tree = tuple(int(v) for v in args.eagle3_tree.split(","))
+        except ValueError:
+            args.eagle3_tree = ()
+        if len(args.eagle3_tree) != 3:
+            p.error("--eagle3-tree takes three comma-separated integers S,K,N (e.g. 6,4,16)")
     if args.out_dir is None:
         args.out_dir = f"bench_results/bench-compare-{time.strftime('%Y%m%d-%H%M%S')}"
     return args
@@ -202,7 +216,9 @@ def setup_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("speculative_num_steps") is not None:
             lines.append(f"{r['label']}: steps {r['speculative_num_steps']}, topk {r['speculative_eagle_topk']}, "
-                         f"draft tokens {r['speculative_num_draft_tokens']} (engine defaults)"
+                         f"draft tokens {r['speculative_num_draft_tokens']} ({r.get('tree_source', 'engine defaults')})"
+                         + (f", draft stop threshold {r['speculative_draft_stop_threshold']}"
+                            if r.get("speculative_draft_stop_threshold") else "")
                          + (f", draft {r['draft_path']}" if r.get("draft_path") else ""))
         if r.get("hf_num_assistant_tokens") is not None:
             lines.append(f"{r['label']}: num_assistant_tokens {r['hf_num_assistant_tokens']} "
@@ -263,12 +279,19 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         _log(f"loading {BY_NAME[name].label} ...")
         kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name),
               "disable_speculative_auto_off": args.always_speculate} if algorithm else {}
+        if algorithm in ("EAGLE3", "STANDALONE"):
+            kw["speculative_draft_stop_threshold"] = args.draft_stop_threshold
+        if algorithm == "EAGLE3" and args.eagle3_tree:
+            kw.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
+                          args.eagle3_tree, strict=True))
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
                         max_total_tokens=kv_tokens, log_level="warning",
                         enable_torch_compile=args.enable_torch_compile, **kw)
         loaded.engines.append(engine)
         loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n), ours_prepare(engine)
         loaded.setup[name] = spec_setup(engine, given.get(name))
+        if algorithm == "EAGLE3" and args.eagle3_tree:
+            loaded.setup[name]["tree_source"] = "--eagle3-tree"
     if names & {"hf_plain", "hf_assisted", "hf_lookup"}:
         _log("loading transformers models ...")
         model, pad_id = load_hf(target, args.dtype)
@@ -293,7 +316,8 @@ def spec_setup(engine, draft_path: str | None) -> dict:
     return {"speculative_algorithm": info["speculative_algorithm"], "draft_path": draft_path,
             "speculative_num_steps": info["speculative_num_steps"],
             "speculative_eagle_topk": info["speculative_eagle_topk"],
-            "speculative_num_draft_tokens": info["speculative_num_draft_tokens"]}
+            "speculative_num_draft_tokens": info["speculative_num_draft_tokens"],
+            "speculative_draft_stop_threshold": info.get("speculative_draft_stop_threshold")}
 
 
 def assisted_setup(assistant, draft_path: str) -> dict:

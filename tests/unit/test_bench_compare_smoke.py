@@ -64,7 +64,24 @@ def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
     assert "| ours EAGLE-3 |" in table and table.strip() in printed and str(out / "speedup.png") in printed
 
 
+def test_bench_compare_eagle3_tree_and_draft_stop(tmp_path, llama_dir, capsys):
+    head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
+    out = tmp_path / "out"
+    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--eagle3-path", head, "--only", "plain,eagle3",
+                   "--num-prompts", "1", "--max-new-tokens", "8", "--num-threads", "1", "--eagle3-tree", "3,2,4",
+                   "--draft-stop-threshold", "0.5", "--always-speculate", "--out-dir", str(out)])
+    assert rc == 0
+    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    assert set(by) == {"hf_plain", "ours_plain", "ours_eagle3"}
+    e3 = by["ours_eagle3"]
+    assert (e3["speculative_num_steps"], e3["speculative_eagle_topk"], e3["speculative_num_draft_tokens"]) == (3, 2, 4)
+    assert e3["speculative_draft_stop_threshold"] == 0.5 and e3["equal_to_hf_plain"] == 1
+    assert "steps 3, topk 2, draft tokens 4 (--eagle3-tree), draft stop threshold 0.5" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, flag", [(["--num-prompts", "0"], "--num-prompts"),
+                                        (["--eagle3-tree", "3,2"], "--eagle3-tree"),
+                                        (["--eagle3-tree", "a,b,c"], "--eagle3-tree"),
                                         (["--only", "plain,turbo"], "--only"),
                                         (["--dtype", "float64"], "--dtype"), (["--bogus"], "--bogus")])
 def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
