@@ -6,7 +6,7 @@ stopped; ``--resume`` also continues a half-trained stage from its last checkpoi
 1. ``tokenizer``  byte-level BPE (4096 ids) with a chat template, on the training part of the stdlib;
 2. ``target``     ``demo``: a 12-layer Llama (hidden 256, 4 query / 2 KV heads, tied embeddings), pre-trained;
 3. ``eagle``      ``demo-eagle``: an EAGLE-1/2 head for ``demo`` (feature + token losses);
-4. ``eagle3``     ``demo-eagle3``: an EAGLE-3 head (training-time test over 5 steps, 1024-id draft vocabulary);
+4. ``eagle3``     ``demo-eagle3``: an EAGLE-3 head (training-time test over 5 steps, 2048-id draft vocabulary);
 5. ``token-map``  ``demo/fr_spec_1024.pt``: the FR-Spec hot-vocabulary map of ``demo`` (1024 most frequent ids);
 6. ``draft``      ``demo-draft``: a 3-layer Llama (hidden 192) distilled from ``demo`` (a STANDALONE draft);
 7. ``mtp``        ``demo-mtp``: a 2-layer MiMo-style Qwen2 model (hidden 192), pre-trained, then its MTP layer
@@ -45,14 +45,14 @@ TRAIN = {
     "target": TrainConfig(steps=2400, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100, weight_decay=0.05,
                           checkpoint_every=250),
     "eagle": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, checkpoint_every=150),
-    "eagle3": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, checkpoint_every=150),
+    "eagle3": TrainConfig(steps=1500, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, checkpoint_every=250),
     "draft": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, weight_decay=0.05,
                          checkpoint_every=150),
     "mtp-trunk": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, weight_decay=0.05,
                              checkpoint_every=150),
     "mtp": TrainConfig(steps=400, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=30, checkpoint_every=100),
 }
-EAGLE3_DRAFT_VOCAB = 1024
+EAGLE3_DRAFT_VOCAB = 2048
 
 
 class Build:
