@@ -39,6 +39,21 @@ def test_self_draft_accepts_everything(target, plain, tree):
         assert_no_kv_leak(e)
 
 
+def test_draft_stop_threshold_cuts_chains_to_one_draft(target, plain):
+    """A threshold above every draft probability of this random target stops each 4-token chain before its first
+    draft level: every step verifies the root and one draft, which a self-draft always gets right."""
+    kw = spec_kwargs("STANDALONE", target, 4, 1, 5, speculative_draft_stop_threshold=0.99)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+        prop = e.loop.scheduler.spec.proposer
+        assert [o["output_ids"] for o in outs] == plain
+        assert prop.draft_trees > 0 and prop.draft_forwards == 0
+        for o in outs:
+            hist = o["meta_info"]["spec_accept_histogram"]
+            assert len(hist) <= 2 and hist[1] == sum(hist) > 0
+        assert_no_kv_leak(e)
+
+
 @pytest.mark.parametrize("tree", [(3, 1, 4), (3, 3, 6)])
 def test_foreign_draft_equals_plain(target, other, plain, tree):
     with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("STANDALONE", other, *tree)) as e:
