@@ -334,9 +334,7 @@ def _server_info(s: Scheduler) -> dict:
             spec_overlapped_steps=s.spec.overlap.overlapped_steps if s.spec.overlap is not None else 0,
             spec_trimmed_finishes=st.spec_trimmed_finishes,
             speculative_draft_stop_threshold=s.args.speculative_draft_stop_threshold,
-            # EAGLE-family trees drafted beyond their first level, and their draft forwards (<= steps - 1 each;
-            # fewer where drafting stopped early); 0 for NGRAM
-            spec_draft_trees=getattr(s.spec.proposer, "draft_trees", 0),
-            spec_draft_forwards=getattr(s.spec.proposer, "draft_forwards", 0),
+            spec_draft_trees=s.spec.proposer.draft_trees,  # see Proposer.draft_trees / draft_forwards
+            spec_draft_forwards=s.spec.proposer.draft_forwards,
         )
     return info

@@ -60,6 +60,10 @@ class Proposer(ABC):
     capture_layers: tuple[int, ...] = ()
     #: verify sampled requests by argmax too (NGRAM's documented lossy switch); False = lossless
     force_greedy_verify: bool = False
+    #: trees drafted with draft-model levels beyond the first (EAGLE family), and those levels' forwards: up to
+    #: steps - 1 per tree, fewer where drafting stopped early; both stay 0 for drafters without levels (NGRAM)
+    draft_trees: int = 0
+    draft_forwards: int = 0
 
     def draft_slots_per_request(self) -> int:
         """Scratch KV slots per request the drafting phase needs (freed before the verify forward)."""

@@ -66,8 +66,6 @@ class EagleProposer(Proposer):
         self.topk = args.speculative_eagle_topk
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.stop_threshold = args.speculative_draft_stop_threshold
-        self.draft_trees = 0  # trees drafted with levels beyond the stored first one (S > 1)
-        self.draft_forwards = 0  # their draft-level forwards: up to S - 1 each, fewer when drafting stops early
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
