@@ -281,7 +281,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
               "disable_speculative_auto_off": args.always_speculate} if algorithm else {}
         if algorithm in ("EAGLE3", "STANDALONE"):
             kw["speculative_draft_stop_threshold"] = args.draft_stop_threshold
-        if algorithm == "EAGLE3" and args.eagle3_tree:
+        tree_given = algorithm == "EAGLE3" and args.eagle3_tree is not None
+        if tree_given:
             kw.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
                           args.eagle3_tree, strict=True))
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
@@ -290,7 +291,7 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         loaded.engines.append(engine)
         loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n), ours_prepare(engine)
         loaded.setup[name] = spec_setup(engine, given.get(name))
-        if algorithm == "EAGLE3" and args.eagle3_tree:
+        if tree_given:
             loaded.setup[name]["tree_source"] = "--eagle3-tree"
     if names & {"hf_plain", "hf_assisted", "hf_lookup"}:
         _log("loading transformers models ...")
