@@ -89,7 +89,8 @@ class ServerArgs:
         default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
     torch_compile_max_bs: int = field(
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
-    cuda_graph_max_bs: int | None = field(default=None, metadata={"help": "Max batch size captured in CUDA graphs."})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={
+        "help": "Batches above this run without CUDA graphs (default 32 with speculation, else 128)."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Turn off CUDA graphs."})
     disable_cpu_weight_packing: bool = field(
         default=False, metadata={"help": "Keep plain bf16/fp16 linears on CPU (no oneDNN pre-packing)."}
@@ -295,6 +296,14 @@ class ServerArgs:
         if self.max_running_requests is not None:
             return self.max_running_requests
         return 48 if self.speculative_algorithm else 256
+
+    @property
+    def effective_cuda_graph_max_bs(self) -> int:
+        """Graphs are captured lazily (specserve.models.cuda_graph), so the bound costs no start-up time; a verify
+        forward is N tokens per request, so it is lower with speculation."""
+        if self.cuda_graph_max_bs is not None:
+            return self.cuda_graph_max_bs
+        return 32 if self.speculative_algorithm else 128
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

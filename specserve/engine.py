@@ -315,6 +315,11 @@ def _server_info(s: Scheduler) -> dict:
     if cs is not None:
         info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
                     torch_compile_calls=cs.compiled_calls)
+    graphs = s.runner.cuda_graphs
+    if graphs is not None:
+        info.update(cuda_graph=graphs.backend, cuda_graph_max_bs=graphs.max_bs, cuda_graph_graphs=graphs.stats.graphs,
+                    cuda_graph_capture_seconds=graphs.stats.capture_seconds, cuda_graph_replays=graphs.stats.replays,
+                    cuda_graph_eager_calls=graphs.stats.eager_calls)
     if s.spec is not None:
         st = s.stats
         info.update(

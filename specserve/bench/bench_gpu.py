@@ -6,6 +6,8 @@ The target is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, 
   (a) ``decode``: plain greedy decode tokens/s, against the memory-bandwidth limit: each decode step reads every
       weight once, so tokens/s <= bandwidth / bytes read per step (all parameters except the input-embedding table,
       of which a step reads one row; the KV cache read at the context is left out, it is ~1% here). Goal: >= 75%.
+      Measured with CUDA graphs (the engine's default on CUDA), then again with ``--disable-cuda-graph`` in a
+      second engine (row "plain, no CUDA graphs", skip it with ``--skip eager``): the ratio is what graphs buy.
   (b) ``verify``: the cost of one TARGET_VERIFY forward over a chain of N draft nodes (N = 1 .. 64) at a fixed
       context, relative to one DECODE forward at that context: how many tokens a verify step can check for
       little more than the price of one.
@@ -78,7 +80,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=None, help="default bench_results/bench-gpu-<timestamp>")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: decode, verify, simulated")
+    p.add_argument("--skip", default="",
+                   help="comma list of parts to skip: verify, simulated, eager (the plain row without CUDA graphs)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run every engine without CUDA graphs")
     ns = p.parse_args(argv)
     try:
         ns.verify_sizes = parse_int_list(ns.verify_sizes, "--verify-sizes")
@@ -93,7 +97,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise ValueError(f"--bandwidth-tbps must be > 0, got {ns.bandwidth_tbps}")
         if any(a < 1 for a in ns.accept_lens):
             raise ValueError(f"--accept-lens values must be >= 1, got {ns.accept_lens}")
-        unknown = ns.skip - {"decode", "verify", "simulated"}
+        unknown = ns.skip - {"decode", "verify", "simulated", "eager"}
         if unknown:
             raise ValueError(f"--skip: unknown part(s) {', '.join(sorted(unknown))}")
     except ValueError as e:
@@ -154,8 +158,9 @@ def median_time(fn: Callable[[], object], device: torch.device, warmup: int, rep
 
 
 # ---------------------------------------------------------------------------------------------- engines
-def engine_kwargs(ns: argparse.Namespace, target: str, head: str | None = None) -> dict:
+def engine_kwargs(ns: argparse.Namespace, target: str, head: str | None = None, graphs: bool = True) -> dict:
     kw = dict(model_path=target, load_format="dummy", dtype=ns.dtype, device=ns.device, log_level="warning",
+              disable_cuda_graph=ns.disable_cuda_graph or not graphs,
               max_running_requests=1, disable_radix_cache=True, random_seed=ns.seed,
               context_length=ns.context + ns.decode_tokens + 16,
               max_total_tokens=ns.context + ns.decode_tokens + max(ns.verify_sizes) + 4 * ns.steps + 64)
@@ -262,22 +267,39 @@ def release(engine) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the run
-def run_plain(ns, target: str, prompt: list[int], device: torch.device) -> tuple[dict, list[dict]]:
+def run_plain(ns, target: str, prompt: list[int], device: torch.device) -> tuple[list[dict], list[dict]]:
+    """(a) plain decode with CUDA graphs (as the engine runs by default) and, when graphs were in use, without
+    them (a second engine, one after the other); (b) verify costs on the first engine."""
     from specserve import Engine
 
     engine = Engine(**engine_kwargs(ns, target))
     try:
-        runner = engine.scheduler.runner
-        nbytes = weight_bytes_read(runner)
-        limit = ns.bandwidth_tbps * 1e12 / nbytes
-        plain = measure_decode(engine, prompt, ns, device, "plain decode")
-        plain.update(part="decode", mode="plain", weight_bytes_read=nbytes, weight_bytes_all=runner.weight_bytes(),
-                     bandwidth_tbps=ns.bandwidth_tbps, limit_tokens_per_s=limit,
-                     fraction_of_limit=plain["tokens_per_s"] / limit)
+        graphs = engine.get_server_info().get("cuda_graph")  # "cuda", "emulate" or None
+        plain = _decode_row(engine, prompt, ns, device, "plain" + (f" (CUDA graphs: {graphs})" if graphs else ""))
         verify = [] if "verify" in ns.skip else engine.loop.call(lambda s: measure_verify(s, ns, device))
     finally:
         release(engine)
-    return plain, verify
+    rows = [plain]
+    if graphs and "eager" not in ns.skip:
+        engine = Engine(**engine_kwargs(ns, target, graphs=False))
+        try:
+            rows.append(_decode_row(engine, prompt, ns, device, "plain, no CUDA graphs"))
+        finally:
+            release(engine)
+        for r in rows:
+            r["speedup_vs_eager"] = r["tokens_per_s"] / rows[-1]["tokens_per_s"]
+    return rows, verify
+
+
+def _decode_row(engine, prompt: list[int], ns, device: torch.device, mode: str) -> dict:
+    runner = engine.scheduler.runner
+    nbytes = weight_bytes_read(runner)
+    limit = ns.bandwidth_tbps * 1e12 / nbytes
+    row = measure_decode(engine, prompt, ns, device, mode)
+    row.update(part="decode", mode=mode, weight_bytes_read=nbytes, weight_bytes_all=runner.weight_bytes(),
+               bandwidth_tbps=ns.bandwidth_tbps, limit_tokens_per_s=limit,
+               fraction_of_limit=row["tokens_per_s"] / limit)
+    return row
 
 
 def run_simulated(ns, target: str, head: str, prompt: list[int], device: torch.device, plain_tps: float) -> list[dict]:
@@ -333,19 +355,22 @@ def main(argv: list[str] | None = None) -> int:
              "dtype": ns.dtype, "context": ns.context, "decode_tokens": ns.decode_tokens, "reps": ns.reps,
              "warmup": ns.warmup, "torch": torch.__version__}
 
-    plain, verify = run_plain(ns, target, prompt, device)
+    decode, verify = run_plain(ns, target, prompt, device)
+    plain = decode[0]
     simulated = [] if "simulated" in ns.skip else run_simulated(ns, target, head, prompt, device,
                                                                 plain["tokens_per_s"])
-    rows = [setup, plain, *verify, *simulated]
-    paths = write_outputs(rows, plain, verify, simulated, out_dir)
+    rows = [setup, *decode, *verify, *simulated]
+    paths = write_outputs(rows, decode, verify, simulated, out_dir)
     print(f"\n{command}\n")
-    print(render(plain, verify, simulated))
+    print(render(decode, verify, simulated))
     print("\nwritten: " + ", ".join(paths))
     return 0
 
 
-def render(plain: dict, verify: list[dict], simulated: list[dict]) -> str:
-    parts = ["(a) plain decode, batch 1", format_table([plain], DECODE_COLUMNS)]
+def render(decode: list[dict], verify: list[dict], simulated: list[dict]) -> str:
+    columns = DECODE_COLUMNS + ([("speedup_vs_eager", "vs no graphs", ".2f")] if len(decode) > 1 else [])
+    plain = decode[0]
+    parts = ["(a) plain decode, batch 1", format_table(decode, columns)]
     if verify:
         parts += ["", f"(b) verify forward vs one decode step (context {verify[0]['context']})",
                   format_table(verify, VERIFY_COLUMNS)]
@@ -355,11 +380,13 @@ def render(plain: dict, verify: list[dict], simulated: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def write_outputs(rows: list[dict], plain: dict, verify: list[dict], simulated: list[dict], out_dir: str) -> list[str]:
+def write_outputs(rows: list[dict], decode: list[dict], verify: list[dict], simulated: list[dict],
+                  out_dir: str) -> list[str]:
+    plain = decode[0]
     paths = [write_jsonl(rows, os.path.join(out_dir, "bench_gpu.jsonl"))]
     table = os.path.join(out_dir, "bench_gpu.md")
     with open(table, "w") as f:
-        f.write(render(plain, verify, simulated) + "\n")
+        f.write(render(decode, verify, simulated) + "\n")
     paths.append(table)
     if verify:
         paths.append(plot_lines({"verify / decode": ([r["num_tokens"] for r in verify],

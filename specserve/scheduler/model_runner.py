@@ -17,6 +17,7 @@ from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.compile import CompileStats, compile_forward
 from specserve.models.cpu_packing import pack_linears_for_cpu
+from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
 
@@ -66,8 +67,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + 1, self.context_len + self.lookahead + 8, self.device)
         self.eos_token_ids = self._eos_ids()
-        if args.cuda_graph_max_bs is not None or args.disable_cuda_graph:
-            logger.info("CUDA graphs are not implemented yet; --cuda-graph-max-bs / --disable-cuda-graph ignored")
+        self.cuda_graphs = self._cuda_graphs()
         window = self.spec.raw.get("sliding_window")
         if window and self.spec.raw.get("use_sliding_window", True) and window < self.context_len:
             logger.warning("sliding_window=%d is not implemented: attention is full up to the context length", window)
@@ -78,6 +78,19 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------
+    def _cuda_graphs(self) -> CudaGraphs | None:
+        """CUDA graphs for the target's decoder stack (the draft modules are wrapped by the scheduler)."""
+        backend = graph_backend(self.device, self.args.disable_cuda_graph)
+        if backend is None:
+            if self.args.cuda_graph_max_bs is not None and self.device.type != "cuda":
+                logger.info("--cuda-graph-max-bs ignored: CUDA graphs need a CUDA device (this is %s)", self.device)
+            return None
+        graphs = CudaGraphs(backend, self.args.effective_cuda_graph_max_bs, self.device)
+        graphs.wrap(self.model.model)
+        logger.info("CUDA graphs (%s): decode, verify and draft forwards of up to %d requests, captured on first use",
+                    backend, graphs.max_bs)
+        return graphs
+
     def _context_len(self) -> int:
         ctx = self.args.context_length or self.spec.max_position_embeddings
         if self.args.context_length and self.args.context_length > self.spec.max_position_embeddings:

@@ -86,9 +86,11 @@ class Scheduler:
         self.spec: SpecDecoder | None = None
         if args.speculative_algorithm:
             self.spec = SpecDecoder(self, create_proposer(args, self.runner, self._alloc))
-            if self.runner.compile_stats is not None:
-                for module in self.spec.proposer.draft_modules():
+            for module in self.spec.proposer.draft_modules():
+                if self.runner.compile_stats is not None:
                     compile_forward(module, args.torch_compile_max_bs, self.runner.compile_stats)
+                if self.runner.cuda_graphs is not None:  # around the compiled forward, as for the target
+                    self.runner.cuda_graphs.wrap(module)
         self.capture_layers = self.spec.proposer.capture_layers if self.spec else ()
         self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, spec tokens, verify count)
         self._slots_per_decode = self.spec.slots_per_request() if self.spec else 1

@@ -90,7 +90,8 @@ class Proposer(ABC):
         """Drop any per-request state (the request finished, was aborted or retracted)."""
 
     def draft_modules(self) -> list:
-        """The draft networks whose ``forward(fb, ...)`` may be compiled (``--enable-torch-compile``)."""
+        """The draft networks whose ``forward(fb, *tensors)`` may be compiled (``--enable-torch-compile``) and graphed
+        (CUDA graphs)."""
         return []
 
 

@@ -9,6 +9,7 @@ import torch
 
 from specserve.bench import bench_gpu
 from specserve.bench.report import read_jsonl
+from specserve.models.cuda_graph import EMULATE_ENV
 
 
 def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
@@ -39,6 +40,20 @@ def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
     assert (out / "verify_cost.png").stat().st_size > 0 and (out / "simulated_throughput.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "python -m specserve.bench.bench_gpu --shape tiny" in printed and "| N draft tokens |" in printed
+
+
+def test_bench_gpu_graph_and_eager_rows(tmp_path, monkeypatch, capsys):
+    """With graphs in use (emulated on CPU) part (a) has a second row without them and the ratio of the two."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    out = tmp_path / "out"
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "6", "--reps", "1",
+            "--warmup", "0", "--skip", "verify,simulated", "--out-dir", str(out)]
+    assert bench_gpu.main(argv) == 0
+    graphed, eager = [r for r in read_jsonl(str(out / "bench_gpu.jsonl")) if r["part"] == "decode"]
+    assert graphed["mode"] == "plain (CUDA graphs: emulate)" and eager["mode"] == "plain, no CUDA graphs"
+    assert graphed["speedup_vs_eager"] == pytest.approx(graphed["tokens_per_s"] / eager["tokens_per_s"])
+    assert eager["speedup_vs_eager"] == 1.0
+    assert "| vs no graphs |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,flag", [(["--verify-sizes", "1,x"], "--verify-sizes"), (["--reps", "0"], "--reps"),

@@ -1,0 +1,231 @@
+"""CUDA graphs for decode, verify and draft forwards (``--cuda-graph-max-bs``, ``--disable-cuda-graph``).
+
+At small batch a decode forward on a GPU is hundreds of tiny kernel launches, and Python issuing them, not the
+GPU running them, sets the pace. A CUDA graph records the launches of one forward once and replays them with a
+single call. A graph fixes every tensor's shape and address, so a graphed forward runs on *static* buffers:
+the live batch is copied into them, the graph is replayed, and the rows that belong to real requests are copied
+out.
+
+What is graphed: forwards in DECODE, TARGET_VERIFY and DRAFT_DECODE mode where every request brings the same
+number q of new tokens (decode 1, a verify tree N, a draft level topk) and there are at most
+``--cuda-graph-max-bs`` requests. Prefill and draft extends (ragged) run eagerly, as with torch.compile.
+
+Shapes are bucketed so a handful of graphs cover every batch:
+
+- requests: 1, 2, 4, 8, then multiples of 8 (``batch_bucket``); pad requests attend to the padding slot 0
+  only and write their K/V there (``KVPool`` never hands slot 0 out);
+- keys per request (the padded SDPA backend reads ``[B, Kmax]`` slots): ``kv_bucket`` rounds Kmax up to one
+  of ``KV_STEPS_PER_OCTAVE`` sizes per doubling (at most 25% padding), the padded keys masked out. A
+  flashinfer-style kernel that reads K/V by slot would make graphs independent of Kmax; with SDPA the key count
+  is part of the shape, so it is bucketed instead.
+
+Graphs are captured lazily, the first time a bucket is met, into one memory pool shared by all of the engine's
+graphs (target and draft): captures add little memory and start-up is not slowed. Capture time, graph count
+and replays are reported in the server info (``cuda_graph_*``). Outputs are copied out of the graph's buffers,
+so a caller may keep them across forwards.
+
+``SPECSERVE_CUDA_GRAPH_EMULATE=1`` runs all of this except the capture on a CPU: static buffers, padding and
+bucketing, with the recorded function re-run eagerly on the static buffers at each "replay". It exists so the
+bookkeeping is tested on machines without a GPU (it is slower than plain eager: padded work, extra copies).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+GRAPHED_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE})
+MIN_KV_BUCKET = 128  # keys per request of the smallest bucket (a power of two)
+KV_STEPS_PER_OCTAVE = 4  # bucket sizes per doubling of the key count: padding <= 1 / KV_STEPS_PER_OCTAVE
+WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy inits, cuBLAS workspaces)
+EMULATE_ENV = "SPECSERVE_CUDA_GRAPH_EMULATE"
+
+
+def batch_bucket(bs: int, max_bs: int) -> int | None:
+    """The captured batch size serving `bs` requests: 1, 2, 4, 8, then multiples of 8, never above max_bs;
+    None when bs > max_bs (the forward runs eagerly)."""
+    if bs < 1 or bs > max_bs:
+        return None
+    bucket = 1 << (bs - 1).bit_length() if bs <= 8 else -(-bs // 8) * 8
+    return min(bucket, max_bs)
+
+
+def kv_bucket(n: int, min_bucket: int = MIN_KV_BUCKET, steps: int = KV_STEPS_PER_OCTAVE) -> int:
+    """Keys per request in the graph serving a forward whose requests have at most n keys: min_bucket, then
+    `steps` evenly spaced sizes per doubling (128, 160, 192, 224, 256, 320, ... with the defaults)."""
+    if n <= min_bucket:
+        return min_bucket
+    octave = 1 << ((n - 1).bit_length() - 1)  # the largest power of two below n
+    step = max(octave // steps, 1)
+    return octave + -(-(n - octave) // step) * step
+
+
+def graph_backend(device: torch.device, disabled: bool) -> str | None:
+    """"cuda" (real graphs), "emulate" (CPU, SPECSERVE_CUDA_GRAPH_EMULATE=1) or None (eager forwards)."""
+    if disabled:
+        return None
+    if device.type == "cuda":
+        return "cuda"
+    return "emulate" if os.environ.get(EMULATE_ENV, "") not in ("", "0") else None
+
+
+@dataclass
+class GraphStats:
+    graphs: int = 0  # graphs captured
+    capture_seconds: float = 0.0  # warm-up runs + capture, all graphs
+    replays: int = 0  # forwards served by a graph
+    eager_calls: int = 0  # forwards of a wrapped module run eagerly (a mode or batch not graphed)
+
+
+class _StaticForward:
+    """One graph: a forward of fixed shape on static buffers, its recorded outputs and how to refill them."""
+
+    def __init__(self, fb: ForwardBatch, args: tuple[torch.Tensor, ...], bs: int, kv: int) -> None:
+        q, dev = fb.attn.max_q_len, fb.input_ids.device
+        rows = bs * q
+        self.rows = rows
+        mask = torch.zeros(bs, 1, q, kv, dtype=torch.bool, device=dev)  # [Bb, 1, q, Kb]
+        attn = AttnMetadata(bs, q, torch.zeros(bs, kv, dtype=torch.int64, device=dev), mask, False, None, None)
+        embeds = None if fb.input_embeds is None else _rows_like(fb.input_embeds, rows)
+        self.fb = ForwardBatch(fb.mode, _rows_like(fb.input_ids, rows), _rows_like(fb.positions, rows),
+                               _rows_like(fb.out_cache_loc, rows), attn, fb.kv_pool,
+                               capture_layers=fb.capture_layers, input_embeds=embeds)
+        self.args = tuple(_rows_like(a, rows) for a in args)
+        self.outputs: list[torch.Tensor] = []  # flat, each [rows, ...]
+        self.spec = None  # their pytree structure
+        self.graph = None  # torch.cuda.CUDAGraph (backend "cuda")
+
+    def load(self, fb: ForwardBatch, args: tuple[torch.Tensor, ...]) -> int:
+        """Copy a live forward into the static buffers; pad requests see and write slot 0. -> its real rows."""
+        n, bsz, keys = fb.input_ids.shape[0], fb.attn.batch_size, fb.attn.kv_slots.shape[1]
+        s = self.fb
+        for dst, src in ((s.input_ids, fb.input_ids), (s.positions, fb.positions), (s.out_cache_loc, fb.out_cache_loc),
+                         (s.input_embeds, fb.input_embeds), *zip(self.args, args, strict=True)):
+            if dst is not None:
+                dst[:n].copy_(src)
+                dst[n:].zero_()
+        slots, mask = s.attn.kv_slots, s.attn.mask
+        slots.zero_()
+        slots[:bsz, :keys].copy_(fb.attn.kv_slots)
+        mask.zero_()
+        if fb.attn.mask is None:  # every key visible (a decode step whose requests have equal lengths)
+            mask[:bsz, :, :, :keys] = True
+        else:
+            mask[:bsz, :, :, :keys].copy_(fb.attn.mask)
+        mask[bsz:, :, :, 0] = True  # pad requests: slot 0 only (a fully masked row would give NaN)
+        return n
+
+    def record(self, out) -> None:
+        self.outputs, self.spec = pytree.tree_flatten(out)
+        if not all(isinstance(t, torch.Tensor) and t.shape[0] == self.rows for t in self.outputs):
+            raise TypeError("a graphed forward must return tensors with one row per token")
+
+    def result(self, n: int):
+        """The real rows of the outputs, copied out of the graph's buffers."""
+        return pytree.tree_unflatten([t[:n].clone() for t in self.outputs], self.spec)
+
+
+def _rows_like(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+
+class CudaGraphs:
+    """The engine's graphs: one memory pool and one set of stats for every wrapped module."""
+
+    def __init__(self, backend: str, max_bs: int, device: torch.device) -> None:
+        self.backend, self.max_bs, self.device = backend, max_bs, device
+        self.stats = GraphStats()
+        self.pool = torch.cuda.graph_pool_handle() if backend == "cuda" else None
+        self._stream = torch.cuda.Stream(device) if backend == "cuda" else None
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Replace module.forward (signature forward(fb: ForwardBatch, *tensors)) by a GraphedForward."""
+        module.forward = GraphedForward(module.forward, self)
+        return module
+
+    def capture(self, static: _StaticForward, fn) -> None:
+        """Record fn (which runs the forward on static's buffers) into static; the buffers hold a loaded batch."""
+        start = time.perf_counter()
+        if self.backend == "cuda":
+            self._capture_cuda(static, fn)
+        else:
+            static.record(fn())
+        self.stats.graphs += 1
+        self.stats.capture_seconds += time.perf_counter() - start
+        logger.info("CUDA graph %d captured (%s, %d requests x %d tokens, %d keys) in %.2fs", self.stats.graphs,
+                    static.fb.mode.value, static.fb.attn.batch_size, static.fb.attn.max_q_len,
+                    static.fb.attn.kv_slots.shape[1], time.perf_counter() - start)
+
+    def _capture_cuda(self, static: _StaticForward, fn) -> None:
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                static.fb.rope_rows.clear()
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        static.fb.rope_rows.clear()  # the capture must record the RoPE gather, not reuse the warm-up's rows
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the overlap scheduler's other thread may touch CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            out = fn()
+        static.graph = graph
+        static.record(out)
+
+    def replay(self, static: _StaticForward, fn) -> None:
+        self.stats.replays += 1
+        if static.graph is not None:
+            static.graph.replay()
+            return
+        static.fb.rope_rows.clear()  # emulation: re-run eagerly on the static buffers, into the recorded outputs
+        for dst, src in zip(static.outputs, pytree.tree_flatten(fn())[0], strict=True):
+            dst.copy_(src)
+
+
+class GraphedForward:
+    """Callable replacing ``module.forward``: graphed when the forward fits a bucket, eager otherwise."""
+
+    def __init__(self, eager, graphs: CudaGraphs) -> None:
+        self.eager, self.graphs = eager, graphs
+        self.entries: dict[tuple, _StaticForward] = {}
+
+    def bucket(self, fb: ForwardBatch, args: tuple) -> tuple | None:
+        """The graph key serving this forward, or None when it runs eagerly."""
+        md = fb.attn
+        if fb.mode not in GRAPHED_MODES or fb.kv_pool is None or md.q_index is not None or md.is_causal:
+            return None
+        if not all(isinstance(a, torch.Tensor) and a.shape[0] == fb.input_ids.shape[0] for a in args):
+            return None
+        bs = batch_bucket(md.batch_size, self.graphs.max_bs)
+        if bs is None:
+            return None
+        embeds = None if fb.input_embeds is None else (fb.input_embeds.shape[1:], fb.input_embeds.dtype)
+        return (fb.mode, bs, md.max_q_len, kv_bucket(md.kv_slots.shape[1]), fb.capture_layers, id(fb.kv_pool),
+                embeds, tuple((a.shape[1:], a.dtype) for a in args))
+
+    def __call__(self, fb: ForwardBatch, *args):
+        key = self.bucket(fb, args)
+        if key is None:
+            self.graphs.stats.eager_calls += 1
+            return self.eager(fb, *args)
+        static = self.entries.get(key)
+        fresh = static is None
+        if fresh:
+            static = self.entries[key] = _StaticForward(fb, args, key[1], key[3])
+        n = static.load(fb, args)
+        run = lambda: self.eager(static.fb, *static.args)  # noqa: E731
+        if fresh:
+            self.graphs.capture(static, run)
+        if static.graph is not None or not fresh:  # a fresh emulated entry already ran during its capture
+            self.graphs.replay(static, run)
+        return static.result(n)
