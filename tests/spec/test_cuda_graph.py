@@ -139,6 +139,15 @@ def test_graphed_eagle3_and_standalone_equal_plain(emulate, model_factory, tmp_p
         assert_drafting_happened(outs, min_accept_length=1.2)
 
 
+def test_graphs_around_compiled_forwards(emulate, llama_dir, eager_random):
+    """--enable-torch-compile with graphs: the graph records the compiled forward (as on CUDA); outputs equal."""
+    with Engine(model_path=llama_dir, max_total_tokens=4096, enable_torch_compile=True) as e:
+        outs = [o["output_ids"] for o in e.generate(PROMPTS[:2], greedy(24))]
+        info = _graph_info(e)
+    assert outs == eager_random[:2]
+    assert info["torch_compile_graphs"] > 0
+
+
 @CUDA
 def test_cuda_graphs_on_gpu_equal_eager(target, self_head):
     """Real capture and replay on a GPU: plain and EAGLE greedy outputs with graphs equal those without."""
