@@ -95,17 +95,22 @@ def test_graphed_long_context_crosses_key_buckets(emulate, llama_dir):
     assert graphs >= 5  # decode at 128, 160, 192, 224, 256, (320) keys
 
 
-def test_graphed_eagle_tree_equals_plain(emulate, target, self_head, plain):
-    """EAGLE topk 2: draft levels (DRAFT_DECODE, topk rows per request) and tree verify (TARGET_VERIFY, custom
-    masks) graphed, requests joining mid-generation so the batch bucket changes."""
-    kw = spec_kwargs("EAGLE", self_head, 3, 2, 5)
+def _staggered_equal_plain(target: str, kw: dict, plain) -> tuple[list[dict], list[dict], dict]:
+    """3 requests, 5 more joining mid-generation (the batch bucket changes): all equal to plain, no KV leak.
+    -> (first outputs, late outputs, server info)."""
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         first, late = staggered(e, PROMPTS[:3], greedy(24), PROMPTS[3:], greedy(24))
         info = _graph_info(e)
         assert_no_kv_leak(e)
-    outs = first + late
-    assert [o["output_ids"] for o in outs] == plain
-    assert_drafting_happened(outs, min_accept_length=1.5)
+    assert [o["output_ids"] for o in first + late] == plain
+    return first, late, info
+
+
+def test_graphed_eagle_tree_equals_plain(emulate, target, self_head, plain):
+    """EAGLE topk 2: draft levels (DRAFT_DECODE, topk rows per request) and tree verify (TARGET_VERIFY, custom
+    masks) graphed."""
+    first, late, info = _staggered_equal_plain(target, spec_kwargs("EAGLE", self_head, 3, 2, 5), plain)
+    assert_drafting_happened(first + late, min_accept_length=1.5)
     assert info["cuda_graph_graphs"] >= 3  # verify, and draft levels with different key counts
 
 
@@ -114,12 +119,7 @@ def test_graphed_overlap_scheduler_and_batch_aware_steps(emulate, target, self_h
     chains, shrunk chains (verify forwards of other sizes) and plain steps (graphed decode) as requests join."""
     kw = spec_kwargs("EAGLE", self_head, 3, 1, 4, enable_spec_v2=True, speculative_batch_token_budget=10,
                      speculative_disable_batch_size=4, disable_speculative_auto_off=True)
-    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
-        first, late = staggered(e, PROMPTS[:3], greedy(24), PROMPTS[3:], greedy(24))
-        info = _graph_info(e)
-        assert_no_kv_leak(e)
-    outs = first + late
-    assert [o["output_ids"] for o in outs] == plain
+    first, _, info = _staggered_equal_plain(target, kw, plain)
     assert_drafting_happened(first)
     assert info["spec_overlapped_steps"] > 0 and info["spec_plain_steps"] > 0 and info["spec_shrunk_steps"] > 0
 
