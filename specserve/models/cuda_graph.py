@@ -26,11 +26,13 @@ so a caller may keep them across forwards.
 
 ``SPECSERVE_CUDA_GRAPH_EMULATE=1`` runs all of this except the capture on a CPU: static buffers, padding and
 bucketing, with the recorded function re-run eagerly on the static buffers at each "replay". It exists so the
-bookkeeping is tested on machines without a GPU (it is slower than plain eager: padded work, extra copies).
+bookkeeping is tested on machines without a GPU (it is slower than plain eager: padded work, extra copies). Its
+capture runs under ``CaptureChecker``, which fails on the ops a real capture cannot record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -39,8 +41,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode
+from specserve.models.compile import CompiledForward
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +157,16 @@ class CudaGraphs:
         module.forward = GraphedForward(module.forward, self)
         return module
 
-    def capture(self, static: _StaticForward, fn) -> None:
-        """Record fn (which runs the forward on static's buffers) into static; the buffers hold a loaded batch."""
+    def capture(self, static: _StaticForward, fn, check: bool = True) -> None:
+        """Record fn (which runs the forward on static's buffers) into static; the buffers hold a loaded batch.
+        check (emulation): run it under CaptureChecker (not for compiled forwards: dynamo does not trace under a
+        dispatch mode, and inductor's kernels are its own to keep capturable)."""
         start = time.perf_counter()
         if self.backend == "cuda":
             self._capture_cuda(static, fn)
         else:
-            static.record(fn())
+            with CaptureChecker() if check else contextlib.nullcontext():  # what breaks a real capture fails here
+                static.record(fn())
         self.stats.graphs += 1
         self.stats.capture_seconds += time.perf_counter() - start
         logger.info("CUDA graph %d captured (%s, %d requests x %d tokens, %d keys) in %.2fs", self.stats.graphs,
@@ -190,6 +197,38 @@ class CudaGraphs:
         static.fb.rope_rows.clear()  # emulation: re-run eagerly on the static buffers, into the recorded outputs
         for dst, src in zip(static.outputs, pytree.tree_flatten(fn())[0], strict=True):
             dst.copy_(src)
+
+
+class GraphCaptureError(RuntimeError):
+    """A graphed forward did something a CUDA graph cannot record."""
+
+
+class CaptureChecker(TorchDispatchMode):
+    """Fails on the ops that cannot run inside a CUDA graph capture, so the emulated capture on CPU finds them:
+    reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``), ops whose output
+    shape depends on data (``nonzero``, boolean-mask indexing, ``masked_select``, ``repeat_interleave`` without
+    ``output_size``) and tensors made from Python data (``torch.tensor(...)``: a host-to-device copy on CUDA).
+    Not seen: ``.tolist()`` / ``.numpy()`` of a CPU tensor, which read memory without dispatching an op."""
+
+    SYNCING = {"aten.item", "aten._local_scalar_dense", "aten.nonzero", "aten.nonzero_static", "aten.masked_select",
+               "aten.unique_consecutive", "aten._unique2", "aten.lift_fresh"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket._qualified_op_name.replace("::", ".")
+        if name in self.SYNCING:
+            raise GraphCaptureError(f"{name} in a graphed forward: it cannot be captured in a CUDA graph")
+        tensor_repeats = func._overloadname in ("Tensor", "self_Tensor")  # not self_int: a static size
+        if name == "aten.repeat_interleave" and tensor_repeats and kwargs.get("output_size") is None:
+            raise GraphCaptureError("aten.repeat_interleave without output_size in a graphed forward")
+        if name in ("aten.index", "aten.index_put", "aten.index_put_") and _has_bool_index(args):
+            raise GraphCaptureError(f"{name} with a boolean mask in a graphed forward (a data-dependent shape)")
+        return func(*args, **kwargs)
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
 class GraphedForward:
@@ -225,7 +264,7 @@ class GraphedForward:
         n = static.load(fb, args)
         run = lambda: self.eager(static.fb, *static.args)  # noqa: E731
         if fresh:
-            self.graphs.capture(static, run)
+            self.graphs.capture(static, run, check=not isinstance(self.eager, CompiledForward))
         if static.graph is not None or not fresh:  # a fresh emulated entry already ran during its capture
             self.graphs.replay(static, run)
         return static.result(n)

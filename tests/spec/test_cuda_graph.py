@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.models.cuda_graph import EMULATE_ENV, batch_bucket, graph_backend, kv_bucket
+from specserve.models.cuda_graph import (
+    EMULATE_ENV,
+    CaptureChecker,
+    GraphCaptureError,
+    batch_bucket,
+    graph_backend,
+    kv_bucket,
+)
 from specserve.testing.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.spec.helpers import assert_drafting_happened, spec_kwargs, staggered
@@ -43,6 +50,32 @@ def test_backend_choice(monkeypatch):
     assert graph_backend(cpu, disabled=False) == "emulate"
     assert graph_backend(cpu, disabled=True) is None
     assert graph_backend(torch.device("cuda"), disabled=False) == "cuda"
+
+
+@pytest.mark.parametrize("bad", [
+    lambda x, i: x.sum().item(),  # a host read
+    lambda x, i: x[x > 0],  # boolean-mask indexing: a data-dependent shape
+    lambda x, i: torch.nonzero(x),
+    lambda x, i: x + torch.tensor([1.0, 2.0, 3.0]),  # Python data -> a host-to-device copy on CUDA
+    lambda x, i: i.repeat_interleave(i),  # the output size depends on the values
+    lambda x, i: x.masked_fill(x > 0, 0.0)[x > 1],
+])
+@pytest.mark.parametrize("inference", [False, True])  # the engine's tensors are inference tensors
+def test_capture_checker_rejects_what_a_capture_cannot_record(bad, inference):
+    with torch.inference_mode(inference):
+        x, i = torch.randn(3), torch.tensor([1, 2, 0])
+        with pytest.raises(GraphCaptureError), CaptureChecker():
+            bad(x, i)
+
+
+def test_capture_checker_lets_graphable_ops_through():
+    x, w, i = torch.randn(4, 3), torch.randn(5, 3), torch.tensor([3, 0])
+    buf = torch.zeros(6, 3)
+    with CaptureChecker():
+        buf[i] = x[:2]  # integer-index scatter, as the KV write
+        y = torch.nn.functional.linear(x, w).softmax(-1).index_select(0, i)
+        z = i.repeat_interleave(2, output_size=4)  # a static size
+    assert y.shape == (2, 5) and torch.equal(buf[3], x[0]) and z.tolist() == [3, 3, 0, 0]
 
 
 @pytest.fixture
