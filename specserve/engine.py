@@ -319,7 +319,8 @@ def _server_info(s: Scheduler) -> dict:
     if graphs is not None:
         info.update(cuda_graph=graphs.backend, cuda_graph_max_bs=graphs.max_bs, cuda_graph_graphs=graphs.stats.graphs,
                     cuda_graph_capture_seconds=graphs.stats.capture_seconds, cuda_graph_replays=graphs.stats.replays,
-                    cuda_graph_eager_calls=graphs.stats.eager_calls)
+                    cuda_graph_eager_calls=graphs.stats.eager_calls,
+                    cuda_graph_capture_failures=graphs.stats.capture_failures)
     if s.spec is not None:
         st = s.stats
         info.update(

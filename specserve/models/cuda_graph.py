@@ -22,7 +22,8 @@ Shapes are bucketed so a handful of graphs cover every batch:
 Graphs are captured lazily, the first time a bucket is met, into one memory pool shared by all of the engine's
 graphs (target and draft): captures add little memory and start-up is not slowed. Capture time, graph count
 and replays are reported in the server info (``cuda_graph_*``). Outputs are copied out of the graph's buffers,
-so a caller may keep them across forwards.
+so a caller may keep them across forwards. A bucket whose capture fails (out of memory, an op a graph cannot
+record) is logged and runs eagerly from then on: serving goes on.
 
 ``SPECSERVE_CUDA_GRAPH_EMULATE=1`` runs all of this except the capture on a CPU: static buffers, padding and
 bucketing, with the recorded function re-run eagerly on the static buffers at each "replay". It exists so the
@@ -89,6 +90,7 @@ class GraphStats:
     capture_seconds: float = 0.0  # warm-up runs + capture, all graphs
     replays: int = 0  # forwards served by a graph
     eager_calls: int = 0  # forwards of a wrapped module run eagerly (a mode or batch not graphed)
+    capture_failures: int = 0  # buckets whose capture failed: they run eagerly from then on
 
 
 class _StaticForward:
@@ -236,7 +238,7 @@ class GraphedForward:
 
     def __init__(self, eager, graphs: CudaGraphs) -> None:
         self.eager, self.graphs = eager, graphs
-        self.entries: dict[tuple, _StaticForward] = {}
+        self.entries: dict[tuple, _StaticForward | None] = {}  # None: the bucket's capture failed
 
     def bucket(self, fb: ForwardBatch, args: tuple) -> tuple | None:
         """The graph key serving this forward, or None when it runs eagerly."""
@@ -254,17 +256,32 @@ class GraphedForward:
 
     def __call__(self, fb: ForwardBatch, *args):
         key = self.bucket(fb, args)
-        if key is None:
+        static = None if key is None else self.entries.get(key)
+        if key is None or (static is None and key in self.entries):  # not graphed, or its capture failed
             self.graphs.stats.eager_calls += 1
             return self.eager(fb, *args)
-        static = self.entries.get(key)
         fresh = static is None
         if fresh:
-            static = self.entries[key] = _StaticForward(fb, args, key[1], key[3])
+            static = _StaticForward(fb, args, key[1], key[3])
         n = static.load(fb, args)
         run = lambda: self.eager(static.fb, *static.args)  # noqa: E731
         if fresh:
-            self.graphs.capture(static, run, check=not isinstance(self.eager, CompiledForward))
+            if not self._capture(key, static, run):
+                return self.eager(fb, *args)
         if static.graph is not None or not fresh:  # a fresh emulated entry already ran during its capture
             self.graphs.replay(static, run)
         return static.result(n)
+
+    def _capture(self, key: tuple, static: _StaticForward, run) -> bool:
+        """Capture a new bucket; on failure (out of memory, an op a graph cannot record) log it and leave the
+        bucket eager for good, so serving goes on. -> whether it was captured."""
+        try:
+            self.graphs.capture(static, run, check=not isinstance(self.eager, CompiledForward))
+        except Exception as e:  # noqa: BLE001 - any capture failure: fall back, never fail the request
+            self.entries[key] = None
+            self.graphs.stats.capture_failures += 1
+            logger.warning("CUDA graph capture failed (%s, %d requests x %d tokens, %d keys); that bucket runs "
+                           "eagerly: %s: %s", key[0].value, key[1], key[2], key[3], type(e).__name__, e)
+            return False
+        self.entries[key] = static
+        return True

@@ -78,6 +78,27 @@ def test_capture_checker_lets_graphable_ops_through():
     assert y.shape == (2, 5) and torch.equal(buf[3], x[0]) and z.tolist() == [3, 3, 0, 0]
 
 
+def test_a_failed_capture_falls_back_to_eager_and_serving_goes_on(monkeypatch, llama_dir, eager_random):
+    """A forward that cannot be captured (here: a host read slipped into the attention) is logged, its bucket runs
+    eagerly from then on, and every output is still right."""
+    from specserve.attention import backend
+
+    real_attention = backend.attention
+
+    def reads_the_host(q, k, v, layer_id, fb, scale):
+        int(fb.positions.max())  # what a capture cannot record
+        return real_attention(q, k, v, layer_id, fb, scale)
+
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    monkeypatch.setattr("specserve.models.layers.attention", reads_the_host)
+    with Engine(model_path=llama_dir, max_total_tokens=4096) as e:
+        outs = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+        info = e.get_server_info()
+    assert outs == eager_random
+    assert info["cuda_graph_capture_failures"] == 1 and info["cuda_graph_graphs"] == 0  # tried once, not again
+    assert info["cuda_graph_eager_calls"] >= 22  # the 23 decode steps after the failed capture ran eagerly
+
+
 @pytest.fixture
 def emulate(monkeypatch):
     monkeypatch.setenv(EMULATE_ENV, "1")
@@ -99,6 +120,7 @@ def plain(target):
 def _graph_info(e: Engine) -> dict:
     info = e.get_server_info()
     assert info["cuda_graph_graphs"] > 0 and info["cuda_graph_replays"] > 0, info
+    assert info["cuda_graph_capture_failures"] == 0, "a graphed forward does what a capture cannot record"
     return info
 
 
