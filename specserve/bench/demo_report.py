@@ -23,7 +23,7 @@ CONFIGS = [
     ("MTP (1 step)", "demo-mtp", ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
                                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"], 0.0),
     ("NGRAM", "demo", ["--speculative-algorithm", "NGRAM"], 0.0),
-    ("EAGLE-3, temperature 1", "demo", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+    ("EAGLE-3 (temperature 1)", "demo", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                                         "demo-eagle3"], 1.0),
 ]
 
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--only", default=None, help="comma-separated row names to run (default: all)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated row names to run (default: all), e.g. 'EAGLE-3 (temperature 1)'")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     rows = []
