@@ -45,7 +45,7 @@ TRAIN = {
     "target": TrainConfig(steps=2400, batch_size=16, seq_len=256, lr=1e-3, warmup_steps=100, weight_decay=0.05,
                           checkpoint_every=250),
     "eagle": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, checkpoint_every=150),
-    "eagle3": TrainConfig(steps=1500, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, checkpoint_every=250),
+    "eagle3": TrainConfig(steps=3000, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, checkpoint_every=250),
     "draft": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, weight_decay=0.05,
                          checkpoint_every=150),
     "mtp-trunk": TrainConfig(steps=900, batch_size=16, seq_len=256, lr=2e-3, warmup_steps=50, weight_decay=0.05,
