@@ -169,11 +169,12 @@ class CudaGraphs:
         else:
             with CaptureChecker() if check else contextlib.nullcontext():  # what breaks a real capture fails here
                 static.record(fn())
+        seconds = time.perf_counter() - start
         self.stats.graphs += 1
-        self.stats.capture_seconds += time.perf_counter() - start
+        self.stats.capture_seconds += seconds
         logger.info("CUDA graph %d captured (%s, %d requests x %d tokens, %d keys) in %.2fs", self.stats.graphs,
                     static.fb.mode.value, static.fb.attn.batch_size, static.fb.attn.max_q_len,
-                    static.fb.attn.kv_slots.shape[1], time.perf_counter() - start)
+                    static.fb.attn.kv_slots.shape[1], seconds)
 
     def _capture_cuda(self, static: _StaticForward, fn) -> None:
         stream = self._stream

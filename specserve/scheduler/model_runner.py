@@ -11,6 +11,7 @@ import logging
 import os
 
 import torch
+from torch import nn
 
 from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
@@ -47,10 +48,9 @@ class ModelRunner:
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(self.model)
-        self.compile_stats: CompileStats | None = None
-        if args.enable_torch_compile:  # the decoder stack; the LM head and prefill stay eager
-            self.compile_stats = CompileStats()
-            compile_forward(self.model.model, args.torch_compile_max_bs, self.compile_stats)
+        self.compile_stats = CompileStats() if args.enable_torch_compile else None
+        self.cuda_graphs = self._cuda_graphs()
+        self.speed_up_forward(self.model.model)  # the decoder stack; the LM head stays eager
         self.context_len = self._context_len()
         args.resolve_speculative_defaults(self.spec.architecture)
         # speculation writes a draft tree / verify nodes past a request's last position
@@ -67,7 +67,6 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + 1, self.context_len + self.lookahead + 8, self.device)
         self.eos_token_ids = self._eos_ids()
-        self.cuda_graphs = self._cuda_graphs()
         window = self.spec.raw.get("sliding_window")
         if window and self.spec.raw.get("use_sliding_window", True) and window < self.context_len:
             logger.warning("sliding_window=%d is not implemented: attention is full up to the context length", window)
@@ -78,15 +77,22 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------
+    def speed_up_forward(self, module: nn.Module) -> nn.Module:
+        """Wrap module.forward(fb, *tensors) in the forward speed-ups in force: torch.compile, then CUDA graphs
+        around the compiled forward. For the target's decoder stack and each proposer's draft modules."""
+        if self.compile_stats is not None:
+            compile_forward(module, self.args.torch_compile_max_bs, self.compile_stats)
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.wrap(module)
+        return module
+
     def _cuda_graphs(self) -> CudaGraphs | None:
-        """CUDA graphs for the target's decoder stack (the draft modules are wrapped by the scheduler)."""
         backend = graph_backend(self.device, self.args.disable_cuda_graph)
         if backend is None:
             if self.args.cuda_graph_max_bs is not None and self.device.type != "cuda":
                 logger.info("--cuda-graph-max-bs ignored: CUDA graphs need a CUDA device (this is %s)", self.device)
             return None
         graphs = CudaGraphs(backend, self.args.effective_cuda_graph_max_bs, self.device)
-        graphs.wrap(self.model.model)
         logger.info("CUDA graphs (%s): decode, verify and draft forwards of up to %d requests, captured on first use",
                     backend, graphs.max_bs)
         return graphs

@@ -27,7 +27,6 @@ import torch
 from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata, extend_batch, last_token_rows
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
-from specserve.models.compile import compile_forward
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
@@ -87,10 +86,7 @@ class Scheduler:
         if args.speculative_algorithm:
             self.spec = SpecDecoder(self, create_proposer(args, self.runner, self._alloc))
             for module in self.spec.proposer.draft_modules():
-                if self.runner.compile_stats is not None:
-                    compile_forward(module, args.torch_compile_max_bs, self.runner.compile_stats)
-                if self.runner.cuda_graphs is not None:  # around the compiled forward, as for the target
-                    self.runner.cuda_graphs.wrap(module)
+                self.runner.speed_up_forward(module)
         self.capture_layers = self.spec.proposer.capture_layers if self.spec else ()
         self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, spec tokens, verify count)
         self._slots_per_decode = self.spec.slots_per_request() if self.spec else 1
