@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from specserve.config import ConfigError, ServerArgs
 from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, prepare_requests
+from specserve.omp import release_thread_pool
 from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
 from specserve.spec.accept_stats import position_rates
@@ -47,10 +48,12 @@ class SchedulerLoop:
         self.states: dict[str, RequestState] = {}
         self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
         self._stop = threading.Event()
+        release_thread_pool()  # this thread loaded the model; its idle OpenMP workers would slow the loop's (omp.py)
         self.thread = threading.Thread(target=self._run, name="specserve-scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, prepared: list[PreparedRequest], deliver) -> None:
+        release_thread_pool()  # the caller may have run torch since (omp.py)
         for p in prepared:
             self.deliver[p.req.rid] = deliver(p.state)
         self.inbox.put(("add", [p.req for p in prepared]))
@@ -79,7 +82,10 @@ class SchedulerLoop:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.scheduler.has_work())
+            idle = not self.scheduler.has_work()
+            if idle:  # a caller's own torch work while we wait should not meet our idle OpenMP pool (omp.py)
+                release_thread_pool()
+            self._drain(block=idle)
             if self._stop.is_set():
                 break
             try:

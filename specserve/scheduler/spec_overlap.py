@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.omp import release_thread_pool
+
 if TYPE_CHECKING:
     from specserve.scheduler.req import Req, ReqOutput
     from specserve.scheduler.spec_decode import SpecDecoder, StepRecord
@@ -57,6 +59,8 @@ class OverlapPipeline:
             outputs = self.drain()
             return outputs + spec.timed_plain_step([r for r in reqs if not r.finished])
         start = time.perf_counter()
+        if active:  # one thread's OpenMP pool at a time runs the forwards: free this one's (omp.py)
+            release_thread_pool()
         future = self._thread.submit(self._forward, active, shape) if active else None
         try:
             outputs, done = spec.process(self.pending) if self.pending is not None else ([], [])
