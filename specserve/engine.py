@@ -63,6 +63,7 @@ class SchedulerLoop:
 
     def call(self, fn) -> Any:
         """Run fn(scheduler) on the loop thread and return its result (for stats, flush, checks)."""
+        release_thread_pool()  # as in submit
         box: queue.Queue = queue.Queue()
         self.inbox.put(("call", (fn, box)))
         ok, value = box.get()
