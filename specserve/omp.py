@@ -20,6 +20,8 @@ Where the engine calls it:
   other engine) does not pay the same price while the engine waits;
 - the scheduler thread before it hands a step to the overlap scheduler's forward thread.
 Re-creating a pool costs a thread start (tens of microseconds) the next time the thread runs a parallel op.
+
+``SPECSERVE_KEEP_OMP_POOLS=1`` turns the release off (for A/B measurements, or an OpenMP runtime that misbehaves).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 
 import torch  # noqa: F401 - loads the OpenMP runtime whose entry point we look up
 
 logger = logging.getLogger(__name__)
 
+KEEP_POOLS_ENV = "SPECSERVE_KEEP_OMP_POOLS"
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what a later region needs to start again
 
 
@@ -62,6 +66,8 @@ def _loaded_omp_libraries() -> list[str]:
 
 def release_thread_pool() -> bool:
     """Free the calling thread's idle OpenMP worker threads. -> True when the runtime did (or had none to free);
-    False when it cannot (no such runtime, or called inside a parallel region)."""
+    False when it cannot (no such runtime, called inside a parallel region) or SPECSERVE_KEEP_OMP_POOLS is set."""
+    if os.environ.get(KEEP_POOLS_ENV, "") not in ("", "0"):
+        return False
     fn = _pause_all()
     return fn is not None and fn(OMP_PAUSE_SOFT) == 0

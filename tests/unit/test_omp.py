@@ -55,3 +55,25 @@ def test_release_thread_pool_frees_the_callers_workers():
     pool, after_thread, ok, same = lines["thread"].split()
     assert ok == "True" and same == "True"
     assert int(after_thread) < int(pool)
+
+
+def test_bench_omp_runs_end_to_end():
+    """The benchmark behind docs/benchmarks.md's OpenMP section (own process: it sets the thread count)."""
+    code = "from specserve.bench.bench_omp import main; main(['--reps', '1', '--calls', '20'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| op | main thread")
+    rows = table[1:]
+    assert any(r.startswith("| softmax+top4") for r in rows)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(v) > 0 for v in cells[1:]), row
+
+
+def test_keep_pools_switch_turns_the_release_off(monkeypatch):
+    from specserve import omp
+
+    monkeypatch.setenv(omp.KEEP_POOLS_ENV, "1")
+    assert omp.release_thread_pool() is False
+    monkeypatch.setenv(omp.KEEP_POOLS_ENV, "0")
+    assert omp.release_thread_pool() is (omp._pause_all() is not None)
