@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata, extend_batch, last_token_rows
+from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
@@ -204,29 +204,23 @@ class EagleProposer(Proposer):
         -> the number of draft forwards run."""
         dev, B = self.device, len(reqs)
         h_dim = live_hidden.shape[-1]
-        table = self.runner.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)  # [B]
-        base = torch.tensor([r.seq_len - 1 + self.root_offset for r in reqs], device=dev)  # [B] level-1 position
         scratch = self.alloc(B * K * (S - 1))
         if scratch is None:
             raise RuntimeError("no KV slots for drafting (the scheduler should have reserved them)")
         scratch = scratch.view(B, S - 1, K)
+        base = [r.seq_len - 1 + self.root_offset for r in reqs]  # [B] draft position of level 1
+        keys = TreeKeys.build(self.runner.req_to_token_pool.req_to_token, [r.req_pool_idx for r in reqs], base,
+                              scratch.view(B, -1))
+        positions = torch.tensor(base, device=dev).repeat_interleave(K)  # [B*K] level-1 positions
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         try:
             for j in range(1, S):
                 if cands.can_stop(keep, self.stop_threshold):
                     return j - 1
-                slots = scratch[:, j - 1]  # [B, K]
-                # scratch columns of req_to_token from `base` on hold the draft-tree slots of levels 1..j
-                cols = base.view(B, 1) + (j - 1) * K + torch.arange(K, device=dev).view(1, K)  # [B, K]
-                table[rows.view(B, 1), cols] = slots
-                mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K]
-                kv_lens = (base + j * K).tolist()
-                attn = build_attn_metadata(table[rows], kv_lens, [K] * B, custom_masks=list(mask.unbind(0)))
-                positions = (base + j - 1).repeat_interleave(K)  # [B*K] draft position of level j
-                fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions, slots.reshape(-1),
-                                  attn, self.kv_pool)
+                mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K] over the levels' scratch slots
+                fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
+                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
                 child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
@@ -238,6 +232,47 @@ class EagleProposer(Proposer):
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:
             self.runner.allocator.free(scratch.reshape(-1))
+
+
+@dataclass
+class TreeKeys:
+    """The keys a draft tree's levels attend to, laid out once per tree.
+
+    Request b's keys are its prefix (req_to_token columns [0, base[b])) followed by the scratch slots of the
+    levels drafted so far: level j's K branches sit at columns base[b] + (j-1)*K .. base[b] + j*K - 1. All
+    levels' scratch slots are written into req_to_token up front (columns past a request's tokens are scratch
+    anyway: the verify step rewrites them), so each level only needs its mask.
+    """
+
+    kv_slots: torch.Tensor  # [B, Wmax] slot of each key column, Wmax = max(base) + all levels' columns
+    base: list[int]  # [B] prefix keys per request
+    rel: torch.Tensor | None  # [B, Wmax] column - base[b] (None when every base is equal: the usual batch 1)
+
+    @classmethod
+    def build(cls, table: torch.Tensor, rows: list[int], base: list[int], scratch: torch.Tensor) -> TreeKeys:
+        """table: req_to_token; rows [B] its rows; base [B]; scratch [B, L] every level's slots, level-major."""
+        B, L = scratch.shape
+        dev = table.device
+        rows_t = torch.tensor(rows, device=dev).view(B, 1)
+        base_t = torch.tensor(base, device=dev).view(B, 1)
+        table[rows_t, base_t + torch.arange(L, device=dev).view(1, L)] = scratch
+        width = max(base) + L
+        rel = None if min(base) == max(base) else torch.arange(width, device=dev).view(1, width) - base_t
+        return cls(table[rows_t.view(B), :width], base, rel)
+
+    def level(self, mask: torch.Tensor) -> AttnMetadata:
+        """mask [B, K, t] bool over each request's first t scratch columns (a level's branches see their
+        ancestors and themselves) -> the level's attention metadata: the prefix is visible, later columns not."""
+        B, K, t = mask.shape
+        width = max(self.base) + t
+        if self.rel is None:  # equal prefixes: [prefix | tree] side by side
+            full = torch.cat([mask.new_ones(1, 1, 1).expand(B, K, self.base[0]), mask], dim=2)  # [B, K, width]
+        else:
+            rel = self.rel[:, :width].unsqueeze(1)  # [B, 1, width]
+            in_tree = (rel >= 0) & (rel < t)
+            tree = mask.gather(2, rel.clamp(0, t - 1).expand(B, K, width))  # [B, K, width]
+            full = (rel < 0) | (in_tree & tree)
+        return AttnMetadata(B, K, self.kv_slots[:, :width], full.unsqueeze(1), False, None, None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -15,7 +15,7 @@ from specserve.models.cuda_graph import EMULATE_ENV
 def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "10", "--reps", "1",
-            "--warmup", "0", "--verify-sizes", "1,4,16", "--accept-lens", "2,3.5", "--steps", "4",
+            "--warmup", "1", "--verify-sizes", "1,4,16", "--accept-lens", "2,3.5", "--steps", "4",
             "--out-dir", str(out)]
     assert bench_gpu.main(argv) == 0
     rows = read_jsonl(str(out / "bench_gpu.jsonl"))
