@@ -54,6 +54,9 @@ class DraftState:
 @register_proposer("EAGLE")
 class EagleProposer(Proposer):
     head_registry = EAGLE_HEADS
+    #: the draft's top-k ids map to target ids injectively (the target's own vocabulary, or a token map with no
+    #: repeats), so the children of a drafted node carry distinct tokens and select() need not merge duplicates
+    distinct_ids = True
     #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
     #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
     root_offset = 0
@@ -195,7 +198,7 @@ class EagleProposer(Proposer):
             self.draft_trees += 1
             with torch.inference_mode():
                 self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1)
-        return cands.select(roots, N)
+        return cands.select(roots, N, distinct=self.distinct_ids)
 
     def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int,
                       keep: int) -> int:

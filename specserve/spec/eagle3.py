@@ -53,6 +53,8 @@ class Eagle3Proposer(EagleProposer):
                 )
             if bool(self.head.d2t.any()):  # an all-zero d2t: the target's vocabulary in the target's order
                 self.d2t_ids = ids
+            # a d2t sending two draft ids to one target id would give a node two children with one token: merged
+            self.distinct_ids = int(torch.unique(ids).numel()) == ids.numel()
         logger.info("EAGLE-3 head: capture layers %s, draft vocabulary %s", self.capture_layers,
                     head_vocab or "= target's")
 

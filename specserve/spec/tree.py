@@ -183,25 +183,30 @@ def _check_inputs(root_tokens: Tensor, tokens: Tensor, parents: Tensor, num_node
                          "candidate m (node m+1), 0 <= parents[b, m] <= m")
 
 
-def build_tree(root_tokens: Tensor, tokens: Tensor, parents: Tensor, num_nodes: Tensor | None = None) -> DraftTree:
+def build_tree(root_tokens: Tensor, tokens: Tensor, parents: Tensor, num_nodes: Tensor | None = None, *,
+               check: bool = True, merge: bool = True) -> DraftTree:
     """Build a batch of draft trees.
 
     root_tokens [B] int64; tokens [B, M] int64: candidate m is node m + 1; parents [B, M] int64: NODE index of
     each candidate's parent (0 = root), so parents[b, m] <= m; num_nodes [B] int64: real nodes per request
     including the root (default M + 1 for all); entries of candidates past num_nodes - 1 are ignored.
     Duplicate siblings are merged (module docstring), which may lower num_nodes. Result width N = M + 1.
+    check=False skips validating the inputs (~15 ops and a device sync), for callers that built them valid;
+    merge=False skips the duplicate search (~25 ops, two syncs), for callers whose siblings are distinct already.
     """
     B, M = tokens.shape
     dev = tokens.device
     if num_nodes is None:
         num_nodes = torch.full((B,), M + 1, dtype=torch.int64, device=dev)
     num_nodes = num_nodes.to(device=dev, dtype=torch.int64)
-    _check_inputs(root_tokens, tokens, parents, num_nodes)
+    if check:
+        _check_inputs(root_tokens, tokens, parents, num_nodes)
     all_tokens = torch.cat([root_tokens.view(B, 1), tokens], dim=1).to(torch.int64)  # [B, N]
     all_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), parents.to(torch.int64)], 1)
     valid = _valid_mask(num_nodes, M + 1)  # [B, N]
     all_tokens, all_parents = _apply_padding(all_tokens, all_parents, valid)
-    all_tokens, all_parents, num_nodes = _merge_duplicates(all_tokens, all_parents, valid)
+    if merge:
+        all_tokens, all_parents, num_nodes = _merge_duplicates(all_tokens, all_parents, valid)
     return _from_parents(all_tokens, all_parents, num_nodes)
 
 
@@ -327,12 +332,13 @@ class EagleCandidates:
         """(cand_tokens, cand_parents, cand_scores), each [B, M]."""
         return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), torch.cat(self._scores, 1)
 
-    def select(self, root_tokens: Tensor, num_draft_tokens: int) -> DraftTree:
+    def select(self, root_tokens: Tensor, num_draft_tokens: int, distinct: bool = False) -> DraftTree:
         """The rerank over what was drafted: N = num_draft_tokens nodes, fewer when drafting stopped before N - 1
-        candidates existed (``can_stop`` with a threshold)."""
+        candidates existed (``can_stop`` with a threshold). distinct: the children of a candidate carry distinct
+        tokens (top-k ids through an injective id map), so no duplicates need merging."""
         tokens, parents, scores = self.tensors()
         n = min(num_draft_tokens, tokens.shape[1] + 1)
-        return select_eagle_tree(root_tokens, tokens, parents, scores, n, topk=self.topk)
+        return select_eagle_tree(root_tokens, tokens, parents, scores, n, topk=self.topk, distinct=distinct)
 
 
 def select_eagle_tree(
@@ -343,13 +349,15 @@ def select_eagle_tree(
     num_draft_tokens: int,
     *,
     topk: int | None = None,
+    distinct: bool = False,
 ) -> DraftTree:
     """EAGLE-2 rerank: keep the root plus the best N-1 candidates (N = num_draft_tokens).
 
     root_tokens [B]; cand_tokens [B, M]; cand_parents [B, M]: CANDIDATE index of each parent, -1 = root;
     cand_scores [B, M]: cumulative path probability or log-prob, a child never above its parent.
     N - 1 > M raises ValueError (the scheduler validates N <= S*K + 1 at start-up). topk == 1 (a chain) takes
-    the first N-1 candidates through build_chain, with no sort.
+    the first N-1 candidates through build_chain, with no sort. distinct=True: siblings carry distinct tokens
+    (the caller guarantees it), so duplicate merging is skipped.
 
     Why the kept set is ancestor-closed: order the candidates by (score desc, index asc). For a child c of p,
     score[c] <= score[p] and index[p] < index[c] (candidates are listed level by level), so p sorts strictly
@@ -372,4 +380,5 @@ def select_eagle_tree(
     node_of.scatter_(1, kept, pos)
     parents = cand_parents.gather(1, kept)  # [B, N-1] candidate index, -1 = root
     node_parents = node_of.gather(1, torch.where(parents < 0, M, parents))  # [B, N-1]: root column holds 0
-    return build_tree(root_tokens, cand_tokens.gather(1, kept), node_parents)
+    # valid by construction (each kept node's parent is kept and precedes it), so build_tree need not check
+    return build_tree(root_tokens, cand_tokens.gather(1, kept), node_parents, check=False, merge=not distinct)

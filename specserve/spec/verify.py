@@ -64,6 +64,24 @@ def _walk(tree: DraftTree, ok: Tensor, depth_levels: int) -> tuple[Tensor, Tenso
     return accept_len, path, cur
 
 
+def _chain_walk(tree: DraftTree, ok: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``_walk`` for ok sets where at most one child of any node is ok (greedy: siblings carry distinct tokens, a
+    DraftTree invariant, and only the one equal to the target's token can match; simulation: first children only).
+    The accepted nodes are then exactly the nodes whose path from the root is ok all the way, one per depth, so
+    they come from the ancestor mask in a few ops instead of a loop over levels. Same results as ``_walk``."""
+    B, N = ok.shape
+    dev = ok.device
+    blocked = ~ok
+    blocked[:, 0] = False  # the root is always accepted
+    reached = ~(tree.mask & blocked.unsqueeze(1)).any(dim=2)  # [B, N]: node and all its ancestors ok
+    accept_len = reached.sum(dim=1) - 1  # [B]
+    D = tree.max_depth
+    at_depth = reached.unsqueeze(1) & (tree.depth.unsqueeze(1) == torch.arange(D + 1, device=dev).view(1, -1, 1))
+    path = torch.where(at_depth.any(dim=2), at_depth.to(torch.uint8).argmax(dim=2), -1)  # [B, D+1]
+    last = path.gather(1, accept_len.view(-1, 1)).view(-1)  # [B]: the deepest accepted node
+    return accept_len, path, last
+
+
 def _result(tree: DraftTree, accept_len: Tensor, path: Tensor, last: Tensor, bonus: Tensor) -> VerifyResult:
     tokens = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, D]: accepted draft tokens (junk past the end)
     pos = torch.arange(path.shape[1] - 1, device=path.device).view(1, -1)  # [1, D]
@@ -90,7 +108,7 @@ def verify_greedy(tree: DraftTree, target_ids: Tensor) -> VerifyResult:
     Accept, level by level, the child of the current node whose token equals target_ids at the current node;
     stop where none does; the bonus token is target_ids at the last accepted node."""
     ok = _child_nodes(tree) & (tree.tokens == _parent_values(tree, target_ids))  # [B, N]
-    accept_len, path, last = _walk(tree, ok, tree.max_depth)
+    accept_len, path, last = _chain_walk(tree, ok)
     bonus = target_ids.gather(1, last.view(-1, 1)).view(-1)  # [B]
     return _result(tree, accept_len, path, last, bonus)
 
@@ -260,6 +278,6 @@ def simulate_accept(tree: DraftTree, target_ids: Tensor, accept_lens: Tensor) ->
         tree.width, device=tree.tokens.device).view(1, -1)  # [B, N]
     wanted = tree.depth <= (accept_lens.to(tree.depth.device) - 1).view(-1, 1)  # [B, N]: within the prescribed depth
     ok = _child_nodes(tree) & is_first_child & wanted  # [B, N]
-    accept_len, path, last = _walk(tree, ok, tree.max_depth)
+    accept_len, path, last = _chain_walk(tree, ok)
     bonus = target_ids.gather(1, last.view(-1, 1)).view(-1)  # [B]
     return _result(tree, accept_len, path, last, bonus)

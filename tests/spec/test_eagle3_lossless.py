@@ -52,6 +52,20 @@ def test_greedy_equals_plain_with_self_head(target, vocab, plain, tmp_path, tree
         assert_no_kv_leak(e)
         # an identity d2t maps nothing (no gather per draft level); a real map is kept
         assert (e.loop.scheduler.spec.proposer.d2t_ids is None) == (draft_vocab in ("target", "identity"))
+        assert e.loop.scheduler.spec.proposer.distinct_ids  # every map here is injective: no duplicate merge
+
+
+def test_d2t_with_repeats_keeps_merging_duplicate_siblings(target, vocab, plain, tmp_path):
+    """Two draft ids per target id: top-k gives a node two children with one token, so the duplicate merge of
+    build_tree must stay on (an injective d2t skips it); greedy output is still plain decoding's."""
+    half = sorted(_perm(vocab)[: vocab // 2])
+    head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self", draft_vocab=half + half)
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE3", head, 4, 3, 8)) as e:
+        assert e.loop.scheduler.spec.proposer.distinct_ids is False
+        outs = e.generate(PROMPTS, greedy(20))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length=1.2)
+        assert_no_kv_leak(e)
 
 
 def test_random_head_chunked_prefill_equals_plain(target, vocab, plain, tmp_path):

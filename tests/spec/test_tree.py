@@ -380,3 +380,20 @@ def test_exact_stop_never_changes_the_selected_tree():
             for field in ("tokens", "parents", "num_nodes", "mask"):
                 assert torch.equal(getattr(a, field), getattr(b, field)), (n, field)
     assert stopped_early > 100
+
+
+def test_select_distinct_skips_only_the_merge():
+    """With distinct siblings, select(distinct=True) builds the very tree select() builds (it only skips the
+    duplicate search); with duplicates, the default still merges them."""
+    cands, _, _ = eagle_topk2_steps3()
+    for n in (1, 4, 7, 11):
+        a, b = cands.select(t([7]), n), cands.select(t([7]), n, distinct=True)
+        for field in ("tokens", "parents", "depth", "mask", "first_child", "next_sibling", "num_nodes"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (n, field)
+    dup = EagleCandidates(torch.tensor([[0.5, 0.25]]), t([[10, 10]]))  # the root's two children share a token
+    assert cands_num_nodes(dup.select(t([7]), 3)) == 2  # merged
+    assert cands_num_nodes(dup.select(t([7]), 3, distinct=True)) == 3  # the caller's promise is taken as given
+
+
+def cands_num_nodes(tree) -> int:
+    return int(tree.num_nodes[0])

@@ -374,3 +374,23 @@ def test_seeded_rows_do_not_depend_on_batch_mates():
         assert torch.equal(ga.get_state(), gb.get_state())  # the same number of draws was taken
         outcomes.add(tuple(alone.token_lists()[0]))
     assert len(outcomes) > 3  # the seeds do matter: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chain_walk_equals_the_level_walk(seed):
+    """_chain_walk (greedy, simulation) gives _walk's results whenever at most one child of a node is ok."""
+    g = torch.Generator().manual_seed(seed)
+    B, M = 6, 14
+    parents = torch.stack([torch.randint(0, m + 1, (B,), generator=g) for m in range(M)], dim=1)  # parent <= m
+    tokens = torch.randint(0, 5, (B, M), generator=g)  # few values: duplicate siblings get merged
+    tree = build_tree(t([1] * B), tokens, parents, torch.randint(1, M + 2, (B,), generator=g))
+    child = verify_mod._child_nodes(tree)
+    rank = torch.where(child, torch.rand(B, tree.width, generator=g), -1.0)  # ok: the best-ranked child of a node
+    parent_of = tree.parents.clamp(min=0)
+    best_rank = torch.full((B, tree.width), -1.0).scatter_reduce(1, parent_of, rank, "amax")
+    ok = child & (rank == best_rank.gather(1, parent_of)) & (rank > 0.1)
+    want = verify_mod._walk(tree, ok, tree.max_depth)
+    assert want[0].max() >= 2  # some walks go deep
+    got = verify_mod._chain_walk(tree, ok)
+    for w, x in zip(want, got, strict=True):
+        assert torch.equal(w, x)
