@@ -91,8 +91,8 @@ def _eagle3_trees(prompts, monkeypatch, full_depth: bool, **kw):
     of the demo EAGLE-3 pair (5/4/8 tree, float32)."""
     select, trees = EagleCandidates.select, []
 
-    def recording_select(self, root_tokens, n):
-        tree = select(self, root_tokens, n)
+    def recording_select(self, root_tokens, n, **kw):
+        tree = select(self, root_tokens, n, **kw)
         trees.append((tree.tokens.tolist(), tree.parents.tolist()))
         return tree
 
