@@ -94,6 +94,11 @@ def build_attn_metadata(
     if no_custom and max_q == 1:  # decode with unequal lengths: each query sees its request's keys
         mask = torch.arange(max_kv, device=device) < torch.tensor(kv_lens, device=device)[:, None]  # [B, Kmax]
         return AttnMetadata(bsz, max_q, kv_slots, mask[:, None, None, :], False, q_index, out_index)
+    if same_q and same_kv and not no_custom and all(m is not None and m.shape[-1] == max_q for m in custom_masks):
+        # every request: the same prefix fully visible, then its own [q, q] mask (a batch of verify trees)
+        prefix = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(bsz, max_q, max_kv - max_q)
+        mask = torch.cat([prefix, torch.stack(custom_masks).to(device)], dim=2)  # [B, Q, Kmax]
+        return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
     mask = _causal_padded_mask(kv_lens, q_lens, max_q, max_kv, device)
     if not no_custom:
         for b, custom in enumerate(custom_masks):

@@ -104,3 +104,18 @@ def test_slot_allocator_and_table():
     assert {r1, r2} == {0, 1} and table.alloc() is None
     table.free(r1)
     assert table.available_size() == 1
+
+
+def test_equal_verify_trees_fast_path_matches_the_general_mask():
+    """Requests with equal lengths, each with a full [q, q] tree mask (a batch-1 or uniform verify): the direct
+    [prefix | tree] mask equals the one built through the causal padded mask."""
+    torch.manual_seed(0)
+    slots = torch.arange(40).view(2, 20)
+    trees = list((torch.rand(2, 5, 5) < 0.5) | torch.eye(5, dtype=torch.bool))
+    fast = build_attn_metadata(slots, [12, 12], [5, 5], custom_masks=trees)
+    # the general path: one mask covering fewer columns than q takes it (same values on the tree block)
+    general = build_attn_metadata(slots, [12, 12], [5, 5], custom_masks=[trees[0][:, 1:], trees[1][:, 1:]])
+    general.mask[:, 0, :, 7] = torch.stack(trees)[:, :, 0]  # put back the first tree column the test cut off
+    assert torch.equal(fast.mask, general.mask)
+    assert fast.mask.shape == (2, 1, 5, 12) and bool(fast.mask[:, :, :, :7].all())
+    assert torch.equal(fast.kv_slots, slots[:, :12]) and fast.q_index is None and not fast.is_causal
