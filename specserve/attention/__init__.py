@@ -8,7 +8,8 @@ from specserve.attention.backend import (
     build_attn_metadata,
     extend_batch,
     last_token_rows,
+    prefix_visible,
 )
 
 __all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attention", "build_attn_metadata", "extend_batch",
-           "last_token_rows"]
+           "last_token_rows", "prefix_visible"]

@@ -94,10 +94,9 @@ def build_attn_metadata(
     if no_custom and max_q == 1:  # decode with unequal lengths: each query sees its request's keys
         mask = torch.arange(max_kv, device=device) < torch.tensor(kv_lens, device=device)[:, None]  # [B, Kmax]
         return AttnMetadata(bsz, max_q, kv_slots, mask[:, None, None, :], False, q_index, out_index)
-    if same_q and same_kv and not no_custom and all(m is not None and m.shape[-1] == max_q for m in custom_masks):
-        # every request: the same prefix fully visible, then its own [q, q] mask (a batch of verify trees)
-        prefix = torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(bsz, max_q, max_kv - max_q)
-        mask = torch.cat([prefix, torch.stack(custom_masks).to(device)], dim=2)  # [B, Q, Kmax]
+    if same_q and same_kv and not no_custom and len({None if m is None else m.shape[-1] for m in custom_masks}) == 1:
+        # equal lengths, every request's own mask over its last t keys (verify trees: t = q; a draft level: t > q)
+        mask = prefix_visible(torch.stack(custom_masks).to(device), max_kv)  # [B, Q, Kmax]
         return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
     mask = _causal_padded_mask(kv_lens, q_lens, max_q, max_kv, device)
     if not no_custom:
@@ -106,6 +105,13 @@ def build_attn_metadata(
                 tail = custom.shape[-1]
                 mask[b, : q_lens[b], kv_lens[b] - tail : kv_lens[b]] = custom.to(device)
     return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
+
+
+def prefix_visible(custom: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """custom [B, Q, t] bool over each request's last t keys -> [B, Q, kv_len]: the kv_len - t keys before them
+    (the prefix) visible to every query, then custom."""
+    B, Q, t = custom.shape
+    return torch.cat([custom.new_ones(1, 1, 1).expand(B, Q, kv_len - t), custom], dim=2)
 
 
 def extend_batch(mode: ForwardMode, table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]],

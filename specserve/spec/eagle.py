@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows
+from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
@@ -269,7 +269,7 @@ class TreeKeys:
         B, K, t = mask.shape
         width = max(self.base) + t
         if self.rel is None:  # equal prefixes: [prefix | tree] side by side
-            full = torch.cat([mask.new_ones(1, 1, 1).expand(B, K, self.base[0]), mask], dim=2)  # [B, K, width]
+            full = prefix_visible(mask, width)  # [B, K, width]
         else:
             rel = self.rel[:, :width].unsqueeze(1)  # [B, 1, width]
             in_tree = (rel >= 0) & (rel < t)

@@ -106,16 +106,19 @@ def test_slot_allocator_and_table():
     assert table.available_size() == 1
 
 
-def test_equal_verify_trees_fast_path_matches_the_general_mask():
-    """Requests with equal lengths, each with a full [q, q] tree mask (a batch-1 or uniform verify): the direct
-    [prefix | tree] mask equals the one built through the causal padded mask."""
+def test_equal_lengths_fast_path_matches_the_general_mask():
+    """Requests with equal lengths, each with its own mask over its last t keys (t = q: a verify tree; t > q: a
+    draft level seeing earlier levels): the direct [prefix | custom] mask equals the general path's, reached
+    here by giving the second request a mask one column narrower and putting that column back afterwards."""
     torch.manual_seed(0)
     slots = torch.arange(40).view(2, 20)
-    trees = list((torch.rand(2, 5, 5) < 0.5) | torch.eye(5, dtype=torch.bool))
-    fast = build_attn_metadata(slots, [12, 12], [5, 5], custom_masks=trees)
-    # the general path: one mask covering fewer columns than q takes it (same values on the tree block)
-    general = build_attn_metadata(slots, [12, 12], [5, 5], custom_masks=[trees[0][:, 1:], trees[1][:, 1:]])
-    general.mask[:, 0, :, 7] = torch.stack(trees)[:, :, 0]  # put back the first tree column the test cut off
-    assert torch.equal(fast.mask, general.mask)
-    assert fast.mask.shape == (2, 1, 5, 12) and bool(fast.mask[:, :, :, :7].all())
-    assert torch.equal(fast.kv_slots, slots[:, :12]) and fast.q_index is None and not fast.is_causal
+    for t in (5, 8):
+        own = torch.zeros(5, t, dtype=torch.bool)
+        own[:, t - 5 :] = torch.eye(5, dtype=torch.bool)  # every query sees itself among the new keys
+        customs = list((torch.rand(2, 5, t) < 0.5) | own)
+        fast = build_attn_metadata(slots, [12, 12], [5, 5], custom_masks=customs)
+        general = build_attn_metadata(slots, [12, 12], [5, 5], custom_masks=[customs[0], customs[1][:, 1:]])
+        general.mask[1, 0, :, 12 - t] = customs[1][:, 0]  # the column the narrower mask left to the causal rule
+        assert torch.equal(fast.mask, general.mask)
+        assert fast.mask.shape == (2, 1, 5, 12) and bool(fast.mask[:, :, :, : 12 - t].all())
+        assert torch.equal(fast.kv_slots, slots[:, :12]) and fast.q_index is None and not fast.is_causal
