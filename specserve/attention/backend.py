@@ -91,6 +91,10 @@ def build_attn_metadata(
         return AttnMetadata(bsz, max_q, kv_slots, None, False, q_index, out_index)
     if no_custom and same_q and same_kv and max_q == max_kv:
         return AttnMetadata(bsz, max_q, kv_slots, None, True, q_index, out_index)
+    if no_custom and same_q and same_kv:  # equal extends after a prefix (a batch-1 chunk or draft extend)
+        causal = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()  # [Q, Q]
+        mask = prefix_visible(causal.expand(bsz, max_q, max_q), max_kv)  # [B, Q, Kmax]
+        return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
     if no_custom and max_q == 1:  # decode with unequal lengths: each query sees its request's keys
         mask = torch.arange(max_kv, device=device) < torch.tensor(kv_lens, device=device)[:, None]  # [B, Kmax]
         return AttnMetadata(bsz, max_q, kv_slots, mask[:, None, None, :], False, q_index, out_index)

@@ -20,7 +20,7 @@ All functions are batched over B requests and keep the device of their inputs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -35,9 +35,25 @@ class DraftTree:
     parents: Tensor  # [B, N] int64: parent node index, -1 for the root and for padding; parents[b, i] < i
     depth: Tensor  # [B, N] int64: root 0 (padding 0); verify positions = prefix_len + depth
     mask: Tensor  # [B, N, N] bool: mask[b, i, j] = node j is node i or an ancestor of node i
-    first_child: Tensor  # [B, N] int64: smallest-index child, -1 = leaf
-    next_sibling: Tensor  # [B, N] int64: next child of the same parent (index order), -1 = none
     num_nodes: Tensor  # [B] int64: real nodes per request, root included (1..N); the rest is padding
+    # (first_child, next_sibling), built from parents on first use: the greedy walk never needs them
+    links: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    full: bool = False  # every request has all N nodes (no padding), so `valid` is all True
+
+    @property
+    def first_child(self) -> Tensor:
+        """[B, N] int64: smallest-index child, -1 = leaf."""
+        return self._links()[0]
+
+    @property
+    def next_sibling(self) -> Tensor:
+        """[B, N] int64: next child of the same parent (index order), -1 = none."""
+        return self._links()[1]
+
+    def _links(self) -> tuple[Tensor, Tensor]:
+        if self.links is None:
+            self.links = _child_links(self.parents)
+        return self.links
 
     @property
     def batch_size(self) -> int:
@@ -51,6 +67,8 @@ class DraftTree:
     @property
     def valid(self) -> Tensor:
         """[B, N] bool: real (non-padding) nodes."""
+        if self.full:
+            return torch.ones_like(self.tokens, dtype=torch.bool)
         return _valid_mask(self.num_nodes, self.width)
 
     @property
@@ -109,12 +127,11 @@ def _child_links(parents: Tensor) -> tuple[Tensor, Tensor]:
     return first_child, next_sibling
 
 
-def _from_parents(tokens: Tensor, parents: Tensor, num_nodes: Tensor) -> DraftTree:
+def _from_parents(tokens: Tensor, parents: Tensor, num_nodes: Tensor, full: bool = False) -> DraftTree:
     """Finished node lists (padding already applied, no duplicate siblings) -> DraftTree."""
     mask = _ancestor_mask(parents)  # [B, N, N]
     depth = mask.sum(dim=-1) - 1  # [B, N]: number of strict ancestors
-    first_child, next_sibling = _child_links(parents)
-    return DraftTree(tokens, parents, depth, mask, first_child, next_sibling, num_nodes)
+    return DraftTree(tokens, parents, depth, mask, num_nodes, full=full)
 
 
 def _apply_padding(tokens: Tensor, parents: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -196,18 +213,26 @@ def build_tree(root_tokens: Tensor, tokens: Tensor, parents: Tensor, num_nodes: 
     """
     B, M = tokens.shape
     dev = tokens.device
-    if num_nodes is None:
+    full = num_nodes is None
+    if full:
         num_nodes = torch.full((B,), M + 1, dtype=torch.int64, device=dev)
     num_nodes = num_nodes.to(device=dev, dtype=torch.int64)
     if check:
         _check_inputs(root_tokens, tokens, parents, num_nodes)
-    all_tokens = torch.cat([root_tokens.view(B, 1), tokens], dim=1).to(torch.int64)  # [B, N]
-    all_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), parents.to(torch.int64)], 1)
+    all_tokens = _as_int64(torch.cat([root_tokens.view(B, 1), tokens], dim=1))  # [B, N]
+    all_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev), _as_int64(parents)], 1)
+    if not merge and full:  # nothing to pad, nothing to merge: every node stays
+        return _from_parents(all_tokens, all_parents, num_nodes, full=True)
     valid = _valid_mask(num_nodes, M + 1)  # [B, N]
     all_tokens, all_parents = _apply_padding(all_tokens, all_parents, valid)
     if merge:
         all_tokens, all_parents, num_nodes = _merge_duplicates(all_tokens, all_parents, valid)
     return _from_parents(all_tokens, all_parents, num_nodes)
+
+
+def _as_int64(t: Tensor) -> Tensor:
+    """t as int64, without a dispatched no-op cast when it already is (the per-step paths count ops)."""
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
 def build_chain(root_tokens: Tensor, tokens: Tensor, num_nodes: Tensor | None = None) -> DraftTree:
@@ -223,9 +248,9 @@ def build_chain(root_tokens: Tensor, tokens: Tensor, num_nodes: Tensor | None = 
         tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()  # [N, N]
         first_child = torch.where(idx + 1 < N, idx + 1, -1)  # [N]
         return DraftTree(all_tokens, (idx - 1).expand(B, N).contiguous(), idx.expand(B, N).contiguous(),
-                         tril.expand(B, N, N).contiguous(), first_child.expand(B, N).contiguous(),
-                         torch.full((B, N), -1, dtype=torch.int64, device=dev),
-                         torch.full((B,), N, dtype=torch.int64, device=dev))
+                         tril.expand(B, N, N).contiguous(), torch.full((B,), N, dtype=torch.int64, device=dev),
+                         (first_child.expand(B, N).contiguous(), torch.full((B, N), -1, dtype=torch.int64, device=dev)),
+                         full=True)
     num_nodes = num_nodes.to(device=dev, dtype=torch.int64)
     valid = _valid_mask(num_nodes, N)  # [B, N]
     all_tokens, parents = _apply_padding(all_tokens, (idx - 1).expand(B, N), valid)
@@ -233,8 +258,8 @@ def build_chain(root_tokens: Tensor, tokens: Tensor, num_nodes: Tensor | None = 
     mask = torch.ones(N, N, dtype=torch.bool, device=dev).tril() & valid.unsqueeze(1) & valid.unsqueeze(2)
     mask = mask | torch.eye(N, dtype=torch.bool, device=dev)  # [B, N, N]: padding rows see only themselves
     first_child = torch.where(idx + 1 < num_nodes.view(B, 1), idx + 1, -1)  # [B, N]
-    return DraftTree(all_tokens, parents, depth, mask, first_child,
-                     torch.full((B, N), -1, dtype=torch.int64, device=dev), num_nodes)
+    return DraftTree(all_tokens, parents, depth, mask, num_nodes,
+                     (first_child, torch.full((B, N), -1, dtype=torch.int64, device=dev)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,8 +270,14 @@ def build_chain(root_tokens: Tensor, tokens: Tensor, num_nodes: Tensor | None = 
 class LevelExpansion(NamedTuple):
     scores: Tensor  # [B, L*K] cumulative path probability of each new candidate (branch-major order)
     tokens: Tensor  # [B, L*K] their tokens
-    parent_branch: Tensor  # [B, L*K] int64: index (0..L-1) of the live branch each candidate extends
     best: Tensor  # [B, L] int64: indices into the L*K candidates of the new live branches, best first
+
+    @property
+    def parent_branch(self) -> Tensor:
+        """[B, L*K] int64: index (0..L-1) of the live branch each candidate extends (candidate // K)."""
+        B, L = self.best.shape
+        K = self.scores.shape[1] // L
+        return torch.arange(L, device=self.best.device).repeat_interleave(K).expand(B, L * K)
 
 
 def _rank_desc(scores: Tensor) -> Tensor:
@@ -264,9 +295,8 @@ def expand_level(live_scores: Tensor, child_probs: Tensor, child_tokens: Tensor)
     """
     B, L, K = child_probs.shape
     scores = (live_scores.unsqueeze(2) * child_probs).reshape(B, L * K)  # [B, L*K]
-    parent_branch = torch.arange(L, device=scores.device).repeat_interleave(K).expand(B, L * K)  # [B, L*K]
     best = _rank_desc(scores)[:, :L]  # [B, L]
-    return LevelExpansion(scores, child_tokens.reshape(B, L * K), parent_branch, best)
+    return LevelExpansion(scores, child_tokens.reshape(B, L * K), best)
 
 
 def drafting_can_stop(cand_scores: Tensor, live_scores: Tensor, keep: int, threshold: float = 0.0) -> Tensor:
@@ -307,18 +337,22 @@ class EagleCandidates:
         B, K = root_probs.shape
         self.topk = K
         self._scores = [root_probs]  # list of [B, *]
-        self._tokens = [root_tokens.to(torch.int64)]
+        self._tokens = [_as_int64(root_tokens)]
         self._parents = [torch.full((B, K), -1, dtype=torch.int64, device=root_probs.device)]
         self._count = K
+        self._all_scores: Tensor | None = root_probs  # cat of self._scores, made on demand
         self.live_index = torch.arange(K, device=root_probs.device).expand(B, K)  # [B, K] candidate indices
         self.live_scores = root_probs  # [B, K]
 
     def add_level(self, child_probs: Tensor, child_tokens: Tensor) -> Tensor:
         """child_probs / child_tokens [B, K, K] at the live branches -> best [B, K] (see expand_level)."""
+        B, L, K = child_probs.shape
         lvl = expand_level(self.live_scores, child_probs, child_tokens)
         self._scores.append(lvl.scores)
-        self._tokens.append(lvl.tokens.to(torch.int64))
-        self._parents.append(self.live_index.gather(1, lvl.parent_branch))  # [B, K*K] candidate indices
+        self._all_scores = None
+        self._tokens.append(_as_int64(lvl.tokens))
+        # [B, L*K] candidate index of each new candidate's parent: live branch l's, K times (branch-major)
+        self._parents.append(self.live_index.unsqueeze(2).expand(B, L, K).reshape(B, L * K))
         self.live_index = self._count + lvl.best  # [B, K]
         self.live_scores = lvl.scores.gather(1, lvl.best)  # [B, K]
         self._count += lvl.scores.shape[1]
@@ -326,11 +360,19 @@ class EagleCandidates:
 
     def can_stop(self, keep: int, threshold: float = 0.0) -> bool:
         """True when no request needs a deeper level (``drafting_can_stop`` for every request)."""
-        return bool(drafting_can_stop(torch.cat(self._scores, 1), self.live_scores, keep, threshold).all())
+        if self._count < keep:  # too few candidates for the exact stop: only the threshold can stop
+            return threshold > 0 and bool(self.live_scores.max() < threshold)
+        return bool(drafting_can_stop(self.scores(), self.live_scores, keep, threshold).all())
+
+    def scores(self) -> Tensor:
+        """[B, M] cumulative scores of every candidate drafted so far."""
+        if self._all_scores is None:
+            self._all_scores = torch.cat(self._scores, 1)
+        return self._all_scores
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         """(cand_tokens, cand_parents, cand_scores), each [B, M]."""
-        return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), torch.cat(self._scores, 1)
+        return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), self.scores()
 
     def select(self, root_tokens: Tensor, num_draft_tokens: int, distinct: bool = False) -> DraftTree:
         """The rerank over what was drafted: N = num_draft_tokens nodes, fewer when drafting stopped before N - 1

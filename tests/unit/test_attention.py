@@ -122,3 +122,14 @@ def test_equal_lengths_fast_path_matches_the_general_mask():
         assert torch.equal(fast.mask, general.mask)
         assert fast.mask.shape == (2, 1, 5, 12) and bool(fast.mask[:, :, :, : 12 - t].all())
         assert torch.equal(fast.kv_slots, slots[:, :12]) and fast.q_index is None and not fast.is_causal
+
+
+def test_equal_extends_after_a_prefix_match_the_general_causal_mask():
+    """Equal chunks after equal prefixes (a batch-1 prefill chunk, a draft extend) take a direct [prefix | tril]
+    mask; it equals what the general path builds for the same request inside a batch of unequal lengths."""
+    slots = torch.arange(60).view(3, 20)
+    fast = build_attn_metadata(slots[:2], [9, 9], [4, 4])
+    general = build_attn_metadata(slots, [9, 9, 12], [4, 4, 2])  # a third, longer request forces padding
+    assert fast.q_index is None and not fast.is_causal and fast.mask.shape == (2, 1, 4, 9)
+    assert torch.equal(fast.mask, general.mask[:2, :, :, :9])
+    assert fast.mask[0, 0].int().tolist()[0] == [1, 1, 1, 1, 1, 1, 0, 0, 0]  # 5 prefix keys, then itself only
