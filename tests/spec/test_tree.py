@@ -355,6 +355,21 @@ def test_threshold_stop_by_hand():
     assert not EagleCandidates(torch.tensor([[0.9, 0.05], [0.3, 0.3]]), t([[1, 2], [3, 4]])).can_stop(3, 0.5)
 
 
+def test_can_stop_with_fewer_candidates_than_kept_equals_the_full_rule():
+    """Before N-1 candidates exist only the threshold can stop (can_stop's shortcut); it agrees with
+    drafting_can_stop over the same scores, stopping and not."""
+    torch.manual_seed(3)
+    seen = set()
+    for _ in range(50):
+        probs = torch.rand(3, 2).sort(dim=1, descending=True).values * torch.rand(3, 1)
+        cands = EagleCandidates(probs, torch.randint(0, 9, (3, 2)))
+        for threshold in (0.0, 0.2, 0.6):
+            want = bool(drafting_can_stop(probs, probs, keep=5, threshold=threshold).all())
+            assert cands.can_stop(5, threshold) is want
+            seen.add(want)
+    assert seen == {True, False}
+
+
 def test_exact_stop_never_changes_the_selected_tree():
     """Random drafts with many ties: drafting all levels and drafting until ``can_stop(N - 1)`` select the same
     tree, for every N; the stop does fire (a guard against a test that never stops)."""
