@@ -78,6 +78,8 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Max tokens in one prefill batch."})
     schedule_policy: str = field(default="fcfs", metadata={"help": "fcfs | lpm (longest prefix match first)."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn off prefix (radix) KV reuse."})
+    enable_mixed_chunk: bool = field(default=False, metadata={
+        "help": "Run the running requests' decode tokens in the same forward as a prefill chunk (no speculation)."})
     # --- server ---
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
     port: int = field(default=30000, metadata={"help": "Port to listen on."})
@@ -168,6 +170,9 @@ class ServerArgs:
         self._resolve_demo_names()
         self._validate_speculative()
         self._validate_spec_v2()
+        if self.enable_mixed_chunk and self.speculative_algorithm is not None:
+            logger.warning("--enable-mixed-chunk is turned off: speculative steps do not take a prefill chunk")
+            self.enable_mixed_chunk = False
         return self
 
     def _validate_spec_v2(self) -> None:

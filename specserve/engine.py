@@ -317,6 +317,9 @@ def _server_info(s: Scheduler) -> dict:
         "radix_cached_tokens": s.tree.total_size(),
         "num_retractions": s.stats.num_retractions,
         "generated_tokens": s.stats.generated_tokens,
+        "num_prefill_steps": s.stats.num_prefill_steps,
+        "num_decode_steps": s.stats.num_decode_steps,
+        "num_mixed_steps": s.stats.num_mixed_steps,
     }
     cs = s.runner.compile_stats
     if cs is not None:

@@ -7,9 +7,11 @@ from specserve.attention.backend import (
     attention,
     build_attn_metadata,
     extend_batch,
+    extend_inputs,
     last_token_rows,
+    mixed_attn_metadata,
     prefix_visible,
 )
 
 __all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attention", "build_attn_metadata", "extend_batch",
-           "last_token_rows", "prefix_visible"]
+           "extend_inputs", "last_token_rows", "mixed_attn_metadata", "prefix_visible"]

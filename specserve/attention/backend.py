@@ -8,6 +8,9 @@ so verifying a whole tree is one forward.
 
 Attention runs as one padded SDPA call per layer: queries gathered to ``[B, Qmax, H, D]``, keys/values
 gathered from the slot pool to ``[B, Kmax, Hkv, D]``, a boolean mask ``[B, 1, Qmax, Kmax]`` where needed.
+A mixed batch (``--enable-mixed-chunk``: the running requests' decode tokens and a prefill chunk in one forward)
+carries GROUPS of consecutive rows instead, each with its own metadata and SDPA call, so one-token decode rows
+are not padded to the prefill's query length (``mixed_attn_metadata``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class AttnMetadata:
     is_causal: bool  # plain causal over keys == queries (no prefix, equal lengths)
     q_index: torch.Tensor | None  # [B, Qmax] row of q (T = an all-zero pad row); None = q is [B*Qmax] already
     out_index: torch.Tensor | None  # [T] row of the flattened [B*Qmax] output for each token; None = identity
+    # mixed batches: (row count, metadata) per group of consecutive rows, attended separately; the fields
+    # above then describe the whole batch only loosely (batch_size, max_q_len) and kv_slots is None
+    groups: list[tuple[int, AttnMetadata]] | None = None
 
 
 @dataclass
@@ -118,11 +124,17 @@ def prefix_visible(custom: torch.Tensor, kv_len: int) -> torch.Tensor:
     return torch.cat([custom.new_ones(1, 1, 1).expand(B, Q, kv_len - t), custom], dim=2)
 
 
-def extend_batch(mode: ForwardMode, table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]],
-                 kv_pool: KVPool, **extra) -> ForwardBatch:
-    """ForwardBatch for requests that each append tokens[b] at positions starts[b].. of row rows[b] of the
-    req_to_token table (whose slots there are already written), attending causally over the row's earlier slots.
-    Used for target prefill chunks and draft extends alike. extra: ForwardBatch's optional fields."""
+def mixed_attn_metadata(parts: list[tuple[int, AttnMetadata]]) -> AttnMetadata:
+    """Groups of consecutive rows [(rows, metadata), ...] in forward order -> one metadata attending each group
+    on its own (e.g. B one-token decode rows, then a prefill chunk)."""
+    return AttnMetadata(sum(md.batch_size for _, md in parts), max(md.max_q_len for _, md in parts), None, None,
+                        False, None, None, groups=parts)
+
+
+def extend_inputs(table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]]):
+    """The pieces of an extend forward: requests that each append tokens[b] at positions starts[b].. of row
+    rows[b] of the req_to_token table (whose slots there are already written), attending causally over the row's
+    earlier slots -> (ids [T], positions [T], out_cache_loc [T], AttnMetadata)."""
     device = table.device
     q_lens = [len(t) for t in tokens]
     pieces = list(zip(rows, starts, q_lens, strict=True))
@@ -130,7 +142,14 @@ def extend_batch(mode: ForwardMode, table: torch.Tensor, rows: list[int], starts
     positions = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(device)  # [T]
     out_loc = torch.cat([table[r, s : s + n] for r, s, n in pieces])  # [T]
     attn = build_attn_metadata(table[torch.tensor(rows, device=device)], [s + n for _, s, n in pieces], q_lens)
-    return ForwardBatch(mode, ids, positions, out_loc, attn, kv_pool, **extra)
+    return ids, positions, out_loc, attn
+
+
+def extend_batch(mode: ForwardMode, table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]],
+                 kv_pool: KVPool, **extra) -> ForwardBatch:
+    """ForwardBatch over ``extend_inputs``; used for target prefill chunks and draft extends alike.
+    extra: ForwardBatch's optional fields."""
+    return ForwardBatch(mode, *extend_inputs(table, rows, starts, tokens), kv_pool, **extra)
 
 
 def last_token_rows(q_lens: list[int], device) -> torch.Tensor:
@@ -176,10 +195,21 @@ def attention(
         from specserve.attention.training import poolless_attention
 
         return poolless_attention(q, k, v, layer_id, fb, scale)
-    md = fb.attn
     k_buf, v_buf = fb.kv_pool.layer(layer_id)  # [S, Hkv, D]
     k_buf[fb.out_cache_loc] = k.to(k_buf.dtype)
     v_buf[fb.out_cache_loc] = v.to(v_buf.dtype)
+    if fb.attn.groups is None:
+        return _attend(q, k_buf, v_buf, fb.attn, scale)
+    outs, start = [], 0
+    for n_rows, md in fb.attn.groups:
+        outs.append(_attend(q[start : start + n_rows], k_buf, v_buf, md, scale))
+        start += n_rows
+    return torch.cat(outs)
+
+
+def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] of md's requests; k_buf/v_buf [S, Hkv, D] the layer's pool (new K/V already written)
+    -> [T, H*D]."""
     n_tok, n_heads, head_dim = q.shape
     bsz, max_q = md.batch_size, md.max_q_len
     if md.q_index is None:

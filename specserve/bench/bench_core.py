@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--batch-waves", type=int, default=4,
                    help="the stream row serves waves x batch-size requests, batch-size at a time "
                         "(0 or 1: no stream row)")
+    g.add_argument("--mixed-chunk", action="store_true",
+                   help="specserve runs with --enable-mixed-chunk (a joining request's prefill in the running "
+                        "requests' decode forward)")
     g.add_argument("--batch-prompt-min", type=int, default=8)
     g.add_argument("--batch-prompt-max", type=int, default=128)
     g.add_argument("--batch-new-min", type=int, default=16)
@@ -150,6 +153,7 @@ def machine_info(args: argparse.Namespace) -> dict:
         cpu = names[0] if names else cpu
     return {
         "cpu": cpu, "cores": _all_cores(), "threads": args.threads, "llc_bytes": l3_cache_bytes(),
+        "mixed_chunk": args.mixed_chunk,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": {k: v for k, v in vars(args).items()},
     }
@@ -350,6 +354,7 @@ def specserve_engine(model_dir: str, dtype: str, args: argparse.Namespace, workl
     return specserve.Engine(
         model_path=model_dir, dtype=dtype, max_total_tokens=kv_tokens_needed(workloads), log_level="warning",
         num_threads=args.threads, max_running_requests=max(w.batch_size for w in workloads),
+        enable_mixed_chunk=args.mixed_chunk,
     )
 
 

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata, extend_batch, last_token_rows
+from specserve.attention import (
+    ForwardBatch,
+    ForwardMode,
+    build_attn_metadata,
+    extend_inputs,
+    last_token_rows,
+    mixed_attn_metadata,
+)
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
@@ -47,6 +54,7 @@ class SchedulerStats:
     num_retractions: int = 0
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
+    num_mixed_steps: int = 0  # --enable-mixed-chunk: prefill steps that also decoded the running requests
     generated_tokens: int = 0
     spec_verify_ct: int = 0  # per request per verify step
     spec_accepted_drafts: int = 0
@@ -143,7 +151,7 @@ class Scheduler:
             self._drain_spec()
             # (req, kv_len before, tokens taken): a prefill that raises leaves these for abort() to release
             self.prefilling = [(r, r.kv_len, t) for r, t in batch]
-            outputs = self._run_prefill(batch)
+            outputs = self._run_mixed(batch) if self._can_mix() else self._run_prefill(batch)
             self.prefilling = []
         elif self.running:
             outputs = self._run_decode()
@@ -295,29 +303,65 @@ class Scheduler:
     def _run_prefill(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
         self.stats.num_prefill_steps += 1
         q_lens = [t for _, t in batch]
-        fb = extend_batch(
-            ForwardMode.EXTEND, self.req_pool.req_to_token, [r.req_pool_idx for r, _ in batch],
-            [r.kv_len for r, _ in batch], [r.fill_ids[r.kv_len : r.kv_len + t] for r, t in batch],
-            self.runner.kv_pool, logits_indices=last_token_rows(q_lens, self.device),
-            capture_layers=self.capture_layers,
-        )
-        out = self.runner.forward(fb)
-        logits = out.logits  # [B, V]
-        row_starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+        fb = ForwardBatch(ForwardMode.EXTEND, *self._prefill_inputs(batch), self.runner.kv_pool,
+                          logits_indices=last_token_rows(q_lens, self.device), capture_layers=self.capture_layers)
+        return self._after_prefill(batch, self.runner.forward(fb), [])
+
+    def _prefill_inputs(self, batch: list[tuple[Req, int]]):
+        """(ids [T], positions [T], out_cache_loc [T], AttnMetadata) of the batch's prefill chunks."""
+        return extend_inputs(self.req_pool.req_to_token, [r.req_pool_idx for r, _ in batch],
+                             [r.kv_len for r, _ in batch], [r.fill_ids[r.kv_len : r.kv_len + t] for r, t in batch])
+
+    def _after_prefill(self, batch: list[tuple[Req, int]], out, decode_reqs: list[Req]) -> list[ReqOutput]:
+        """After a forward whose logits rows are decode_reqs' (one each, first) then the batch's last chunk rows:
+        advance the chunks, sample for decode_reqs and the requests whose prompt is now complete (they start
+        running), and let the drafter catch up on the prefill."""
+        q_lens = [t for _, t in batch]
+        n_dec = len(decode_reqs)
+        row_starts = [n_dec + sum(q_lens[:i]) for i in range(len(q_lens))]  # forward rows of each chunk
         chunks = [PrefillChunk(r, r.kv_len, t, row, r is not self.chunked)
                   for (r, t), row in zip(batch, row_starts, strict=True)]
-        done_rows, done_reqs = [], []
+        done_rows, done_reqs = list(range(n_dec)), []
         for i, (req, take) in enumerate(batch):
             req.kv_len += take
             if req is not self.chunked:
-                done_rows.append(i)
+                done_rows.append(n_dec + i)
                 done_reqs.append(req)
         outputs: list[ReqOutput] = []
-        if done_reqs:
-            outputs = self._sample_and_append(done_reqs, logits[done_rows])
+        if done_rows:
+            outputs = self._sample_and_append(decode_reqs + done_reqs, out.logits[done_rows])  # logits [R, V]
             self.running.extend(r for r in done_reqs if not r.finished)
         if self.spec:
             self.spec.proposer.after_prefill(chunks, out)
+        return outputs
+
+    # ------------------------------------------------------------------ mixed prefill + decode
+    def _can_mix(self) -> bool:
+        """--enable-mixed-chunk: the running requests decode in the prefill's forward, when their slots are free
+        now (a step never retracts in the middle of a prefill; the next decode step does that if needed)."""
+        return (self.args.enable_mixed_chunk and self.spec is None and bool(self.running)
+                and self._available() >= len(self.running))
+
+    def _run_mixed(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
+        """One forward over a decode token per running request (rows first) and the batch's prefill chunks, each
+        group attending on its own (``mixed_attn_metadata``), so the decode rows are not padded to the chunk."""
+        self.stats.num_prefill_steps += 1
+        self.stats.num_mixed_steps += 1
+        self._count_decode_step()
+        reqs = list(self.running)
+        d_ids, d_pos, d_slots, d_attn = self._decode_inputs(reqs)
+        p_ids, p_pos, p_slots, p_attn = self._prefill_inputs(batch)
+        q_lens = [t for _, t in batch]
+        n_dec = len(reqs)
+        rows = torch.cat([torch.arange(n_dec, device=self.device), n_dec + last_token_rows(q_lens, self.device)])
+        attn = mixed_attn_metadata([(n_dec, d_attn), (len(p_ids), p_attn)])
+        fb = ForwardBatch(ForwardMode.EXTEND, torch.cat([d_ids, p_ids]), torch.cat([d_pos, p_pos]),
+                          torch.cat([d_slots, p_slots]), attn, self.runner.kv_pool, logits_indices=rows)
+        out = self.runner.forward(fb)  # logits [len(reqs) + len(batch), V]
+        for r in reqs:
+            r.kv_len += 1
+        outputs = self._after_prefill(batch, out, reqs)
+        self.running = [r for r in self.running if not r.finished]
         return outputs
 
     # ------------------------------------------------------------------ decode
@@ -325,10 +369,7 @@ class Scheduler:
         self._ensure_decode_room()
         if not self.running:
             return []
-        self.stats.num_decode_steps += 1
-        if self.stats.num_decode_steps % DECODE_LOG_INTERVAL == 0:
-            self._log_progress()
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self._count_decode_step()
         if self.spec:
             outputs = self.spec.run(self.running)
         else:
@@ -339,25 +380,30 @@ class Scheduler:
     def plain_decode(self, reqs: list[Req], capture_layers: tuple[int, ...] = ()) -> tuple[list[ReqOutput], object]:
         """One plain decode forward (one token per request): sample, append, release finished ones.
         -> (outputs, the forward's ModelOutput: hidden [B, h] and the captured layers, for a drafter's backlog)."""
+        fb = ForwardBatch(ForwardMode.DECODE, *self._decode_inputs(reqs), self.runner.kv_pool,
+                          capture_layers=capture_layers)
+        out = self.runner.forward(fb)  # logits [B, V]
+        for r in reqs:
+            r.kv_len += 1
+        return self._sample_and_append(reqs, out.logits), out
+
+    def _decode_inputs(self, reqs: list[Req]):
+        """A slot per request for its next token, written into req_to_token -> (ids [B], positions [B],
+        out_cache_loc [B], AttnMetadata)."""
         slots = self._alloc(len(reqs))
         positions = [r.seq_len - 1 for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
         ids_pos = torch.tensor([[r.last_token for r in reqs], positions], device=self.device)  # [2, B]
         self.req_pool.req_to_token[rows, ids_pos[1]] = slots
         kv_lens = [p + 1 for p in positions]
-        fb = ForwardBatch(
-            ForwardMode.DECODE,
-            ids_pos[0],
-            ids_pos[1],
-            slots,
-            build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, [1] * len(reqs)),
-            self.runner.kv_pool,
-            capture_layers=capture_layers,
-        )
-        out = self.runner.forward(fb)  # logits [B, V]
-        for r in reqs:
-            r.kv_len += 1
-        return self._sample_and_append(reqs, out.logits), out
+        attn = build_attn_metadata(self.req_pool.req_to_token[rows], kv_lens, [1] * len(reqs))
+        return ids_pos[0], ids_pos[1], slots, attn
+
+    def _count_decode_step(self) -> None:
+        self.stats.num_decode_steps += 1
+        if self.stats.num_decode_steps % DECODE_LOG_INTERVAL == 0:
+            self._log_progress()
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _log_progress(self) -> None:
         """One line per DECODE_LOG_INTERVAL decode steps: batch, queue, KV use, throughput (and accept length)."""

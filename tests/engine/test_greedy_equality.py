@@ -120,3 +120,42 @@ def test_request_joins_while_another_decodes(path, solo):
         assert done_order == ["short", "long"]
         assert short["output_ids"] == solo[1]
         assert long_out["r"]["output_ids"][:24] == solo[0]
+
+
+STAGGERED = [24, 10, 17, 24, 6, 13, 20, 8]  # max_new_tokens per prompt: requests finish, others join mid-decode
+
+
+@pytest.mark.parametrize("chunk", [4, 2048])
+def test_mixed_chunk_equals_solo(path, solo, chunk):
+    """--enable-mixed-chunk: the running requests decode in the forward of a joining request's prefill chunk;
+    outputs equal each prompt's solo run, and mixed steps really ran."""
+    with Engine(model_path=path, max_total_tokens=4096, enable_mixed_chunk=True, max_running_requests=3,
+                chunked_prefill_size=chunk, disable_radix_cache=True) as e:
+        outs = e.generate(PROMPTS, [greedy(n) for n in STAGGERED])
+        assert [o["output_ids"] for o in outs] == [s[:n] for s, n in zip(solo, STAGGERED, strict=True)]
+        info = e.get_server_info()
+        assert info["num_mixed_steps"] > 0, "no prefill ran beside a decode"
+        if chunk == 4:
+            assert info["num_mixed_steps"] > len(PROMPTS)  # chunks of one prompt mixed step after step
+        assert_no_kv_leak(e)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_mixed_chunk_with_retraction(path, solo, radix):
+    """A pool too small for all prompts: retracted requests come back as prefills beside the running ones."""
+    with Engine(model_path=path, max_total_tokens=100, enable_mixed_chunk=True, chunked_prefill_size=16,
+                disable_radix_cache=not radix) as e:
+        outs = e.generate(PROMPTS, [greedy(n) for n in STAGGERED])
+        assert [o["output_ids"] for o in outs] == [s[:n] for s, n in zip(solo, STAGGERED, strict=True)]
+        assert e.scheduler.stats.num_mixed_steps > 0 and e.scheduler.stats.num_retractions > 0
+        assert_no_kv_leak(e)
+
+
+def test_mixed_chunk_seeded_sampling_equals_unmixed(path):
+    params = [{"temperature": 1.0, "top_p": 0.9, "seed": 100 + i, "max_new_tokens": n} for i, n in enumerate(STAGGERED)]
+    runs = []
+    for mixed in (False, True):
+        with Engine(model_path=path, max_total_tokens=4096, enable_mixed_chunk=mixed, max_running_requests=3) as e:
+            runs.append([o["output_ids"] for o in e.generate(PROMPTS, params)])
+            assert (e.scheduler.stats.num_mixed_steps > 0) is mixed
+    assert runs[0] == runs[1]

@@ -133,3 +133,34 @@ def test_equal_extends_after_a_prefix_match_the_general_causal_mask():
     assert fast.q_index is None and not fast.is_causal and fast.mask.shape == (2, 1, 4, 9)
     assert torch.equal(fast.mask, general.mask[:2, :, :, :9])
     assert fast.mask[0, 0].int().tolist()[0] == [1, 1, 1, 1, 1, 1, 0, 0, 0]  # 5 prefix keys, then itself only
+
+
+def test_mixed_groups_equal_separate_attention():
+    """A mixed batch (two one-token decode rows, then a 3-token prefill chunk) attends each group on its own:
+    the same outputs as the two groups' own attention calls, and the decode rows are not padded to the chunk."""
+    from specserve.attention import extend_inputs, mixed_attn_metadata
+
+    torch.manual_seed(2)
+    H, Hkv, D = 4, 2, 8
+    pool = KVPool(1, 64, Hkv, D, torch.float32, "cpu")
+    table = ReqToTokenPool(3, 32, "cpu")
+    alloc = SlotAllocator(64, "cpu")
+    for row, n in ((0, 6), (1, 4), (2, 5)):  # decode rows own 6 and 4 keys; the chunk starts after 2 cached
+        table.write(row, 0, alloc.alloc(n))
+        pool.k[0][table.req_to_token[row, :n]] = torch.randn(n, Hkv, D)
+        pool.v[0][table.req_to_token[row, :n]] = torch.randn(n, Hkv, D)
+    dec = build_attn_metadata(table.req_to_token[[0, 1]], [6, 4], [1, 1])
+    _, _, chunk_loc, pre = extend_inputs(table.req_to_token, [2], [2], [[7, 8, 9]])
+    mixed = mixed_attn_metadata([(2, dec), (3, pre)])
+    assert mixed.batch_size == 3 and mixed.max_q_len == 3 and dec.max_q_len == 1
+    q, k, v = torch.randn(5, H, D), torch.randn(5, Hkv, D), torch.randn(5, Hkv, D)
+    loc = torch.cat([table.req_to_token[0, 5:6], table.req_to_token[1, 3:4], chunk_loc])
+
+    def run(md, rows):
+        fb = ForwardBatch(ForwardMode.EXTEND, torch.zeros(len(rows), dtype=torch.long),
+                          torch.zeros(len(rows), dtype=torch.long), loc[rows], md, pool)
+        return attention(q[rows], k[rows], v[rows], 0, fb, scale=D**-0.5)
+
+    got = run(mixed, list(range(5)))
+    torch.testing.assert_close(got[:2], run(dec, [0, 1]))
+    torch.testing.assert_close(got[2:], run(pre, [2, 3, 4]))

@@ -111,3 +111,11 @@ def test_generate_command_runs(capsys, model_factory):
     captured = capsys.readouterr()
     assert captured.out.startswith("def f(x):")
     assert "5 tokens" in captured.err
+
+
+def test_mixed_chunk_flag_and_speculation(caplog):
+    assert parse(["--enable-mixed-chunk"]).enable_mixed_chunk is True
+    with caplog.at_level("WARNING"):
+        args = parse(SPEC + ["--enable-mixed-chunk"])
+    assert args.enable_mixed_chunk is False  # as in SGLang: speculative steps take no prefill chunk
+    assert "--enable-mixed-chunk" in caplog.text
