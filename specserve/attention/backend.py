@@ -97,17 +97,19 @@ def build_attn_metadata(
         return AttnMetadata(bsz, max_q, kv_slots, None, False, q_index, out_index)
     if no_custom and same_q and same_kv and max_q == max_kv:
         return AttnMetadata(bsz, max_q, kv_slots, None, True, q_index, out_index)
-    if no_custom and same_q and same_kv:  # equal extends after a prefix (a batch-1 chunk or draft extend)
-        causal = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril()  # [Q, Q]
-        mask = prefix_visible(causal.expand(bsz, max_q, max_q), max_kv)  # [B, Q, Kmax]
+    if same_q and same_kv and (no_custom or len({None if m is None else m.shape[-1] for m in custom_masks}) == 1):
+        # equal lengths, every request with the same rule over its last t keys after a visible prefix: causal
+        # over its new tokens (a batch-1 prefill chunk or draft extend) or its own mask (verify trees: t = q; a
+        # draft level: t > q)
+        if no_custom:
+            own = torch.ones(max_q, max_q, dtype=torch.bool, device=device).tril().expand(bsz, max_q, max_q)
+        else:
+            own = torch.stack(custom_masks).to(device)  # [B, Q, t]
+        mask = prefix_visible(own, max_kv)  # [B, Q, Kmax]
         return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
     if no_custom and max_q == 1:  # decode with unequal lengths: each query sees its request's keys
         mask = torch.arange(max_kv, device=device) < torch.tensor(kv_lens, device=device)[:, None]  # [B, Kmax]
         return AttnMetadata(bsz, max_q, kv_slots, mask[:, None, None, :], False, q_index, out_index)
-    if same_q and same_kv and not no_custom and len({None if m is None else m.shape[-1] for m in custom_masks}) == 1:
-        # equal lengths, every request's own mask over its last t keys (verify trees: t = q; a draft level: t > q)
-        mask = prefix_visible(torch.stack(custom_masks).to(device), max_kv)  # [B, Q, Kmax]
-        return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
     mask = _causal_padded_mask(kv_lens, q_lens, max_q, max_kv, device)
     if not no_custom:
         for b, custom in enumerate(custom_masks):
