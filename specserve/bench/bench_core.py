@@ -153,7 +153,6 @@ def machine_info(args: argparse.Namespace) -> dict:
         cpu = names[0] if names else cpu
     return {
         "cpu": cpu, "cores": _all_cores(), "threads": args.threads, "llc_bytes": l3_cache_bytes(),
-        "mixed_chunk": args.mixed_chunk,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": {k: v for k, v in vars(args).items()},
     }
