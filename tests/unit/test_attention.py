@@ -164,3 +164,31 @@ def test_mixed_groups_equal_separate_attention():
     got = run(mixed, list(range(5)))
     torch.testing.assert_close(got[:2], run(dec, [0, 1]))
     torch.testing.assert_close(got[2:], run(pre, [2, 3, 4]))
+
+
+def test_decode_attention_folds_query_heads_per_kv_head():
+    """One query per request (decode): the G query heads sharing a KV head are attended as G rows of that head
+    (q viewed [B, Hkv, G, D]). Same outputs as per-query attention with the KV heads repeated, for GQA groups of
+    1 (no GQA), 2 and 4, and requests of unequal lengths (padded keys masked)."""
+    torch.manual_seed(3)
+    D, lens = 8, [6, 3, 5]
+    for H, Hkv in ((4, 4), (4, 2), (8, 2)):
+        pool = KVPool(1, 64, Hkv, D, torch.float32, "cpu")
+        table = ReqToTokenPool(3, 16, "cpu")
+        alloc = SlotAllocator(64, "cpu")
+        for row, n in enumerate(lens):
+            table.write(row, 0, alloc.alloc(n))
+            pool.k[0][table.req_to_token[row, :n]] = torch.randn(n, Hkv, D)
+            pool.v[0][table.req_to_token[row, :n]] = torch.randn(n, Hkv, D)
+        md = build_attn_metadata(table.req_to_token[[0, 1, 2]], lens, [1, 1, 1])
+        assert md.max_q_len == 1 and md.mask is not None  # ragged: padded keys are masked
+        q, k, v = torch.randn(3, H, D), torch.randn(3, Hkv, D), torch.randn(3, Hkv, D)
+        loc = torch.stack([table.req_to_token[row, n - 1] for row, n in enumerate(lens)])  # each one's last key
+        fb = ForwardBatch(ForwardMode.DECODE, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long),
+                          loc, md, pool)
+        got = attention(q, k, v, 0, fb, scale=D**-0.5)  # [3, H*D]
+        for row, n in enumerate(lens):
+            keys = table.req_to_token[row, :n]
+            want = _reference(q[row : row + 1], pool.k[0][keys], pool.v[0][keys], torch.ones(1, n, dtype=torch.bool),
+                              D**-0.5)
+            torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=1e-5)
