@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--mixed-chunk", action="store_true",
                    help="specserve runs with --enable-mixed-chunk (a joining request's prefill in the running "
                         "requests' decode forward)")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="specserve runs with --enable-torch-compile (graphs built during the warm-up run; "
+                        "transformers stays eager)")
     g.add_argument("--batch-prompt-min", type=int, default=8)
     g.add_argument("--batch-prompt-max", type=int, default=128)
     g.add_argument("--batch-new-min", type=int, default=16)
@@ -353,7 +356,7 @@ def specserve_engine(model_dir: str, dtype: str, args: argparse.Namespace, workl
     return specserve.Engine(
         model_path=model_dir, dtype=dtype, max_total_tokens=kv_tokens_needed(workloads), log_level="warning",
         num_threads=args.threads, max_running_requests=max(w.batch_size for w in workloads),
-        enable_mixed_chunk=args.mixed_chunk,
+        enable_mixed_chunk=args.mixed_chunk, enable_torch_compile=args.torch_compile,
     )
 
 
