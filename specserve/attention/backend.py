@@ -143,7 +143,9 @@ def extend_inputs(table: torch.Tensor, rows: list[int], starts: list[int], token
     ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=device)  # [T]
     positions = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(device)  # [T]
     out_loc = torch.cat([table[r, s : s + n] for r, s, n in pieces])  # [T]
-    attn = build_attn_metadata(table[torch.tensor(rows, device=device)], [s + n for _, s, n in pieces], q_lens)
+    kv_lens = [s + n for _, s, n in pieces]
+    rows_t = torch.tensor(rows, device=device)
+    attn = build_attn_metadata(table[rows_t, : max(kv_lens)], kv_lens, q_lens)  # only the columns attended
     return ids, positions, out_loc, attn
 
 

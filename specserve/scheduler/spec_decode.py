@@ -255,7 +255,8 @@ class SpecDecoder:
         masks = [tree.mask[b, :n, :n] for b, n in enumerate(n_nodes)]
         fb = ForwardBatch(
             ForwardMode.TARGET_VERIFY, ids, positions, torch.cat(slots),
-            build_attn_metadata(self.sched.req_pool.req_to_token[rows], kv_lens, n_nodes, custom_masks=masks),
+            build_attn_metadata(self.sched.req_pool.req_to_token[rows, : max(kv_lens)], kv_lens, n_nodes,
+                                custom_masks=masks),
             self.runner.kv_pool, capture_layers=self.proposer.capture_layers,
         )
         return self.runner.forward(fb)  # logits [T, V]
