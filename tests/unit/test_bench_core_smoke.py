@@ -39,3 +39,16 @@ def test_bench_core_smoke(tmp_path):
     large = rows["large_decode_b1"]
     assert large["weight_bytes"]["all_params"] > large["weight_bytes"]["non_embedding"] > 0
     assert large["bandwidth_fraction"]["specserve"] > 0
+
+
+def test_engine_options_reach_specserve(monkeypatch):
+    """--torch-compile and --mixed-chunk turn on the engine options of the same name (specserve side only)."""
+    import specserve
+    from specserve.bench import bench_core
+
+    seen = {}
+    monkeypatch.setattr(specserve, "Engine", lambda **kw: seen.update(kw))
+    wl = bench_core.Workload("w", [[1, 2]], [3], batch_size=1)
+    for argv, want in (([], False), (["--torch-compile", "--mixed-chunk"], True)):
+        bench_core.specserve_engine("model-dir", "float32", bench_core.parse_args(argv), [wl])
+        assert seen["enable_torch_compile"] is want and seen["enable_mixed_chunk"] is want
