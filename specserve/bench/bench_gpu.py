@@ -171,7 +171,9 @@ def engine_kwargs(ns: argparse.Namespace, target: str, head: str | None = None, 
 
 
 def measure_decode(engine, prompt: list[int], ns: argparse.Namespace, device: torch.device, label: str) -> dict:
-    """Decode time per token by difference (1 + D tokens minus 1 token: the prefill cancels), median of reps."""
+    """Decode time per token by difference: the fastest run of 1 + D tokens minus the fastest run of 1 token (the
+    prefill cancels). Minimums, not medians of per-rep differences: one slow short run would make a difference
+    small or negative, while the fastest run of each length is the one least disturbed."""
 
     def run(n: int) -> dict:
         return engine.generate(input_ids=prompt, sampling_params={"temperature": 0.0, "max_new_tokens": n,
@@ -180,21 +182,24 @@ def measure_decode(engine, prompt: list[int], ns: argparse.Namespace, device: to
     D = ns.decode_tokens
     for _ in range(ns.warmup):
         run(1), run(1 + D)
-    diffs, verify_steps = [], []
+    shorts, longs, verify_steps = [], [], []
     for _ in tqdm(range(ns.reps), desc=label, leave=False):
-        t_short = timed(lambda: run(1), device)
+        shorts.append(timed(lambda: run(1), device))
         long_out: list[dict] = []
-        t_long = timed(lambda: long_out.append(run(1 + D)), device)  # noqa: B023 - called right here
-        diffs.append(t_long - t_short)
+        longs.append(timed(lambda: long_out.append(run(1 + D)), device))  # noqa: B023 - called right here
         verify_steps.append(long_out[0]["meta_info"].get("spec_verify_ct", 0))
-    per_token = statistics.median(diffs) / D
+    decode_s = min(longs) - min(shorts)
+    if decode_s <= 0:
+        raise RuntimeError(f"{label}: {D} decode tokens took no measurable time beyond the prefill "
+                           f"(fastest runs: {min(longs):.4f}s vs {min(shorts):.4f}s); raise --decode-tokens or --reps")
+    per_token = decode_s / D
     row = {"tokens_per_s": 1.0 / per_token, "step_ms": per_token * 1e3, "decode_tokens": D,
-           "times_s": diffs}
+           "times_s": {"one_token": shorts, "one_plus_decode_tokens": longs}}
     steps = statistics.median(verify_steps)
     if steps:
         row["verify_steps"] = steps
         row["measured_accept_length"] = D / steps
-        row["step_ms"] = statistics.median(diffs) / steps * 1e3
+        row["step_ms"] = decode_s / steps * 1e3
     return row
 
 

@@ -14,7 +14,7 @@ from specserve.models.cuda_graph import EMULATE_ENV
 
 def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "10", "--reps", "1",
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "10", "--reps", "3",
             "--warmup", "1", "--verify-sizes", "1,4,16", "--accept-lens", "2,3.5", "--steps", "4",
             "--out-dir", str(out)]
     assert bench_gpu.main(argv) == 0
@@ -46,7 +46,7 @@ def test_bench_gpu_graph_and_eager_rows(tmp_path, monkeypatch, capsys):
     """With graphs in use (emulated on CPU) part (a) has a second row without them and the ratio of the two."""
     monkeypatch.setenv(EMULATE_ENV, "1")
     out = tmp_path / "out"
-    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "6", "--reps", "1",
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "6", "--reps", "3",
             "--warmup", "0", "--skip", "verify,simulated", "--out-dir", str(out)]
     assert bench_gpu.main(argv) == 0
     graphed, eager = [r for r in read_jsonl(str(out / "bench_gpu.jsonl")) if r["part"] == "decode"]
@@ -69,3 +69,20 @@ def test_cuda_asked_without_cuda_exits_2(monkeypatch, tmp_path, capsys):
     assert bench_gpu.main(["--device", "cuda", "--out-dir", str(tmp_path / "o")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_decode_time_not_measurable_is_an_error():
+    """When the runs with decode tokens are no slower than the one-token run, the difference means nothing:
+    measure_decode says so instead of reporting a negative or infinite tokens/s."""
+    import time
+    from types import SimpleNamespace
+
+    class SlowShortRuns:
+        def generate(self, input_ids, sampling_params):
+            if sampling_params["max_new_tokens"] == 1:
+                time.sleep(0.02)
+            return {"meta_info": {}}
+
+    ns = SimpleNamespace(decode_tokens=4, warmup=0, reps=2)
+    with pytest.raises(RuntimeError, match="--decode-tokens"):
+        bench_gpu.measure_decode(SlowShortRuns(), [1, 2], ns, torch.device("cpu"), "plain")
