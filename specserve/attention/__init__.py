@@ -4,6 +4,7 @@ from specserve.attention.backend import (
     AttnMetadata,
     ForwardBatch,
     ForwardMode,
+    attended_slots,
     attention,
     build_attn_metadata,
     extend_batch,
@@ -13,5 +14,5 @@ from specserve.attention.backend import (
     prefix_visible,
 )
 
-__all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attention", "build_attn_metadata", "extend_batch",
-           "extend_inputs", "last_token_rows", "mixed_attn_metadata", "prefix_visible"]
+__all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attended_slots", "attention", "build_attn_metadata",
+           "extend_batch", "extend_inputs", "last_token_rows", "mixed_attn_metadata", "prefix_visible"]

@@ -27,6 +27,7 @@ import torch
 from specserve.attention import (
     ForwardBatch,
     ForwardMode,
+    attended_slots,
     build_attn_metadata,
     extend_inputs,
     last_token_rows,
@@ -396,8 +397,7 @@ class Scheduler:
         ids_pos = torch.tensor([[r.last_token for r in reqs], positions], device=self.device)  # [2, B]
         self.req_pool.req_to_token[rows, ids_pos[1]] = slots
         kv_lens = [p + 1 for p in positions]
-        # gather only the columns attended: a row is as wide as the context length
-        attn = build_attn_metadata(self.req_pool.req_to_token[rows, : max(kv_lens)], kv_lens, [1] * len(reqs))
+        attn = build_attn_metadata(attended_slots(self.req_pool.req_to_token, rows, kv_lens), kv_lens, [1] * len(reqs))
         return ids_pos[0], ids_pos[1], slots, attn
 
     def _count_decode_step(self) -> None:

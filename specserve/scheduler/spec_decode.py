@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode, attended_slots, build_attn_metadata
 from specserve.models.llama import ModelOutput
 from specserve.sampling.sampler import (
     SamplingBatchInfo,
@@ -255,7 +255,7 @@ class SpecDecoder:
         masks = [tree.mask[b, :n, :n] for b, n in enumerate(n_nodes)]
         fb = ForwardBatch(
             ForwardMode.TARGET_VERIFY, ids, positions, torch.cat(slots),
-            build_attn_metadata(self.sched.req_pool.req_to_token[rows, : max(kv_lens)], kv_lens, n_nodes,
+            build_attn_metadata(attended_slots(self.sched.req_pool.req_to_token, rows, kv_lens), kv_lens, n_nodes,
                                 custom_masks=masks),
             self.runner.kv_pool, capture_layers=self.proposer.capture_layers,
         )

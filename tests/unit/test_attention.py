@@ -192,3 +192,11 @@ def test_decode_attention_folds_query_heads_per_kv_head():
             want = _reference(q[row : row + 1], pool.k[0][keys], pool.v[0][keys], torch.ones(1, n, dtype=torch.bool),
                               D**-0.5)
             torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_attended_slots_takes_only_the_attended_columns():
+    from specserve.attention import attended_slots
+
+    table = torch.arange(4 * 10).view(4, 10)  # 4 rows, a context of 10 columns
+    got = attended_slots(table, torch.tensor([2, 0]), [3, 5])
+    assert got.tolist() == [[20, 21, 22, 23, 24], [0, 1, 2, 3, 4]]
