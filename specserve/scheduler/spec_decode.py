@@ -140,19 +140,30 @@ class SpecDecoder:
         if shape is None:
             return self.timed_plain_step(reqs)
         self._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
-        start = time.perf_counter()
+        started = self.step_start()
         record = self.forward_step(reqs, shape)
         outputs, done = self.process(record)
         self.release_done(done)
-        self.policy.record(len(reqs), True, time.perf_counter() - start, record.num_tokens)
+        self.record_step(started, len(reqs), True, record.num_tokens)
         return outputs
 
     def timed_plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
-        start = time.perf_counter()
+        started = self.step_start()
         outputs = self._plain_step(reqs)
-        tokens = sum(len(o.new_token_ids) for o in outputs)
-        self.policy.record(len(reqs), False, time.perf_counter() - start, tokens)
+        self.record_step(started, len(reqs), False, sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def step_start(self) -> tuple[float, int]:
+        """(now, torch.compile graphs built so far): what ``record_step`` measures a step from."""
+        stats = self.runner.compile_stats
+        return time.perf_counter(), 0 if stats is None else stats.graphs
+
+    def record_step(self, started: tuple[float, int], batch: int, speculative: bool, tokens: int) -> None:
+        """Give the batch policy a step's time, flagged when torch.compile built a graph during it."""
+        start, graphs = started
+        stats = self.runner.compile_stats
+        compiled = stats is not None and stats.graphs != graphs
+        self.policy.record(batch, speculative, time.perf_counter() - start, tokens, compiled)
 
     def release(self, req: Req) -> None:
         """req leaves the batch (finished, aborted, retracted): drop its drafting state and backlog."""

@@ -29,7 +29,6 @@ of batch-aware speculation, a retraction, an abort.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -58,7 +57,7 @@ class OverlapPipeline:
         if active and shape is None:  # a plain step (batch-aware speculation): it needs the pipeline empty
             outputs = self.drain()
             return outputs + spec.timed_plain_step([r for r in reqs if not r.finished])
-        start = time.perf_counter()
+        started = spec.step_start()
         if active:  # one thread's OpenMP pool at a time runs the forwards: free this one's (omp.py)
             release_thread_pool()
         future = self._thread.submit(self._forward, active, shape) if active else None
@@ -74,7 +73,7 @@ class OverlapPipeline:
         self.pending = _result(future)  # exceptions of the forward part surface here
         spec.release_done(done)  # the forward thread is idle: KV and drafter state can be given back
         if self.pending is not None:
-            spec.policy.record(len(active), True, time.perf_counter() - start, self.pending.num_tokens)
+            spec.record_step(started, len(active), True, self.pending.num_tokens)
         return outputs
 
     def drain(self) -> list[ReqOutput]:

@@ -15,8 +15,10 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    bucket so the estimate follows changing acceptance
    (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
    the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less.
-   Two guards keep a cold start from turning speculation off for good: the first WARMUP_STEPS steps of each mode
-   in a bucket are run but not measured (first calls pay allocations, caches and lazy compilation), and plain
+   Three guards keep a cold start from turning speculation off for good: the first WARMUP_STEPS steps of each
+   mode in a bucket are run but not measured (first calls pay allocations, caches and lazy compilation); a step
+   during which torch.compile built a graph is not measured either, and a try gets one more step for it
+   (``--enable-torch-compile`` builds graphs for new shapes well after the first steps, seconds each); and plain
    steps must beat speculation by more than SPEC_MARGIN to win (step times on a busy host are noisy, and the
    margin is within the "a few percent" speculation may cost at most).
 
@@ -148,11 +150,17 @@ class BatchPolicy:
             return shape if r.trying else None
         return shape if r.winner() is not False else None
 
-    def record(self, batch: int, speculative: bool, seconds: float, tokens: int) -> None:
-        """A step of `batch` requests took `seconds` and produced `tokens` tokens (all requests together)."""
+    def record(self, batch: int, speculative: bool, seconds: float, tokens: int, compiled: bool = False) -> None:
+        """A step of `batch` requests took `seconds` and produced `tokens` tokens (all requests together).
+        compiled: torch.compile built a graph during the step, so its time is not the mode's speed: not measured,
+        and a try of that mode gets one more step in its place."""
         if not self.auto_off or seconds <= 0:
             return
         r = self._bucket(batch)
+        if compiled:
+            if r.trying == speculative:
+                r.try_choices += 1
+            return
         if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, not measured
             r.try_skip -= 1
             return

@@ -78,6 +78,23 @@ def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculatio
     assert p.rates[1].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
 
 
+def test_steps_that_built_compiled_graphs_are_not_measured():
+    """--enable-torch-compile builds graphs for new shapes after the warm-up: such a step (here 20 s) is run but
+    not measured, and its try gets one more step, so a try still measures TRY_STEPS steady steps."""
+    p = _policy(explore_every=1000)
+    flags = []
+    compiling = {1, 5}  # a speculative step of the first try, a plain step of the second
+    for i in range(2 * TRY_STEPS + len(compiling) + 4):
+        speculative = p.choose(1) is not None
+        p.record(1, speculative, 20.0 if i in compiling else 1.0, 300 if speculative else 200,
+                 compiled=i in compiling)
+        flags.append(speculative)
+    assert flags == [True] * (TRY_STEPS + 1) + [False] * (TRY_STEPS + 1) + [True] * 4
+    assert p.rates[1].spec.rate == pytest.approx(300.0) and p.rates[1].plain.rate == pytest.approx(200.0)
+    p.record(1, True, 50.0, 1, compiled=True)  # outside a try: not measured either
+    assert p.rates[1].spec.rate == pytest.approx(300.0) and p.choose(1) == FULL
+
+
 def test_plain_must_win_by_the_margin():
     p = _policy(explore_every=1000)
     slower = 100 * (1 - SPEC_MARGIN / 2)  # speculation a little slower than plain: within the margin
