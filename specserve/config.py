@@ -104,6 +104,10 @@ class ServerArgs:
     )
     speculative_draft_model_path: str | None = field(default=None, metadata={"help": "Draft model folder."})
     speculative_draft_model_revision: str | None = field(default=None, metadata={"help": "Draft revision."})
+    speculative_draft_dtype: str = field(default="auto", metadata={
+        "help": "auto|float32|float16|bfloat16: the dtype a separate draft model (EAGLE, EAGLE3, STANDALONE) runs "
+                "in. auto = the target's, except float32 on CPU for a bf16/fp16 target with a draft of at most 8M "
+                "parameters (faster there; docs/benchmarks.md). Outputs stay exact either way."})
     speculative_num_steps: int | None = field(default=None, metadata={"help": "Draft depth S."})
     speculative_eagle_topk: int | None = field(default=None, metadata={"help": "Branching per draft step K."})
     speculative_num_draft_tokens: int | None = field(
@@ -143,8 +147,10 @@ class ServerArgs:
     # ------------------------------------------------------------------
     def validate(self) -> ServerArgs:
         """Check every field; raise ConfigError naming the flag. Returns self for chaining."""
-        self.dtype = {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(self.dtype, self.dtype)
-        _choice(self, "dtype", DTYPES)
+        for name in ("dtype", "speculative_draft_dtype"):
+            value = getattr(self, name)
+            setattr(self, name, {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(value, value))
+            _choice(self, name, DTYPES)
         _choice(self, "device", DEVICES)
         self.load_format = self.load_format.lower()
         _choice(self, "load_format", LOAD_FORMATS)

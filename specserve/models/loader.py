@@ -117,6 +117,23 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = DUMMY
                 b.zero_()
 
 
+def _model_class(model_path: str, revision, registry: dict | None):
+    """-> (resolved folder, the registered class of its architecture, its ModelSpec)."""
+    model_dir = resolve_model_path(model_path, revision)
+    cfg = read_config(model_dir)
+    cls = resolve_architecture(cfg, registry)
+    return model_dir, cls, cls.spec_from_config(cfg)
+
+
+def count_parameters(model_path: str, revision=None, registry: dict | None = None) -> int:
+    """Parameters the model at ``model_path`` would load (tied ones once), from its config alone: the model is
+    built on the meta device, nothing is read or allocated."""
+    _, cls, spec = _model_class(model_path, revision, registry)
+    with torch.device("meta"):
+        model = cls(spec)  # ties shared parameters, which parameters() then yields once
+    return sum(p.numel() for p in model.parameters())
+
+
 def load_model(model_path: str, dtype: str = "auto", device: str | torch.device = "cpu", revision=None,
                registry: dict | None = None, load_format: str = "auto", seed: int = 0):
     """-> (model in eval mode on device, its ModelSpec, the resolved folder).
@@ -125,10 +142,7 @@ def load_model(model_path: str, dtype: str = "auto", device: str | torch.device 
     load_format: "auto" / "safetensors" read the checkpoint; "dummy" fills random weights (``init_dummy_weights``
     with ``seed``) and needs only config.json.
     """
-    model_dir = resolve_model_path(model_path, revision)
-    cfg = read_config(model_dir)
-    cls = resolve_architecture(cfg, registry)
-    spec = cls.spec_from_config(cfg)
+    model_dir, cls, spec = _model_class(model_path, revision, registry)
     torch_dtype = resolve_dtype(dtype, spec)
     with torch.device("meta"):
         model = cls(spec)

@@ -31,7 +31,7 @@ from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
-from specserve.models.loader import load_model
+from specserve.models.loader import DTYPE_NAMES, count_parameters, load_model
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.batch_policy import TreeShape
 from specserve.spec.heads.eagle import EAGLE_HEADS
@@ -39,6 +39,23 @@ from specserve.spec.token_map import HotVocabHead
 from specserve.spec.tree import DraftTree, EagleCandidates
 
 logger = logging.getLogger(__name__)
+
+#: ``--speculative-draft-dtype auto`` runs a draft of at most this many parameters in float32 on CPU under a
+#: bf16/fp16 target. Its float32 weights (32 MiB at most) stay in a server CPU's caches, so its forwards are bound
+#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: the demo
+#: drafts, EAGLE-3 ~4% and STANDALONE ~8% more tokens/s). Larger drafts stream their weights, half as many bytes
+#: in bf16, so they keep the target's dtype.
+CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
+
+
+def resolve_draft_dtype(flag: str, target_dtype: torch.dtype, device_type: str, num_params: int) -> torch.dtype:
+    """``--speculative-draft-dtype`` -> the dtype the draft model is loaded and run in."""
+    if flag != "auto":
+        return DTYPE_NAMES[flag]
+    half = target_dtype in (torch.bfloat16, torch.float16)
+    if device_type == "cpu" and half and num_params <= CPU_FP32_DRAFT_MAX_PARAMS:
+        return torch.float32
+    return target_dtype
 
 
 @dataclass
@@ -75,18 +92,23 @@ class EagleProposer(Proposer):
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
             self._num_kv_layers(), runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim,
-            runner.dtype, self.device,
+            self.draft_dtype, self.device,
         )
 
     # ------------------------------------------------------------------ set-up
     def _load_head(self, args):
         if not args.speculative_draft_model_path:
             raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
+        path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
+        self.draft_dtype = resolve_draft_dtype(args.speculative_draft_dtype, self.runner.dtype, self.device.type,
+                                               count_parameters(path, revision, self.head_registry))
         head, spec, self.head_dir = load_model(
-            args.speculative_draft_model_path, _dtype_name(self.runner.dtype), self.device,
-            args.speculative_draft_model_revision, registry=self.head_registry,
+            path, dtype_name(self.draft_dtype), self.device, revision, registry=self.head_registry,
             load_format=args.load_format, seed=args.random_seed + 1,
         )
+        if self.draft_dtype != self.runner.dtype:
+            logger.info("draft model runs in %s (target: %s)", dtype_name(self.draft_dtype),
+                        dtype_name(self.runner.dtype))
         self._check_head(head, spec)
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(head)
@@ -94,7 +116,7 @@ class EagleProposer(Proposer):
 
     def _make_hot_head(self, path: str) -> HotVocabHead:
         """FR-Spec: the LM head the drafts are scored with, restricted to the hot ids (EAGLE: the target's)."""
-        return HotVocabHead.for_target(path, self.runner, self.topk)
+        return HotVocabHead.for_target(path, self.runner, self.topk, dtype=self.draft_dtype)
 
     def _num_kv_layers(self) -> int:
         return 1  # EAGLE heads have one attention layer
@@ -114,15 +136,15 @@ class EagleProposer(Proposer):
 
     # ------------------------------------------------------------------ the draft network
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h]."""
-        return self.head(fb, self.target.embed(fb.input_ids), hidden)
+        """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h] (draft dtype)."""
+        return self.head(fb, self.target.embed(fb.input_ids).to(self.draft_dtype), hidden)
 
     def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
         draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
         if self.hot_head is not None:
             return self.hot_head(draft_hidden)
-        return self.target.compute_logits(draft_hidden), None
+        return self.target.compute_logits(draft_hidden.to(self.runner.dtype)), None
 
     def _topk(self, draft_hidden: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
@@ -278,5 +300,5 @@ class TreeKeys:
         return AttnMetadata(B, K, self.kv_slots[:, :width], full.unsqueeze(1), False, None, None)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")

@@ -71,5 +71,5 @@ class Eagle3Proposer(EagleProposer):
     def _draft_logits(self, draft_hidden: torch.Tensor):
         normed = self.head.norm(draft_hidden)
         if self.head.lm_head is None:
-            return self.target.compute_logits(normed), None
+            return self.target.compute_logits(normed.to(self.runner.dtype)), None
         return self.head.lm_head(normed).float(), self.d2t_ids

@@ -18,7 +18,7 @@ import torch
 from specserve.attention import ForwardBatch
 from specserve.config import ConfigError
 from specserve.spec.base import register_proposer
-from specserve.spec.eagle import EagleProposer
+from specserve.spec.eagle import EagleProposer, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ class MtpProposer(EagleProposer):
             )
         if len(layers) > 1:
             logger.info("the target has %d MTP layers; drafting re-applies the first one", len(layers))
+        self.draft_dtype = self.runner.dtype
+        if args.speculative_draft_dtype not in ("auto", dtype_name(self.draft_dtype)):
+            logger.warning("--speculative-draft-dtype %s is ignored with MTP: the MTP layer is part of the target "
+                           "and runs in its dtype", args.speculative_draft_dtype)
         return layers[0], self.runner.spec
 
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ class StandaloneProposer(EagleProposer):
         return self.head.model(fb)[0]  # final (normed) hidden [T, h]; no logits for rows we do not sample
 
     def _make_hot_head(self, path: str) -> HotVocabHead:
-        return HotVocabHead.for_model(path, self.head, self.head_dir, self.head_spec, self.device, self.runner.dtype,
+        return HotVocabHead.for_model(path, self.head, self.head_dir, self.head_spec, self.device, self.draft_dtype,
                                       min_size=self.topk)
 
     def _draft_logits(self, draft_hidden: torch.Tensor):

@@ -129,10 +129,11 @@ class HotVocabHead(DirectCall):
         return self.proj(hidden).float(), self.hot_ids
 
     @classmethod
-    def for_target(cls, path: str, runner, min_size: int = 1) -> HotVocabHead:
+    def for_target(cls, path: str, runner, min_size: int = 1, dtype: torch.dtype | None = None) -> HotVocabHead:
         """Load ``path`` against the target held by ``runner`` (a ModelRunner) and restrict the target's LM head
-        (EAGLE-1/2 and MTP draft with it). oneDNN-packed on CPU unless ``--disable-cpu-weight-packing``."""
-        return cls.for_model(path, runner.model, runner.model_dir, runner.spec, runner.device, runner.dtype,
+        (EAGLE-1/2 and MTP draft with it), as a copy in ``dtype`` (the draft's; default the target's).
+        oneDNN-packed on CPU unless ``--disable-cpu-weight-packing``."""
+        return cls.for_model(path, runner.model, runner.model_dir, runner.spec, runner.device, dtype or runner.dtype,
                              min_size, pack_for_cpu=not runner.args.disable_cpu_weight_packing)
 
     @classmethod

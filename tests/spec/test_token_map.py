@@ -277,15 +277,17 @@ def test_token_map_smaller_than_topk_fails_at_start_up(target, self_head, tmp_pa
 
 
 def test_gate_bf16_target_with_packed_lm_head(model_factory, tmp_path):
-    """bf16 on CPU: the target's LM head is a oneDNN PackedLinear (no plain weight), so the hot rows are read from
-    the checkpoint and the hot head is packed too; output still equals plain decoding."""
+    """bf16 on CPU with a bf16 draft: the target's LM head is a oneDNN PackedLinear (no plain weight), so the hot
+    rows are read from the checkpoint and the hot head is packed too; output still equals plain decoding. (With
+    the default --speculative-draft-dtype auto the hot head is a float32 copy: tests/spec/test_draft_dtype.py.)"""
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=torch.bfloat16)
     head = make_eagle_head_dir(str(tmp_path / "head"), path, kind="self")
     with Engine(model_path=path, max_total_tokens=4096) as e:
         want = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
     hot = sorted({t for out in want for t in out} | set(range(40)))
     save_token_map(torch.tensor(hot), str(tmp_path / "map.pt"))
-    kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
+    kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"),
+                     speculative_draft_dtype="bfloat16")
     with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
         proposer = e.scheduler.spec.proposer
         assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)

@@ -28,9 +28,10 @@ def test_every_field_is_a_flag_with_help():
 
 def test_sglang_aliases_and_types():
     args = parse(["--model", "m", "--mem-fraction", "0.6", "--max-total-tokens", "100", "--disable-radix-cache",
-                  "--dtype", "bf16", "--speculative-draft-model", "d"])
+                  "--dtype", "bf16", "--speculative-draft-model", "d", "--speculative-draft-dtype", "half"])
     assert args.model_path == "m" and args.mem_fraction_static == 0.6 and args.max_total_tokens == 100
     assert args.disable_radix_cache is True and args.dtype == "bfloat16"
+    assert args.speculative_draft_dtype == "float16" and parse([]).speculative_draft_dtype == "auto"
     assert args.speculative_draft_model_path == "d"
 
 
@@ -63,6 +64,7 @@ SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d
     (SPEC + ["--speculative-accept-threshold-single", "1.5"], "--speculative-accept-threshold-single"),
     (SPEC + ["--speculative-draft-stop-threshold", "1.0"], "--speculative-draft-stop-threshold"),
     (SPEC + ["--speculative-draft-stop-threshold", "-0.1"], "--speculative-draft-stop-threshold"),
+    (SPEC + ["--speculative-draft-dtype", "int8"], "--speculative-draft-dtype"),
     (["--speculative-algorithm", "EAGLE3"], "--speculative-draft-model-path"),
     (["--speculative-algorithm", "STANDALONE"], "--speculative-draft-model-path"),
     (["--speculative-algorithm", "NGRAM", "--speculative-ngram-branch-length", "1"],

@@ -1,0 +1,97 @@
+"""``--speculative-draft-dtype``: a separate draft model may run in another dtype than the target (auto: float32
+for a small draft under a bf16/fp16 target on CPU). The draft only proposes, so greedy output stays plain
+decoding's: the lossless gate with its vacuity guard for each kind of draft, both ways round, and the auto rule on
+hand-picked cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.models.cpu_packing import PackedLinear
+from specserve.models.loader import count_parameters, load_model
+from specserve.spec.eagle import CPU_FP32_DRAFT_MAX_PARAMS, resolve_draft_dtype
+from specserve.spec.heads.eagle3 import Eagle3Head
+from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+LIMIT = CPU_FP32_DRAFT_MAX_PARAMS
+
+
+@pytest.mark.parametrize("flag,target,device,params,want", [
+    ("auto", BF16, "cpu", 2_000_000, F32),  # a small draft under a bf16 target on CPU: float32
+    ("auto", F16, "cpu", LIMIT, F32),  # the limit itself is still small
+    ("auto", BF16, "cpu", LIMIT + 1, BF16),  # a larger draft streams its weights: half the bytes in bf16
+    ("auto", BF16, "cuda", 1000, BF16),  # GPUs run half precision natively
+    ("auto", F32, "cpu", 1000, F32),  # never below the target's precision
+    ("bfloat16", F32, "cpu", 1000, BF16),  # an explicit dtype is taken as given
+    ("float32", BF16, "cuda", 10**9, F32),
+])
+def test_resolve_draft_dtype(flag, target, device, params, want):
+    assert resolve_draft_dtype(flag, target, device, params) == want
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_count_parameters_matches_the_loaded_model(model_factory, tmp_path, tied):
+    path = model_factory("llama", tie_word_embeddings=tied)
+    model, _, _ = load_model(path)
+    assert count_parameters(path) == sum(p.numel() for p in model.parameters())
+    head_dir = make_eagle3_head_dir(str(tmp_path / "h3"), path, kind="random", draft_vocab=list(range(64)))
+    head, _, _ = load_model(head_dir, registry={"LlamaForCausalLMEagle3": Eagle3Head})
+    assert count_parameters(head_dir, registry={"LlamaForCausalLMEagle3": Eagle3Head}) == \
+        sum(p.numel() for p in head.parameters())
+
+
+def _gate(target: str, kw: dict, want_dtype: torch.dtype, min_accept_length: float, **target_kw) -> None:
+    """Greedy output with the draft in want_dtype == plain decoding's, drafts accepted, no KV leak."""
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
+        proposer = e.scheduler.spec.proposer
+        assert proposer.draft_dtype == want_dtype
+        assert {p.dtype for p in proposer.head.parameters()} == {want_dtype}
+        assert proposer.kv_pool.dtype == want_dtype
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length)
+        assert_no_kv_leak(e)
+
+
+@pytest.fixture(scope="module")
+def bigram_target(model_factory):
+    """The target an EAGLE-3 "self" head mirrors (make_eagle3_head_dir)."""
+    return model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "STANDALONE"])
+def test_bf16_draft_under_a_float32_target_is_lossless(target, self_head, bigram_target, tmp_path, algo):
+    if algo == "EAGLE3":
+        target = bigram_target
+        draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
+    else:
+        draft = self_head if algo == "EAGLE" else target  # STANDALONE: the target drafts for itself
+    kw = spec_kwargs(algo, draft, 4, 3, 8, speculative_draft_dtype="bfloat16")
+    _gate(target, kw, BF16, min_accept_length=1.2)
+
+
+def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
+    """bf16 target on CPU, auto: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's LM head
+    rows, so not oneDNN-packed) run in float32; the target's own LM head stays packed bf16."""
+    from specserve.spec.token_map import save_token_map
+
+    path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
+    head = make_eagle_head_dir(str(tmp_path / "head"), path, kind="self")
+    save_token_map(torch.arange(64), str(tmp_path / "map.pt"))
+    kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
+    _gate(path, kw, F32, min_accept_length=1.2)
+    with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
+        assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
+        assert e.scheduler.spec.proposer.hot_head.proj.weight.dtype == F32
+
+
+def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory):
+    path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
+    _gate(path, spec_kwargs("STANDALONE", path, 4, 3, 8), F32, min_accept_length=1.5)
