@@ -166,6 +166,20 @@ def test_greedy_batch_of_8_equals_plain(mimo, plain, tree):
         assert_no_kv_leak(e)
 
 
+def test_draft_dtype_flag_is_ignored_with_a_warning(mimo, plain, caplog):
+    """The MTP layer is part of the target and runs in its dtype: --speculative-draft-dtype cannot apply."""
+    kw = spec_kwargs("EAGLE", None, 3, 1, 4, speculative_draft_dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="specserve.spec.mtp"), \
+            Engine(model_path=mimo["self"], max_total_tokens=4096, **kw) as e:
+        proposer = e.scheduler.spec.proposer
+        assert proposer.draft_dtype == e.scheduler.runner.dtype == torch.float32
+        assert proposer.kv_pool.dtype == torch.float32
+        outs = e.generate(PROMPTS, greedy(24))
+    assert "--speculative-draft-dtype bfloat16 is ignored with MTP" in caplog.text
+    assert [o["output_ids"] for o in outs] == plain
+    assert_drafting_happened(outs, min_accept_length=1.5)
+
+
 @pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 5)])
 def test_greedy_batch_of_1_equals_plain(mimo, plain, tree):
     with Engine(model_path=mimo["self"], max_total_tokens=4096, **spec_kwargs("NEXTN", None, *tree)) as e:
