@@ -3,7 +3,7 @@
     specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path demo-eagle3]
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
         [--only plain,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
-        [--eagle3-tree S,K,N] [--draft-stop-threshold P]
+        [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R]
 
 Batch 1, greedy (temperature 0), exactly ``--max-new-tokens`` per prompt on both sides (specserve ``ignore_eos``;
 transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same prompt token ids, the same
@@ -19,6 +19,9 @@ Our speculative flags stay at the engine's defaults unless ``--eagle3-tree`` / `
 (the resolved tree is printed); transformers' assisted
 generation keeps its defaults too. Every engine is warmed up first; specserve's prefix cache is flushed (untimed)
 before each prompt. tokens/s = generated tokens / summed wall time of the generate calls (prefill included).
+With ``--rounds R`` the whole prompt set runs R times (each round as above); tokens/s is over all rounds, and each
+ratio is the median of the R per-round ratios, which are listed too: on a shared machine one slow round then
+moves the figure less, and the spread shows how far a single round can be trusted.
 Written to ``--out-dir``: ``results.jsonl`` (one row per configuration), ``table.md`` and ``speedup.png`` (the
 speed-up ratios).
 """
@@ -26,6 +29,7 @@ speed-up ratios).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -71,6 +75,8 @@ TABLE_COLUMNS = (
     ("versus_label", "compared with", None), ("ratio_vs_versus", "vs transformers", ".2f"),
     ("accept_length", "accept len", ".2f"), ("equal", "equal to HF plain", None),
 )
+ROUND_COLUMNS = (("plain_rounds", "vs own plain, each round", None), ("versus_rounds", "vs transformers, each round",
+                                                                     None))
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -107,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--always-speculate", action="store_true",
                    help="our speculative engines speculate on every step (--disable-speculative-auto-off); default: "
                         "the engine's batch-aware policy, which runs plain steps where speculation measures slower")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole prompt set this many times; ratios are the median of the per-round ratios")
     p.add_argument("--out-dir", default=None, help="default: bench_results/bench-compare-<timestamp>")
     return p
 
@@ -115,7 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parsed and checked flags (raises _BadFlag naming the flag); args.only becomes the selected configs."""
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("num_prompts", "max_new_tokens", "lookup_tokens", "num_threads"):
+    for name in ("num_prompts", "max_new_tokens", "lookup_tokens", "num_threads", "rounds"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -149,11 +157,26 @@ def _log(msg: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def config_rows(tallies: dict, setup: dict) -> list[dict]:
-    """One JSON-ready row per measured configuration (tallies: name -> bench_ngram.Tally), with its ratios and
-    its greedy agreement with transformers plain."""
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Per-round tallies (name -> bench_ngram.Tally) -> one tally per name summed over the rounds, with the first
+    round's outputs (greedy: every round generates the same ids)."""
+    from specserve.bench.bench_ngram import Tally
+
+    merged = {}
+    for name in rounds[0]:
+        parts = [r[name] for r in rounds]
+        merged[name] = Tally(seconds=sum(t.seconds for t in parts), tokens=sum(t.tokens for t in parts),
+                             verify_steps=sum(t.verify_steps for t in parts),
+                             plain_tokens=sum(t.plain_tokens for t in parts), outputs=parts[0].outputs)
+    return merged
+
+
+def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
+    """One JSON-ready row per measured configuration (rounds: one dict name -> bench_ngram.Tally per round), with
+    its ratios and its greedy agreement with transformers plain."""
     from specserve.bench.bench_core import compare_ids
 
+    tallies = merge_rounds(rounds)
     rows = []
     for c in CONFIGS:
         if c.name not in tallies:
@@ -172,6 +195,8 @@ def config_rows(tallies: dict, setup: dict) -> list[dict]:
             row["first_mismatch_vs_hf_plain"] = agree["first_mismatch"]
         rows.append(row)
     add_ratios(rows)
+    if len(rounds) > 1:
+        add_round_ratios(rows, [{name: t.tokens_per_s for name, t in r.items()} for r in rounds])
     return rows
 
 
@@ -186,6 +211,19 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_versus"] = _ratio(tps, c.name, c.versus)
         r["plain_ref"] = c.plain
         r["ratio_vs_plain"] = _ratio(tps, c.name, c.plain)
+    return rows
+
+
+def add_round_ratios(rows: list[dict], round_tps: list[dict[str, float]]) -> list[dict]:
+    """Several rounds: each ratio becomes the median of its per-round ratios (round_tps: one dict config ->
+    tokens/s per round), which are kept in ratio_vs_plain_rounds / ratio_vs_versus_rounds."""
+    for r in rows:
+        for key, den in (("ratio_vs_plain", r["plain_ref"]), ("ratio_vs_versus", r["versus"])):
+            per_round = [_ratio(tps, r["config"], den) for tps in round_tps]
+            if None in per_round:
+                continue
+            r[key + "_rounds"] = per_round
+            r[key] = statistics.median(per_round)
     return rows
 
 
@@ -212,14 +250,16 @@ def setup_lines(rows: list[dict]) -> list[str]:
         return []
     r0 = rows[0]
     lines = [f"specserve vs transformers: target {r0['model_path']}, {r0['dtype']} (both), batch 1, temperature 0, "
-             f"{r0['max_new_tokens']} new tokens x {r0['num_prompts']} held-out prompts, {r0['num_threads']} threads"]
+             f"{r0['max_new_tokens']} new tokens x {r0['num_prompts']} held-out prompts"
+             + (f" x {r0['rounds']} rounds" if r0.get("rounds", 1) > 1 else "") + f", {r0['num_threads']} threads"]
     for r in rows:
         if r.get("speculative_num_steps") is not None:
             lines.append(f"{r['label']}: steps {r['speculative_num_steps']}, topk {r['speculative_eagle_topk']}, "
                          f"draft tokens {r['speculative_num_draft_tokens']} ({r.get('tree_source', 'engine defaults')})"
                          + (f", draft stop threshold {r['speculative_draft_stop_threshold']}"
                             if r.get("speculative_draft_stop_threshold") else "")
-                         + (f", draft {r['draft_path']}" if r.get("draft_path") else ""))
+                         + (f", draft {r['draft_path']}" if r.get("draft_path") else "")
+                         + (f" in {r['draft_dtype']}" if r.get("draft_dtype") else ""))
         if r.get("hf_num_assistant_tokens") is not None:
             lines.append(f"{r['label']}: num_assistant_tokens {r['hf_num_assistant_tokens']} "
                          f"({r['hf_num_assistant_tokens_schedule']}), confidence threshold "
@@ -231,11 +271,19 @@ def setup_lines(rows: list[dict]) -> list[str]:
 
 def render(rows: list[dict]) -> str:
     """The printed/written report: setup lines, the table, how tok/s is measured."""
-    shown = [{**r, "equal": None if r["equal_to_hf_plain"] is None else f"{r['equal_to_hf_plain']}/{r['num_prompts']}"}
-             for r in rows]
-    return "\n".join([*setup_lines(rows), "", format_table(shown, TABLE_COLUMNS), "",
-                      "tok/s = generated tokens / summed wall time of the generate calls (prefill included); "
-                      "accept len = tokens / verify steps; equal = prompts whose greedy ids equal transformers plain"])
+    shown = [{**r, "equal": None if r["equal_to_hf_plain"] is None else f"{r['equal_to_hf_plain']}/{r['num_prompts']}",
+              "plain_rounds": _listed(r.get("ratio_vs_plain_rounds")),
+              "versus_rounds": _listed(r.get("ratio_vs_versus_rounds"))} for r in rows]
+    rounds = any(r.get("ratio_vs_plain_rounds") or r.get("ratio_vs_versus_rounds") for r in rows)
+    note = ("tok/s = generated tokens / summed wall time of the generate calls (prefill included"
+            + ("; all rounds); ratios = the median of the rounds' ratios" if rounds else ")")
+            + "; accept len = tokens / verify steps; equal = prompts whose greedy ids equal transformers plain")
+    columns = TABLE_COLUMNS + (ROUND_COLUMNS if rounds else ())
+    return "\n".join([*setup_lines(rows), "", format_table(shown, columns), "", note])
+
+
+def _listed(values: list[float] | None) -> str | None:
+    return None if not values else ", ".join(f"{v:.2f}" for v in values)
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -269,7 +317,7 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
     draft = resolve_path(args.draft_model_path) if names & {"hf_assisted", "ours_standalone"} else None
     head = resolve_path(args.eagle3_path) if "ours_eagle3" in names else None
     loaded.setup["common"] = {"model_path": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                              "num_threads": threads, "device": str(device)}
+                              "num_threads": threads, "device": str(device), "rounds": args.rounds}
     n = args.max_new_tokens
     drafts = {"ours_eagle3": head, "ours_standalone": draft}  # resolved folders; the rows keep the given names
     given = {"ours_eagle3": args.eagle3_path, "ours_standalone": args.draft_model_path}
@@ -318,7 +366,8 @@ def spec_setup(engine, draft_path: str | None) -> dict:
             "speculative_num_steps": info["speculative_num_steps"],
             "speculative_eagle_topk": info["speculative_eagle_topk"],
             "speculative_num_draft_tokens": info["speculative_num_draft_tokens"],
-            "speculative_draft_stop_threshold": info.get("speculative_draft_stop_threshold")}
+            "speculative_draft_stop_threshold": info.get("speculative_draft_stop_threshold"),
+            "draft_dtype": info.get("speculative_draft_dtype")}
 
 
 def assisted_setup(assistant, draft_path: str) -> dict:
@@ -355,11 +404,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     try:
         load_all(args, threads, kv_tokens, loaded)
         _log(f"{len(prompts)} prompts x {len(loaded.runners)} configurations ({', '.join(loaded.runners)})")
-        tallies = run_set(loaded.runners, prompts, warmup, loaded.prepare, desc="prompts")
+        rounds = [run_set(loaded.runners, prompts, warmup, loaded.prepare,
+                          desc="prompts" if args.rounds == 1 else f"prompts, round {i + 1}/{args.rounds}")
+                  for i in range(args.rounds)]
     finally:
         for engine in loaded.engines:
             engine.shutdown()
-    return config_rows(tallies, loaded.setup)
+    return config_rows(rounds, loaded.setup)
 
 
 def write_outputs(rows: list[dict], out_dir: str) -> dict[str, str]:

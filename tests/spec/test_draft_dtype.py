@@ -54,6 +54,7 @@ def _gate(target: str, kw: dict, want_dtype: torch.dtype, min_accept_length: flo
         assert proposer.draft_dtype == want_dtype
         assert {p.dtype for p in proposer.head.parameters()} == {want_dtype}
         assert proposer.kv_pool.dtype == want_dtype
+        assert e.get_server_info()["speculative_draft_dtype"] == str(want_dtype).removeprefix("torch.")
         outs = e.generate(PROMPTS, greedy(24))
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, min_accept_length)

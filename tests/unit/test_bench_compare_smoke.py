@@ -2,7 +2,16 @@
 
 import pytest
 
-from specserve.bench.bench_compare import add_ratios, main, selected_configs, speedup_bars
+from specserve.bench.bench_compare import (
+    add_ratios,
+    add_round_ratios,
+    main,
+    merge_rounds,
+    render,
+    selected_configs,
+    speedup_bars,
+)
+from specserve.bench.bench_ngram import Tally
 from specserve.bench.report import read_jsonl
 from specserve.cli import main as cli_main
 from specserve.testing.tiny import make_eagle3_head_dir
@@ -31,6 +40,23 @@ def test_ratios_and_bars_from_hand_made_rows():
     assert labels == ["ours plain / HF plain", "ours EAGLE-3 / HF assisted", "HF assisted / HF plain",
                       "ours EAGLE-3 / ours plain"]
     assert values == [1.5, 3.0, 0.8, 1.6]
+
+
+def test_rounds_give_median_ratios_and_summed_tallies():
+    """Three rounds by hand: ours plain / HF plain is 1.5, 2.0 and 4.0 (a noisy round), so the ratio is the
+    median 2.0, while tok/s sums every round (300 tokens in 3 + 2 + 1 = 6 s for ours plain = 50 tok/s)."""
+    times = {"hf_plain": (3.0, 4.0, 4.0), "ours_plain": (2.0, 2.0, 1.0)}
+    rounds = [{name: Tally(seconds=t[i], tokens=100, outputs=[[i]]) for name, t in times.items()} for i in range(3)]
+    merged = merge_rounds(rounds)
+    assert merged["ours_plain"].tokens == 300 and merged["ours_plain"].seconds == 5.0
+    assert merged["ours_plain"].outputs == [[0]]  # the first round's ids
+    rows = add_ratios([{"config": name, "label": name, "tokens_per_s": merged[name].tokens_per_s} for name in times])
+    assert rows[1]["ratio_vs_versus"] == pytest.approx((300 / 5) / (300 / 11))  # one round: the summed ratio
+    add_round_ratios(rows, [{name: r[name].tokens_per_s for name in r} for r in rounds])
+    ours = rows[1]
+    assert ours["ratio_vs_versus_rounds"] == pytest.approx([1.5, 2.0, 4.0]) and ours["ratio_vs_versus"] == 2.0
+    assert "ratio_vs_plain_rounds" not in ours and ours["ratio_vs_plain"] is None  # no plain reference for it
+    assert "ratio_vs_versus_rounds" not in rows[0]
 
 
 def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
@@ -79,11 +105,26 @@ def test_bench_compare_eagle3_tree_and_draft_stop(tmp_path, llama_dir, capsys):
     assert "steps 3, topk 2, draft tokens 4 (--eagle3-tree), draft stop threshold 0.5" in capsys.readouterr().out
 
 
+def test_bench_compare_rounds_end_to_end(tmp_path, llama_dir, capsys):
+    out = tmp_path / "out"
+    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--only", "plain", "--num-prompts", "1",
+                   "--max-new-tokens", "4", "--num-threads", "1", "--rounds", "3", "--out-dir", str(out)])
+    assert rc == 0
+    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    ours = by["ours_plain"]
+    assert ours["tokens"] == 12 and ours["rounds"] == 3 and len(ours["ratio_vs_versus_rounds"]) == 3
+    assert ours["ratio_vs_versus"] == pytest.approx(sorted(ours["ratio_vs_versus_rounds"])[1])
+    printed = capsys.readouterr().out
+    assert "x 3 rounds" in printed and "vs transformers, each round" in printed
+    assert render(list(by.values())) in printed
+
+
 @pytest.mark.parametrize("argv, flag", [(["--num-prompts", "0"], "--num-prompts"),
                                         (["--eagle3-tree", "3,2"], "--eagle3-tree"),
                                         (["--eagle3-tree", "a,b,c"], "--eagle3-tree"),
                                         (["--only", "plain,turbo"], "--only"),
-                                        (["--dtype", "float64"], "--dtype"), (["--bogus"], "--bogus")])
+                                        (["--dtype", "float64"], "--dtype"), (["--rounds", "0"], "--rounds"),
+                                        (["--bogus"], "--bogus")])
 def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     assert main(argv) == 2
     assert flag in capsys.readouterr().err
