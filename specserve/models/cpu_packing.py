@@ -59,33 +59,84 @@ class PackedLinear(DirectCall):
         return _packed_matmul(x, self.packed, self.bias)
 
 
-def _pack(linear: nn.Linear) -> PackedLinear | None:
-    w = linear.weight.detach()
+class MixedLinear(DirectCall):
+    """A float32 Linear with a oneDNN-packed bf16 copy of its weight: a call of at most FP32_MAX_ROWS rows runs in
+    float32, whose per-call cost is lower; a larger one casts its input to bf16, runs the packed matmul (AMX /
+    AVX512-BF16, far more multiply-adds per second) and casts the result back to float32."""
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias, self.packed = linear.weight, linear.bias, packed
+        self.bias_bf16 = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
+        if x.shape[0] <= FP32_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        low = x.to(torch.bfloat16)
+        if torch.compiler.is_compiling():
+            return packed_linear(low, self.packed, self.bias_bf16).to(x.dtype)
+        return _packed_matmul(low, self.packed, self.bias_bf16).to(x.dtype)
+
+
+#: MixedLinear's float32 / packed-bf16 crossover in rows per call. A batch-1 EAGLE tree level (topk rows) and
+#: draft extend (accepted tokens) stay in float32, where the whole float32 draft measured faster end to end; at 16
+#: rows float32 matmuls of the demo drafts' shapes take 2-4x the packed bf16 time (docs/benchmarks.md).
+FP32_MAX_ROWS = 8
+
+
+def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """linear's weight in oneDNN's packed layout (in ``dtype``, default its own), checked against F.linear on a
+    random input; None where oneDNN cannot pack it."""
+    w = linear.weight.detach().to(dtype or linear.weight.dtype)
+    bias = None if linear.bias is None else linear.bias.detach().to(w.dtype)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         probe = torch.randn(3, linear.in_features, dtype=w.dtype)
-        got = _packed_matmul(probe, packed, linear.bias)
-        want = F.linear(probe, w, linear.bias)
+        got = _packed_matmul(probe, packed, bias)
+        want = F.linear(probe, w, bias)
         if not torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2):
             return None
     except (RuntimeError, AttributeError):
         return None
-    return PackedLinear(linear, packed)
+    return packed
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Replace every bf16/fp16 nn.Linear of a CPU model by a PackedLinear; returns how many were packed."""
+def _replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], make) -> int:
+    """Replace every CPU nn.Linear of model whose weight has one of ``dtypes`` by make(linear) (unless None)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
-                    and child.weight.dtype in PACKABLE_DTYPES:
-                packed = _pack(child)
-                if packed is not None:
-                    setattr(parent, name, packed)
+            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
+                new = make(child)
+                if new is not None:
+                    setattr(parent, name, new)
                     count += 1
+    return count
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every bf16/fp16 nn.Linear of a CPU model by a PackedLinear; returns how many were packed."""
+    def make(linear):
+        packed = _pack(linear)
+        return None if packed is None else PackedLinear(linear, packed)
+
+    count = _replace_linears(model, PACKABLE_DTYPES, make)
     if count:
         logger.info("packed %d linear layers for oneDNN", count)
+    return count
+
+
+def mix_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every float32 nn.Linear of a small CPU model by a MixedLinear (float32 for small calls, packed
+    bf16 for large ones); returns how many. Only worth it where bf16 matmuls are native (AVX512-BF16 / AMX)."""
+    def make(linear):
+        packed = _pack(linear, torch.bfloat16)
+        return None if packed is None else MixedLinear(linear, packed)
+
+    count = _replace_linears(model, (torch.float32,), make)
+    if count:
+        logger.info("%d float32 linear layers get a packed bf16 copy for large calls", count)
     return count

@@ -30,7 +30,7 @@ import torch
 from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
-from specserve.models.cpu_packing import pack_linears_for_cpu
+from specserve.models.cpu_packing import mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.models.loader import DTYPE_NAMES, count_parameters, load_model
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.batch_policy import TreeShape
@@ -112,6 +112,8 @@ class EagleProposer(Proposer):
         self._check_head(head, spec)
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(head)
+            if self.draft_dtype == torch.float32 and self.runner.dtype in (torch.bfloat16, torch.float16):
+                mix_linears_for_cpu(head)
         return head, spec
 
     def _make_hot_head(self, path: str) -> HotVocabHead:

@@ -6,7 +6,13 @@ import torch
 from torch import nn
 
 from specserve import Engine
-from specserve.models.cpu_packing import PackedLinear, pack_linears_for_cpu
+from specserve.models.cpu_packing import (
+    FP32_MAX_ROWS,
+    MixedLinear,
+    PackedLinear,
+    mix_linears_for_cpu,
+    pack_linears_for_cpu,
+)
 from tests.engine.helpers import PROMPTS, greedy
 
 
@@ -47,3 +53,27 @@ def test_packed_linear_under_torch_compile():
         want = model(x)
         got = torch.compile(model)(x)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_linear_float32_for_few_rows_packed_bf16_for_many():
+    """A float32 draft's linears: up to FP32_MAX_ROWS rows exactly F.linear in float32; more rows the packed bf16
+    matmul (so bf16 rounding, float32 out), also compiled."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 32, bias=False))
+    plain = [nn.Linear(64, 96), nn.Linear(96, 32, bias=False)]
+    for p, m in zip(plain, model, strict=True):
+        p.load_state_dict(m.state_dict())
+    assert mix_linears_for_cpu(model) == 2 and all(isinstance(m, MixedLinear) for m in model)
+    assert mix_linears_for_cpu(nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16))) == 0  # float32 only
+    with torch.inference_mode():
+        for rows in (1, FP32_MAX_ROWS, FP32_MAX_ROWS + 1, 32):
+            x = torch.randn(rows, 64)
+            want = plain[1](plain[0](x))
+            got = model(x)
+            assert got.dtype == torch.float32
+            if rows <= FP32_MAX_ROWS:
+                assert torch.equal(got, want)
+            else:
+                assert not torch.equal(got, want)  # bf16 rounding: the packed path ran
+                torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+                torch.testing.assert_close(torch.compile(model)(x), got)

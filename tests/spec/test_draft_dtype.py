@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.models.cpu_packing import PackedLinear
+from specserve.models.cpu_packing import MixedLinear, PackedLinear
 from specserve.models.loader import count_parameters, load_model
 from specserve.spec.eagle import CPU_FP32_DRAFT_MAX_PARAMS, resolve_draft_dtype
 from specserve.spec.heads.eagle3 import Eagle3Head
@@ -93,6 +93,19 @@ def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_p
         assert e.scheduler.spec.proposer.hot_head.proj.weight.dtype == F32
 
 
-def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory, compiled):
+    """The float32 draft's linears are MixedLinear (float32 up to FP32_MAX_ROWS rows, packed bf16 beyond): a
+    batch of 8 drafts 24 rows per level, a lone request 3; both paths, eager and compiled (compared with compiled
+    plain decoding: in bf16 a compiled forward may round differently from an eager one)."""
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
-    _gate(path, spec_kwargs("STANDALONE", path, 4, 3, 8), F32, min_accept_length=1.5)
+    target_kw = {"enable_torch_compile": compiled}
+    kw = spec_kwargs("STANDALONE", path, 4, 3, 8)
+    _gate(path, kw, F32, min_accept_length=1.5, **target_kw)
+    with Engine(model_path=path, max_total_tokens=4096, **target_kw) as e:
+        want = e.generate(PROMPTS[0], greedy(24))["output_ids"]
+    with Engine(model_path=path, max_total_tokens=4096, **target_kw, **kw) as e:
+        assert any(isinstance(m, MixedLinear) for m in e.scheduler.spec.proposer.head.modules())
+        out = e.generate(PROMPTS[0], greedy(24))
+    assert out["output_ids"] == want
+    assert_drafting_happened([out], min_accept_length=1.5)
