@@ -358,5 +358,7 @@ def _server_info(s: Scheduler) -> dict:
 
 
 def _draft_dtype_name(proposer) -> str | None:
+    from specserve.models.loader import dtype_name
+
     dtype = getattr(proposer, "draft_dtype", None)
-    return None if dtype is None else str(dtype).replace("torch.", "")
+    return None if dtype is None else dtype_name(dtype)

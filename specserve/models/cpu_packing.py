@@ -59,6 +59,12 @@ class PackedLinear(DirectCall):
         return _packed_matmul(x, self.packed, self.bias)
 
 
+#: MixedLinear's float32 / packed-bf16 crossover in rows per call. A batch-1 EAGLE tree level (topk rows) and
+#: draft extend (accepted tokens) stay in float32, where the whole float32 draft measured faster end to end; at 16
+#: rows float32 matmuls of the demo drafts' shapes take 2-4x the packed bf16 time (docs/benchmarks.md).
+FP32_MAX_ROWS = 8
+
+
 class MixedLinear(DirectCall):
     """A float32 Linear with a oneDNN-packed bf16 copy of its weight: a call of at most FP32_MAX_ROWS rows runs in
     float32, whose per-call cost is lower; a larger one casts its input to bf16, runs the packed matmul (AMX /
@@ -77,12 +83,6 @@ class MixedLinear(DirectCall):
         if torch.compiler.is_compiling():
             return packed_linear(low, self.packed, self.bias_bf16).to(x.dtype)
         return _packed_matmul(low, self.packed, self.bias_bf16).to(x.dtype)
-
-
-#: MixedLinear's float32 / packed-bf16 crossover in rows per call. A batch-1 EAGLE tree level (topk rows) and
-#: draft extend (accepted tokens) stay in float32, where the whole float32 draft measured faster end to end; at 16
-#: rows float32 matmuls of the demo drafts' shapes take 2-4x the packed bf16 time (docs/benchmarks.md).
-FP32_MAX_ROWS = 8
 
 
 def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor | None:

@@ -62,6 +62,11 @@ def read_config(model_dir: str) -> dict:
         return json.load(f)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the names of DTYPE_NAMES and of the --dtype flags)."""
+    return str(dtype).replace("torch.", "")
+
+
 def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
     if name != "auto":
         return DTYPE_NAMES[name]

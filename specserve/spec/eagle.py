@@ -31,7 +31,7 @@ from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import mix_linears_for_cpu, pack_linears_for_cpu
-from specserve.models.loader import DTYPE_NAMES, count_parameters, load_model
+from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model
 from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.batch_policy import TreeShape
 from specserve.spec.heads.eagle import EAGLE_HEADS
@@ -300,7 +300,3 @@ class TreeKeys:
             tree = mask.gather(2, rel.clamp(0, t - 1).expand(B, K, width))  # [B, K, width]
             full = (rel < 0) | (in_tree & tree)
         return AttnMetadata(B, K, self.kv_slots[:, :width], full.unsqueeze(1), False, None, None)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")

@@ -17,8 +17,9 @@ import torch
 
 from specserve.attention import ForwardBatch
 from specserve.config import ConfigError
+from specserve.models.loader import dtype_name
 from specserve.spec.base import register_proposer
-from specserve.spec.eagle import EagleProposer, dtype_name
+from specserve.spec.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
 
