@@ -42,9 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: ``--speculative-draft-dtype auto`` runs a draft of at most this many parameters in float32 on CPU under a
 #: bf16/fp16 target. Its float32 weights (32 MiB at most) stay in a server CPU's caches, so its forwards are bound
-#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: the demo
-#: drafts, EAGLE-3 ~4% and STANDALONE ~8% more tokens/s). Larger drafts stream their weights, half as many bytes
-#: in bf16, so they keep the target's dtype.
+#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: at batch 1
+#: the demo drafts give STANDALONE 9% and EAGLE-3 1.5-3% more tokens/s). Larger drafts stream their weights, half
+#: as many bytes in bf16, so they keep the target's dtype.
 CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
 
 
