@@ -41,7 +41,7 @@ from specserve.bench.report import format_table, plot_bars, write_jsonl
 SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
 DTYPES = ("float32", "bfloat16")
 WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
-KV_MARGIN = 64  # KV slots beyond prompt + new tokens: room for a verify step's draft tokens
+KV_MARGIN = 64  # KV slots beyond prompt + new tokens: room for a verify step's draft tokens (at least)
 
 
 @dataclass(frozen=True)
@@ -386,6 +386,16 @@ def assisted_setup(assistant, draft_path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- command
+def kv_margin(args: argparse.Namespace) -> int:
+    """KV slots beyond prompt + new tokens: a speculative step holds a request's verify nodes and drafting scratch
+    (N + K x (S - 1), see Proposer.draft_slots_per_request) on top of its tokens; a request that cannot get them
+    alone is failed, which would cut its output short."""
+    if args.eagle3_tree is None:
+        return KV_MARGIN
+    steps, topk, tokens = args.eagle3_tree
+    return max(KV_MARGIN, tokens + topk * steps + 1)
+
+
 def run_bench(args: argparse.Namespace) -> list[dict]:
     """Tokenize, load, warm up, run every prompt through the configurations in turn -> the rows."""
     import transformers
@@ -399,7 +409,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     encode = transformers.AutoTokenizer.from_pretrained(resolve_path(args.model_path)).encode
     prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts(args.num_prompts)]
     warmup = encode(WARMUP_TEXT, add_special_tokens=True)
-    kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + KV_MARGIN  # batch 1: one request
+    kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + kv_margin(args)  # one request
     loaded = Loaded()
     try:
         load_all(args, threads, kv_tokens, loaded)
@@ -407,6 +417,9 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         rounds = [run_set(loaded.runners, prompts, warmup, loaded.prepare,
                           desc="prompts" if args.rounds == 1 else f"prompts, round {i + 1}/{args.rounds}")
                   for i in range(args.rounds)]
+        for name, tally in merge_rounds(rounds).items():
+            if tally.tokens != len(prompts) * args.max_new_tokens * args.rounds:
+                _log(f"warning: {name} generated {tally.tokens} tokens, not {args.max_new_tokens} per prompt")
     finally:
         for engine in loaded.engines:
             engine.shutdown()

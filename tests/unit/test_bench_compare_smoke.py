@@ -128,3 +128,15 @@ def test_bench_compare_rounds_end_to_end(tmp_path, llama_dir, capsys):
 def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     assert main(argv) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_large_tree_still_generates_every_token(tmp_path, llama_dir):
+    """A 5/8/40 tree holds 40 verify nodes + 8 x 4 drafting slots per step, more than the default KV margin of 64
+    slots: the KV cache is sized for it, so no request is cut short."""
+    head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
+    out = tmp_path / "out"
+    assert cli_main(["bench-compare", "--model-path", llama_dir, "--eagle3-path", head, "--only", "eagle3",
+                     "--num-prompts", "1", "--max-new-tokens", "8", "--num-threads", "1", "--eagle3-tree", "5,8,40",
+                     "--always-speculate", "--out-dir", str(out)]) == 0
+    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    assert by["ours_eagle3"]["tokens"] == 8 and by["ours_eagle3"]["verify_steps"] > 0
