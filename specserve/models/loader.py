@@ -130,6 +130,11 @@ def _model_class(model_path: str, revision, registry: dict | None):
     return model_dir, cls, cls.spec_from_config(cfg)
 
 
+def model_spec(model_path: str, revision=None, registry: dict | None = None) -> ModelSpec:
+    """The ModelSpec of the model at ``model_path`` (its config, read through the registered class)."""
+    return _model_class(model_path, revision, registry)[2]
+
+
 def count_parameters(model_path: str, revision=None, registry: dict | None = None) -> int:
     """Parameters the model at ``model_path`` would load (tied ones once), from its config alone: the model is
     built on the meta device, nothing is read or allocated."""

@@ -21,6 +21,7 @@ from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
+from specserve.spec.base import draft_memory
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class ModelRunner:
         # speculation writes a draft tree / verify nodes past a request's last position
         self.lookahead = _spec_lookahead(args)
         self.model.set_max_positions(self.context_len + self.lookahead + 8)
+        self.draft_memory = draft_memory(args, self.spec, self.dtype, self.device)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(
@@ -110,20 +112,25 @@ class ModelRunner:
         return self._weight_bytes
 
     def _kv_capacity(self) -> int:
-        per_token = KVPool.bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        """KV slots: --max-total-tokens, else what the memory budget leaves after the weights, a slot costing the
+        target's KV plus the drafter's (its pool has one slot per target slot) and the budget paying the draft's
+        weights too."""
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
+        per_token = KVPool.bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        per_token += self.draft_memory.kv_bytes_per_token
         frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION
         if self.device.type == "cuda":  # free memory now + what the weights took = what was free before them
             total = torch.cuda.mem_get_info(self.device)[0] + self.weight_bytes()
         else:
             total = int(self.args.cpu_memory_budget_gb * 2**30)
-        budget = int(total * frac) - self.weight_bytes()
+        budget = int(total * frac) - self.weight_bytes() - self.draft_memory.weight_bytes
         tokens = budget // per_token
         if tokens < MIN_KV_TOKENS:
             raise ConfigError(
                 f"--mem-fraction-static {frac} leaves room for only {max(tokens, 0)} KV tokens after the "
-                f"weights ({self.weight_bytes() / 2**30:.2f} GiB); raise it or set --max-total-tokens"
+                f"weights ({(self.weight_bytes() + self.draft_memory.weight_bytes) / 2**30:.2f} GiB, draft "
+                "included); raise it or set --max-total-tokens"
             )
         # never more than every running request at full context could use
         return int(min(tokens, self.args.effective_max_running_requests * self._context_len() + 1))

@@ -23,10 +23,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from specserve.models.llama import ModelOutput
     from specserve.scheduler.req import Req
     from specserve.spec.batch_policy import TreeShape
     from specserve.spec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """Memory a drafter allocates beside the target: its weights and its KV cache per token slot."""
+
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
 
 
 @dataclass
@@ -64,6 +74,12 @@ class Proposer(ABC):
     #: steps - 1 per tree, fewer where drafting stopped early; both stay 0 for drafters without levels (NGRAM)
     draft_trees: int = 0
     draft_forwards: int = 0
+
+    @classmethod
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+        """What this drafter will allocate beside the target, known before it is built (the target's KV capacity
+        is sized from what is left): none by default."""
+        return DraftMemory()
 
     def draft_slots_per_request(self) -> int:
         """Scratch KV slots per request the drafting phase needs (freed before the verify forward)."""
@@ -111,16 +127,28 @@ def create_proposer(args, runner, alloc) -> Proposer:
 
     alloc(n) -> n free KV slot indices (evicting from the prefix cache when needed) or None.
     """
+    return proposer_class(args, runner.spec)(args, runner, alloc)
+
+
+def proposer_class(args, target_spec) -> type[Proposer]:
+    """The Proposer class --speculative-algorithm selects for this target (EAGLE without a draft path: MTP)."""
     from specserve.config import ConfigError
     from specserve.spec import eagle, eagle3, mtp, ngram, standalone  # noqa: F401 - registration side effects
 
     algo = args.speculative_algorithm
     if algo == "EAGLE" and not args.speculative_draft_model_path:
-        algo = _builtin_draft_algorithm(runner.spec)
+        algo = _builtin_draft_algorithm(target_spec)
     cls = PROPOSERS.get(algo)
     if cls is None:
         raise ConfigError(f"--speculative-algorithm {algo} is not available in this build yet")
-    return cls(args, runner, alloc)
+    return cls
+
+
+def draft_memory(args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+    """What speculative decoding will allocate beside the target (nothing without it)."""
+    if args.speculative_algorithm is None:
+        return DraftMemory()
+    return proposer_class(args, target_spec).memory_cost(args, target_spec, target_dtype, device)
 
 
 def _builtin_draft_algorithm(spec) -> str:

@@ -31,8 +31,8 @@ from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.cpu_packing import mix_linears_for_cpu, pack_linears_for_cpu
-from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model
-from specserve.spec.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
+from specserve.spec.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.batch_policy import TreeShape
 from specserve.spec.heads.eagle import EAGLE_HEADS
 from specserve.spec.token_map import HotVocabHead
@@ -46,6 +46,12 @@ logger = logging.getLogger(__name__)
 #: the demo drafts give STANDALONE 9% and EAGLE-3 1.5-3% more tokens/s). Larger drafts stream their weights, half
 #: as many bytes in bf16, so they keep the target's dtype.
 CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
+
+
+def _mixed_linears(args, device: torch.device, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+    """A float32 draft under a half-precision target on CPU gets MixedLinears (packed bf16 for large calls)."""
+    return (device.type == "cpu" and not args.disable_cpu_weight_packing and draft_dtype == torch.float32
+            and target_dtype in (torch.bfloat16, torch.float16))
 
 
 def resolve_draft_dtype(flag: str, target_dtype: torch.dtype, device_type: str, num_params: int) -> torch.dtype:
@@ -90,9 +96,10 @@ class EagleProposer(Proposer):
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
+        spec = self.head_spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
-            self._num_kv_layers(), runner.max_total_tokens, self.head_spec.num_kv_heads, self.head_spec.head_dim,
-            self.draft_dtype, self.device,
+            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim, self.draft_dtype,
+            self.device,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -112,16 +119,30 @@ class EagleProposer(Proposer):
         self._check_head(head, spec)
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(head)
-            if self.draft_dtype == torch.float32 and self.runner.dtype in (torch.bfloat16, torch.float16):
-                mix_linears_for_cpu(head)
+        if _mixed_linears(args, self.device, self.draft_dtype, self.runner.dtype):
+            mix_linears_for_cpu(head)
         return head, spec
 
     def _make_hot_head(self, path: str) -> HotVocabHead:
         """FR-Spec: the LM head the drafts are scored with, restricted to the hot ids (EAGLE: the target's)."""
         return HotVocabHead.for_target(path, self.runner, self.topk, dtype=self.draft_dtype)
 
-    def _num_kv_layers(self) -> int:
+    @classmethod
+    def kv_layers(cls, draft_spec) -> int:
+        """Attention layers of the draft's KV pool (a draft model of this spec)."""
         return 1  # EAGLE heads have one attention layer
+
+    @classmethod
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+        """The draft model's weights and KV pool, from its config and the dtype it will run in. A float32 draft's
+        MixedLinears also hold bf16 copies: counted as 2 bytes per parameter more (an upper bound)."""
+        path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
+        params = count_parameters(path, revision, cls.head_registry)
+        dtype = resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
+        spec = model_spec(path, revision, cls.head_registry)
+        bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
+        return DraftMemory(params * dtype.itemsize + bf16_copies,
+                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, dtype))
 
     def _check_head(self, head, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:

@@ -16,9 +16,10 @@ import logging
 import torch
 
 from specserve.attention import ForwardBatch
+from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.loader import dtype_name
-from specserve.spec.base import register_proposer
+from specserve.spec.base import DraftMemory, register_proposer
 from specserve.spec.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,12 @@ class MtpProposer(EagleProposer):
             logger.warning("--speculative-draft-dtype %s is ignored with MTP: the MTP layer is part of the target "
                            "and runs in its dtype", args.speculative_draft_dtype)
         return layers[0], self.runner.spec
+
+    @classmethod
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+        """The MTP layer's weights are the target's (already counted); its KV pool has one layer of the target's
+        shape, in the target's dtype."""
+        return DraftMemory(0, KVPool.bytes_per_token(1, target_spec.num_kv_heads, target_spec.head_dim, target_dtype))
 
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Tokens fb.input_ids [T] + target (or previous MTP) hidden [T, h] -> MTP hidden [T, h], final-normed."""

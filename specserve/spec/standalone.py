@@ -51,8 +51,9 @@ class StandaloneProposer(EagleProposer):
     head_registry = MODEL_REGISTRY
     root_offset = 1
 
-    def _num_kv_layers(self) -> int:
-        return self.head_spec.num_layers
+    @classmethod
+    def kv_layers(cls, draft_spec) -> int:
+        return draft_spec.num_layers
 
     def _check_head(self, head, spec) -> None:
         target_vocab = self.runner.spec.vocab_size

@@ -261,6 +261,33 @@ def test_server_args_errors_name_the_flag(model_factory):
         Engine(model_path=path, not_a_flag=1)
 
 
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM"])
+def test_kv_capacity_pays_for_the_draft(model_factory, algorithm):
+    """With speculation the memory budget also pays the draft model's weights, and a slot costs the draft's KV
+    too (its pool has a slot per target slot); the figures match what the drafter then allocates. NGRAM has no
+    draft model."""
+    path, draft = model_factory("llama"), model_factory("llama", num_hidden_layers=1, seed=5)
+    kw = dict(speculative_algorithm=algorithm, speculative_num_steps=3, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=4)
+    if algorithm == "STANDALONE":
+        kw["speculative_draft_model_path"] = draft
+    with Engine(model_path=path, mem_fraction_static=0.5, cpu_memory_budget_gb=0.01, **kw) as e:
+        runner, proposer = e.scheduler.runner, e.scheduler.spec.proposer
+        spec = runner.spec
+        target_per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+        if algorithm == "NGRAM":
+            draft_w = draft_per_tok = 0
+        else:
+            draft_w = sum(p.numel() * p.element_size() for p in proposer.head.parameters())
+            pool = proposer.kv_pool
+            draft_per_tok = sum(t.numel() * t.element_size() for t in pool.k + pool.v) // (pool.num_slots + 1)
+        assert runner.draft_memory.weight_bytes == draft_w and runner.draft_memory.kv_bytes_per_token == draft_per_tok
+        expected = (int(0.01 * 2**30 * 0.5) - runner.weight_bytes() - draft_w) // (target_per_tok + draft_per_tok)
+        assert runner.max_total_tokens == min(expected, runner.max_running_requests * runner.context_len + 1)
+        if algorithm == "STANDALONE":
+            assert 0 < draft_w and 0 < draft_per_tok < target_per_tok
+
+
 def test_kv_capacity_from_mem_fraction(model_factory):
     path = model_factory("llama")
     with Engine(model_path=path, mem_fraction_static=0.5, cpu_memory_budget_gb=0.01) as e:
