@@ -95,6 +95,10 @@ class EagleProposer(Proposer):
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
+        if _mixed_linears(args, self.device, self.draft_dtype, runner.dtype):
+            for module in (self.head, self.hot_head):
+                if module is not None:
+                    mix_linears_for_cpu(module)
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.head_spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
@@ -107,8 +111,7 @@ class EagleProposer(Proposer):
         if not args.speculative_draft_model_path:
             raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
         path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
-        self.draft_dtype = resolve_draft_dtype(args.speculative_draft_dtype, self.runner.dtype, self.device.type,
-                                               count_parameters(path, revision, self.head_registry))
+        self.draft_dtype = self.draft_dtype_for(args, self.runner.dtype, self.device)
         head, spec, self.head_dir = load_model(
             path, dtype_name(self.draft_dtype), self.device, revision, registry=self.head_registry,
             load_format=args.load_format, seed=args.random_seed + 1,
@@ -119,8 +122,6 @@ class EagleProposer(Proposer):
         self._check_head(head, spec)
         if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
             pack_linears_for_cpu(head)
-        if _mixed_linears(args, self.device, self.draft_dtype, self.runner.dtype):
-            mix_linears_for_cpu(head)
         return head, spec
 
     def _make_hot_head(self, path: str) -> HotVocabHead:
@@ -133,12 +134,20 @@ class EagleProposer(Proposer):
         return 1  # EAGLE heads have one attention layer
 
     @classmethod
+    def draft_dtype_for(cls, args, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype the draft model at --speculative-draft-model-path is loaded and run in (its size from its
+        config: ``resolve_draft_dtype``)."""
+        params = count_parameters(args.speculative_draft_model_path, args.speculative_draft_model_revision,
+                                  cls.head_registry)
+        return resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
+
+    @classmethod
     def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
         """The draft model's weights and KV pool, from its config and the dtype it will run in. A float32 draft's
         MixedLinears also hold bf16 copies: counted as 2 bytes per parameter more (an upper bound)."""
         path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
         params = count_parameters(path, revision, cls.head_registry)
-        dtype = resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
+        dtype = cls.draft_dtype_for(args, target_dtype, device)
         spec = model_spec(path, revision, cls.head_registry)
         bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
         return DraftMemory(params * dtype.itemsize + bf16_copies,

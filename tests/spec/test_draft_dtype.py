@@ -80,7 +80,7 @@ def test_bf16_draft_under_a_float32_target_is_lossless(target, self_head, bigram
 
 def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
     """bf16 target on CPU, auto: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's LM head
-    rows, so not oneDNN-packed) run in float32; the target's own LM head stays packed bf16."""
+    rows, a MixedLinear like the head's linears) run in float32; the target's own LM head stays packed bf16."""
     from specserve.spec.token_map import save_token_map
 
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
@@ -90,7 +90,8 @@ def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_p
     _gate(path, kw, F32, min_accept_length=1.2)
     with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
         assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
-        assert e.scheduler.spec.proposer.hot_head.proj.weight.dtype == F32
+        hot = e.scheduler.spec.proposer.hot_head.proj
+        assert isinstance(hot, MixedLinear) and hot.weight.dtype == F32
 
 
 @pytest.mark.parametrize("compiled", [False, True])
