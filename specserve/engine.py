@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from specserve.config import ConfigError, ServerArgs
 from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, prepare_requests
+from specserve.models.loader import dtype_name
 from specserve.omp import release_thread_pool
 from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
@@ -358,7 +359,5 @@ def _server_info(s: Scheduler) -> dict:
 
 
 def _draft_dtype_name(proposer) -> str | None:
-    from specserve.models.loader import dtype_name
-
     dtype = getattr(proposer, "draft_dtype", None)
     return None if dtype is None else dtype_name(dtype)

@@ -177,11 +177,14 @@ def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
     from specserve.bench.bench_core import compare_ids
 
     tallies = merge_rounds(rounds)
+    asked = setup["common"]["max_new_tokens"]
     rows = []
     for c in CONFIGS:
         if c.name not in tallies:
             continue
         t = tallies[c.name]
+        if t.tokens != len(t.outputs) * asked * len(rounds):
+            _log(f"warning: {c.name} generated {t.tokens} tokens, not {asked} per prompt")
         spec = c.engine == "specserve" and c.plain is not None
         row = {"config": c.name, "label": c.label, "engine": c.engine, **setup["common"], **setup.get(c.name, {}),
                "num_prompts": len(t.outputs), "tokens": t.tokens, "seconds": t.seconds,
@@ -417,9 +420,6 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         rounds = [run_set(loaded.runners, prompts, warmup, loaded.prepare,
                           desc="prompts" if args.rounds == 1 else f"prompts, round {i + 1}/{args.rounds}")
                   for i in range(args.rounds)]
-        for name, tally in merge_rounds(rounds).items():
-            if tally.tokens != len(prompts) * args.max_new_tokens * args.rounds:
-                _log(f"warning: {name} generated {tally.tokens} tokens, not {args.max_new_tokens} per prompt")
     finally:
         for engine in loaded.engines:
             engine.shutdown()
