@@ -46,8 +46,8 @@ def test_bench_gpu_graph_and_eager_rows(tmp_path, monkeypatch, capsys):
     """With graphs in use (emulated on CPU) part (a) has a second row without them and the ratio of the two."""
     monkeypatch.setenv(EMULATE_ENV, "1")
     out = tmp_path / "out"
-    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "6", "--reps", "3",
-            "--warmup", "0", "--skip", "verify,simulated", "--out-dir", str(out)]
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "32", "--reps", "3",
+            "--warmup", "1", "--skip", "verify,simulated", "--out-dir", str(out)]
     assert bench_gpu.main(argv) == 0
     graphed, eager = [r for r in read_jsonl(str(out / "bench_gpu.jsonl")) if r["part"] == "decode"]
     assert graphed["mode"] == "plain (CUDA graphs: emulate)" and eager["mode"] == "plain, no CUDA graphs"
