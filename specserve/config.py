@@ -86,6 +86,8 @@ class ServerArgs:
     api_key: str | None = field(default=None, metadata={"help": "Require this bearer key on every request."})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error|critical."})
     enable_metrics: bool = field(default=False, metadata={"help": "Serve Prometheus metrics at /metrics."})
+    stream_interval: int = field(default=1, metadata={
+        "help": "A streamed request gets its new tokens every N tokens (non-streaming ones: once, at the finish)."})
     # --- speed ---
     enable_torch_compile: bool = field(
         default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
@@ -165,6 +167,7 @@ class ServerArgs:
         _positive(self, "torch_compile_max_bs")
         _positive(self, "cuda_graph_max_bs", allow_none=True)
         _positive(self, "num_threads", allow_none=True)
+        _positive(self, "stream_interval")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

@@ -193,6 +193,7 @@ class Engine:
             if not single:
                 raise RequestError("stream=True takes a single prompt with n=1", "stream")
             return self._stream(prepared[0])
+        _not_streamed(prepared)
         self.loop.submit(prepared, _collect_deliver)
         results = [self._wait(p.state) for p in prepared]
         return results[0] if single else results
@@ -234,6 +235,7 @@ class Engine:
             if not single:
                 raise RequestError("stream=True takes a single prompt with n=1", "stream")
             return self._astream(prepared[0], deliver)
+        _not_streamed(prepared)
         self.loop.submit(prepared, deliver)
         results = []
         for p in prepared:
@@ -275,6 +277,12 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _not_streamed(prepared: list[PreparedRequest]) -> None:
+    """The caller reads only the finished results: the scheduler sends each request's tokens at its finish."""
+    for p in prepared:
+        p.req.stream = False
 
 
 class _Collector:

@@ -57,6 +57,10 @@ class Req:
         self.created = time.monotonic()
         self.admitted_once = False
         self.pending_text = ""  # stop-string requests: text produced since the last output
+        # outputs: a streamed request's tokens go out every --stream-interval tokens, others' at the finish
+        self.stream = True
+        self.sent_tokens = 0  # output tokens already in an output
+        self.sent_logprobs = 0  # entries of logprobs / top_logprobs already in an output
         # speculative decoding: the proposer's per-request state and the request's counters
         self.spec_state: Any = None
         self.spec_verify_ct = 0  # verify forwards this request took part in

@@ -464,12 +464,12 @@ class Scheduler:
             if lp is not None and req.wants_logprobs():
                 req.logprobs.append((float(lp[0][i]), tok))
                 req.top_logprobs.append(lp[1][i])
-            n_before = len(req.logprobs) - 1
             self._append_token(req, tok)
             self.stats.generated_tokens += 1
             if req.finished:
                 self._release(req)
-            outputs.append(self._step_output(req, [tok], n_before))
+            if (out := self._step_output(req)) is not None:
+                outputs.append(out)
         return outputs
 
     def _logprobs(self, reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor):
@@ -514,11 +514,18 @@ class Scheduler:
         past min_new_tokens, max_new_tokens, the context length): ``_check_finish`` minus stop strings."""
         return self.hits_stop_id(req, tok, n_out) or self.ends_by_length(req, n_out)
 
-    def _step_output(self, req: Req, new_ids: list[int], logprob_start: int,
-                     completion: int | None = None) -> ReqOutput:
-        """completion: output tokens so far (default len(req.output_ids); the overlap scheduler passes its own
-        count, as the forward thread may already have appended the next step's tokens)."""
+    def _step_output(self, req: Req, completion: int | None = None) -> ReqOutput | None:
+        """req's output tokens not sent yet, as one output, or None while they may wait (``should_send``).
+
+        completion: output tokens so far (default len(req.output_ids); the overlap scheduler passes its own count,
+        as the forward thread may already have appended the next step's tokens)."""
         completion = len(req.output_ids) if completion is None else completion
+        if not self.should_send(req, completion):
+            return None
+        new_ids = req.output_ids[req.sent_tokens : completion]
+        new_logprobs = req.logprobs[req.sent_logprobs :] if req.wants_logprobs() else []
+        new_top = req.top_logprobs[req.sent_logprobs :] if req.wants_logprobs() else []
+        req.sent_tokens, req.sent_logprobs = completion, len(req.logprobs)
         return ReqOutput(
             rid=req.rid,
             new_token_ids=new_ids,
@@ -526,11 +533,22 @@ class Scheduler:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=completion,
             cached_tokens=req.cached_tokens,
-            new_logprobs=req.logprobs[logprob_start:] if req.wants_logprobs() else [],
-            new_top_logprobs=req.top_logprobs[logprob_start:] if req.wants_logprobs() else [],
+            new_logprobs=new_logprobs,
+            new_top_logprobs=new_top,
             new_text=self._take_text(req),
             spec=req.spec_meta(completion) if self.spec else {},
         )
+
+    def should_send(self, req: Req, completion: int) -> bool:
+        """Whether req's unsent tokens go out now: always when it finishes; its first token at once (time to first
+        token); then, for a streamed request, every ``--stream-interval`` tokens. A non-streaming request's
+        caller only reads the finished result, so its tokens wait for the finish (SGLang's rule)."""
+        if req.finished:
+            return True
+        pending = completion - req.sent_tokens
+        if pending <= 0:
+            return False
+        return req.sent_tokens == 0 or (req.stream and pending >= self.args.stream_interval)
 
     @staticmethod
     def _take_text(req: Req) -> str | None:
@@ -540,6 +558,9 @@ class Scheduler:
         return text
 
     def _finish_output(self, req: Req, reason: dict) -> ReqOutput:
+        """Finish req with `reason` (an abort, a failure) -> its last output, with any tokens not sent yet."""
         req.finished_reason = reason
-        return self._step_output(req, [], len(req.logprobs))
+        out = self._step_output(req)
+        assert out is not None  # a finished request always gets its output
+        return out
 

@@ -150,7 +150,7 @@ class SpecDecoder:
     def timed_plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
         started = self.step_start()
         outputs = self._plain_step(reqs)
-        self.record_step(started, len(reqs), False, sum(len(o.new_token_ids) for o in outputs))
+        self.record_step(started, len(reqs), False, len(reqs))  # a token each (outputs may hold them back)
         return outputs
 
     def step_start(self) -> tuple[float, int]:
@@ -340,7 +340,7 @@ class SpecDecoder:
         for b, req in enumerate(record.reqs):
             if req.finished:  # a stop string in the previous step's output: this step's tokens are dropped
                 continue
-            n_before, emitted = len(req.logprobs), []
+            emitted = []
             for k, tok in enumerate(record.tokens[b][: record.taken[b]]):
                 if lp is not None and req.wants_logprobs():
                     req.logprobs.append(lp[b][0][k])
@@ -355,7 +355,8 @@ class SpecDecoder:
             completion = record.n_out[b] + len(emitted)
             if req.finished:
                 done.append((req, completion))
-            outputs.append(self.sched._step_output(req, emitted, n_before, completion))
+            if (out := self.sched._step_output(req, completion)) is not None:
+                outputs.append(out)
         return outputs, done
 
     def release_done(self, done: list[tuple[Req, int]]) -> None:

@@ -56,16 +56,19 @@ class ReqSpec:
     params: SamplingParams
     stop_ids: set[int]
     seed: int | None  # the request's generator seed; None for greedy requests (no generator)
+    stream: bool = True  # False: the server reads only the finished result (see Req.stream)
 
     @classmethod
     def from_req(cls, req: Req) -> ReqSpec:
         seed = req.generator.initial_seed() if req.generator is not None else None
-        return cls(req.rid, req.origin_input_ids, req.params, req.stop_ids, seed)
+        return cls(req.rid, req.origin_input_ids, req.params, req.stop_ids, seed, req.stream)
 
     def to_req(self, tokenizer, device: torch.device) -> Req:
         gen = None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
         checker = StopChecker(tokenizer, self.params) if self.params.stop_strs else None
-        return Req(self.rid, self.input_ids, self.params, self.stop_ids, gen, checker)
+        req = Req(self.rid, self.input_ids, self.params, self.stop_ids, gen, checker)
+        req.stream = self.stream
+        return req
 
 
 def runtime_state(s: Scheduler) -> dict:
