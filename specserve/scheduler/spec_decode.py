@@ -340,19 +340,19 @@ class SpecDecoder:
         for b, req in enumerate(record.reqs):
             if req.finished:  # a stop string in the previous step's output: this step's tokens are dropped
                 continue
-            emitted = []
+            emitted = 0  # the step's tokens up to the finish, if any (the forward part appended them)
             for k, tok in enumerate(record.tokens[b][: record.taken[b]]):
                 if lp is not None and req.wants_logprobs():
                     req.logprobs.append(lp[b][0][k])
                     req.top_logprobs.append(lp[b][1][k])
-                emitted.append(tok)
+                emitted += 1
                 self.sched._check_finish(req, tok, record.n_out[b] + k + 1)
                 if req.finished:
                     break
             if record.stopped[b] and not req.finished:
                 raise RuntimeError(f"request {req.rid} stopped in the forward part but not by the finish checks")
-            self._count(req, len(record.tokens[b]) - 1, len(emitted), record.n_nodes[b] - 1, record.depths[b])
-            completion = record.n_out[b] + len(emitted)
+            self._count(req, len(record.tokens[b]) - 1, emitted, record.n_nodes[b] - 1, record.depths[b])
+            completion = record.n_out[b] + emitted
             if req.finished:
                 done.append((req, completion))
             if (out := self.sched._step_output(req, completion)) is not None:

@@ -169,7 +169,6 @@ class RequestManager:
         self._jobs[rid] = job
         for i, p in enumerate(prepared):
             self._routes[p.req.rid] = (job, i)
-        for p in prepared:
             p.req.stream = stream  # a non-streaming job reads only finished results (Req.stream)
         self.worker.send(("add", [ReqSpec.from_req(p.req) for p in prepared]))
         return job

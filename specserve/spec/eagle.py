@@ -134,11 +134,13 @@ class EagleProposer(Proposer):
         return 1  # EAGLE heads have one attention layer
 
     @classmethod
-    def draft_dtype_for(cls, args, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """The dtype the draft model at --speculative-draft-model-path is loaded and run in (its size from its
-        config: ``resolve_draft_dtype``)."""
-        params = count_parameters(args.speculative_draft_model_path, args.speculative_draft_model_revision,
-                                  cls.head_registry)
+    def draft_dtype_for(cls, args, target_dtype: torch.dtype, device: torch.device,
+                        params: int | None = None) -> torch.dtype:
+        """The dtype the draft model at --speculative-draft-model-path is loaded and run in (``resolve_draft_dtype``;
+        params: its parameter count when the caller has it, else counted from its config)."""
+        if params is None:
+            params = count_parameters(args.speculative_draft_model_path, args.speculative_draft_model_revision,
+                                      cls.head_registry)
         return resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
 
     @classmethod
@@ -147,7 +149,7 @@ class EagleProposer(Proposer):
         MixedLinears also hold bf16 copies: counted as 2 bytes per parameter more (an upper bound)."""
         path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
         params = count_parameters(path, revision, cls.head_registry)
-        dtype = cls.draft_dtype_for(args, target_dtype, device)
+        dtype = cls.draft_dtype_for(args, target_dtype, device, params)
         spec = model_spec(path, revision, cls.head_registry)
         bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
         return DraftMemory(params * dtype.itemsize + bf16_copies,
