@@ -7,6 +7,7 @@ from specserve.attention.backend import (
     attended_slots,
     attention,
     build_attn_metadata,
+    decode_attn_metadata,
     extend_batch,
     extend_inputs,
     last_token_rows,
@@ -15,4 +16,5 @@ from specserve.attention.backend import (
 )
 
 __all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attended_slots", "attention", "build_attn_metadata",
-           "extend_batch", "extend_inputs", "last_token_rows", "mixed_attn_metadata", "prefix_visible"]
+           "decode_attn_metadata", "extend_batch", "extend_inputs", "last_token_rows", "mixed_attn_metadata",
+           "prefix_visible"]

@@ -119,6 +119,21 @@ def build_attn_metadata(
     return AttnMetadata(bsz, max_q, kv_slots, mask.unsqueeze(1), False, q_index, out_index)
 
 
+def decode_attn_metadata(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                         kv_lens: list[int]) -> AttnMetadata:
+    """Plain decode, one new token per request: rows [B] of req_to_token [R, C] whose requests hold kv_lens[b]
+    keys, the new one at positions[b] (= kv_lens[b] - 1, as a [B] tensor) -> AttnMetadata.
+
+    build_attn_metadata's one-query case in two or three tensor ops instead of about eight: between two forwards
+    every op costs ~10-20 us on the CPU, so this is part of what a small model's decode step costs."""
+    max_kv = max(kv_lens)
+    kv_slots = table[rows, :max_kv]  # [B, Kmax]
+    if min(kv_lens) == max_kv:
+        return AttnMetadata(len(kv_lens), 1, kv_slots, None, False, None, None)
+    mask = torch.arange(max_kv, device=table.device) <= positions[:, None]  # [B, Kmax]: each request's own keys
+    return AttnMetadata(len(kv_lens), 1, kv_slots, mask[:, None, None, :], False, None, None)
+
+
 def prefix_visible(custom: torch.Tensor, kv_len: int) -> torch.Tensor:
     """custom [B, Q, t] bool over each request's last t keys -> [B, Q, kv_len]: the kv_len - t keys before them
     (the prefix) visible to every query, then custom."""

@@ -27,8 +27,7 @@ import torch
 from specserve.attention import (
     ForwardBatch,
     ForwardMode,
-    attended_slots,
-    build_attn_metadata,
+    decode_attn_metadata,
     extend_inputs,
     last_token_rows,
     mixed_attn_metadata,
@@ -392,13 +391,11 @@ class Scheduler:
         """A slot per request for its next token, written into req_to_token -> (ids [B], positions [B],
         out_cache_loc [B], AttnMetadata)."""
         slots = self._alloc(len(reqs))
-        positions = [r.seq_len - 1 for r in reqs]
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
-        ids_pos = torch.tensor([[r.last_token for r in reqs], positions], device=self.device)  # [2, B]
-        self.req_pool.req_to_token[rows, ids_pos[1]] = slots
-        kv_lens = [p + 1 for p in positions]
-        attn = build_attn_metadata(attended_slots(self.req_pool.req_to_token, rows, kv_lens), kv_lens, [1] * len(reqs))
-        return ids_pos[0], ids_pos[1], slots, attn
+        kv_lens = [r.seq_len for r in reqs]  # the new token is the last key
+        host = [r.req_pool_idx for r in reqs] + [n - 1 for n in kv_lens] + [r.last_token for r in reqs]
+        rows, positions, ids = torch.tensor(host, dtype=torch.int64, device=self.device).view(3, -1).unbind(0)  # [B]
+        self.req_pool.req_to_token[rows, positions] = slots
+        return ids, positions, slots, decode_attn_metadata(self.req_pool.req_to_token, rows, positions, kv_lens)
 
     def _count_decode_step(self) -> None:
         self.stats.num_decode_steps += 1

@@ -200,3 +200,21 @@ def test_attended_slots_takes_only_the_attended_columns():
     table = torch.arange(4 * 10).view(4, 10)  # 4 rows, a context of 10 columns
     got = attended_slots(table, torch.tensor([2, 0]), [3, 5])
     assert got.tolist() == [[20, 21, 22, 23, 24], [0, 1, 2, 3, 4]]
+
+
+def test_decode_metadata_hand_checked_and_equal_to_the_general_builder():
+    """decode_attn_metadata (the plain decode step's builder): rows 2 and 0 of a 4 x 6 table holding 3 and 5 keys.
+    Hand-checked slots and mask; the same fields as build_attn_metadata's one-query case; no mask when the lengths
+    are equal."""
+    from specserve.attention import decode_attn_metadata
+
+    table = torch.arange(4 * 6).view(4, 6)
+    rows, positions = torch.tensor([2, 0]), torch.tensor([2, 4])  # the new token is each request's last key
+    md = decode_attn_metadata(table, rows, positions, [3, 5])
+    assert md.kv_slots.tolist() == [[12, 13, 14, 15, 16], [0, 1, 2, 3, 4]]
+    assert md.mask[:, 0, 0].tolist() == [[True, True, True, False, False], [True] * 5]
+    assert (md.batch_size, md.max_q_len, md.is_causal, md.q_index, md.out_index) == (2, 1, False, None, None)
+    general = build_attn_metadata(table[rows], [3, 5], [1, 1])
+    assert torch.equal(md.kv_slots, general.kv_slots) and torch.equal(md.mask, general.mask)
+    same = decode_attn_metadata(table, rows, torch.tensor([3, 3]), [4, 4])
+    assert same.mask is None and same.kv_slots.tolist() == [[12, 13, 14, 15], [0, 1, 2, 3]]
