@@ -143,15 +143,40 @@ def prefix_visible(custom: torch.Tensor, kv_len: int) -> torch.Tensor:
 
 def mixed_attn_metadata(parts: list[tuple[int, AttnMetadata]]) -> AttnMetadata:
     """Groups of consecutive rows [(rows, metadata), ...] in forward order -> one metadata attending each group
-    on its own (e.g. B one-token decode rows, then a prefill chunk)."""
-    return AttnMetadata(sum(md.batch_size for _, md in parts), max(md.max_q_len for _, md in parts), None, None,
-                        False, None, None, groups=parts)
+    on its own (e.g. B one-token decode rows, then a prefill chunk). A part that is itself grouped is flattened."""
+    flat = [g for rows, md in parts for g in (md.groups if md.groups is not None else [(rows, md)])]
+    return AttnMetadata(sum(md.batch_size for _, md in flat), max(md.max_q_len for _, md in flat), None, None,
+                        False, None, None, groups=flat)
 
 
-def extend_inputs(table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]]):
+#: A prefill batch attends request by request (one SDPA call each) when padding every request to the longest one
+#: would waste, on average, at least this many (query, key) scores per request. Inside a forward, a request's own
+#: call costs about as much as 10-16K padded scores of a small model on the CPU, so prompts of similar lengths stay
+#: padded (the split measured no faster there); one long prompt padded beside short ones costs far more: 4.5-22x
+#: the split prefill's time (docs/benchmarks.md).
+MIN_PADDING_PER_REQUEST = 16384
+
+
+def padding_waste(kv_lens: list[int], q_lens: list[int]) -> int:
+    """(query, key) scores a padded [B, Qmax, Kmax] attention computes beyond each request's own q_len x kv_len."""
+    return len(q_lens) * max(q_lens) * max(kv_lens) - sum(q * k for q, k in zip(q_lens, kv_lens, strict=True))
+
+
+def per_request_metadata(kv_slots: torch.Tensor, kv_lens: list[int], q_lens: list[int]) -> AttnMetadata:
+    """build_attn_metadata's causal case, one group per request: no padding, and a request without a prefix runs
+    SDPA's causal kernel, which skips the blocks above the diagonal."""
+    return mixed_attn_metadata([(q, build_attn_metadata(kv_slots[b : b + 1], [k], [q]))
+                                for b, (k, q) in enumerate(zip(kv_lens, q_lens, strict=True))])
+
+
+def extend_inputs(table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]],
+                  may_split: bool = False):
     """The pieces of an extend forward: requests that each append tokens[b] at positions starts[b].. of row
     rows[b] of the req_to_token table (whose slots there are already written), attending causally over the row's
-    earlier slots -> (ids [T], positions [T], out_cache_loc [T], AttnMetadata)."""
+    earlier slots -> (ids [T], positions [T], out_cache_loc [T], AttnMetadata).
+
+    may_split: attend request by request where padding would waste more (``MIN_PADDING_PER_REQUEST``); for
+    eager forwards only (a compiled one would unroll a loop whose length varies with the batch)."""
     device = table.device
     q_lens = [len(t) for t in tokens]
     pieces = list(zip(rows, starts, q_lens, strict=True))
@@ -159,8 +184,10 @@ def extend_inputs(table: torch.Tensor, rows: list[int], starts: list[int], token
     positions = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(device)  # [T]
     out_loc = torch.cat([table[r, s : s + n] for r, s, n in pieces])  # [T]
     kv_lens = [s + n for _, s, n in pieces]
-    attn = build_attn_metadata(attended_slots(table, torch.tensor(rows, device=device), kv_lens), kv_lens, q_lens)
-    return ids, positions, out_loc, attn
+    kv_slots = attended_slots(table, torch.tensor(rows, device=device), kv_lens)
+    if may_split and padding_waste(kv_lens, q_lens) >= MIN_PADDING_PER_REQUEST * len(q_lens):
+        return ids, positions, out_loc, per_request_metadata(kv_slots, kv_lens, q_lens)
+    return ids, positions, out_loc, build_attn_metadata(kv_slots, kv_lens, q_lens)
 
 
 def attended_slots(table: torch.Tensor, rows: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:

@@ -310,7 +310,8 @@ class Scheduler:
     def _prefill_inputs(self, batch: list[tuple[Req, int]]):
         """(ids [T], positions [T], out_cache_loc [T], AttnMetadata) of the batch's prefill chunks."""
         return extend_inputs(self.req_pool.req_to_token, [r.req_pool_idx for r, _ in batch],
-                             [r.kv_len for r, _ in batch], [r.fill_ids[r.kv_len : r.kv_len + t] for r, t in batch])
+                             [r.kv_len for r, _ in batch], [r.fill_ids[r.kv_len : r.kv_len + t] for r, t in batch],
+                             may_split=True)
 
     def _after_prefill(self, batch: list[tuple[Req, int]], out, decode_reqs: list[Req]) -> list[ReqOutput]:
         """After a forward whose logits rows are decode_reqs' (one each, first) then the batch's last chunk rows:

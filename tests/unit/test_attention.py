@@ -218,3 +218,71 @@ def test_decode_metadata_hand_checked_and_equal_to_the_general_builder():
     assert torch.equal(md.kv_slots, general.kv_slots) and torch.equal(md.mask, general.mask)
     same = decode_attn_metadata(table, rows, torch.tensor([3, 3]), [4, 4])
     assert same.mask is None and same.kv_slots.tolist() == [[12, 13, 14, 15], [0, 1, 2, 3]]
+
+
+def test_padding_waste_hand_checked():
+    from specserve.attention.backend import padding_waste
+
+    # padded: 3 requests x 4 queries x 10 keys = 120 scores; their own: 4*10 + 1*3 + 2*6 = 55
+    assert padding_waste([10, 3, 6], [4, 1, 2]) == 65
+    assert padding_waste([7, 7], [7, 7]) == 0
+
+
+def test_per_request_groups_equal_padded_attention(monkeypatch):
+    """A prefill batch split into one group per request (``extend_inputs(..., may_split=True)`` when padding would
+    waste enough): a long prompt, a short one, a chunk after a cached prefix and a one-token chunk. Same outputs as
+    the padded [B, Qmax, Kmax] attention, and no group is padded. Nested groups flatten inside a mixed batch."""
+    from specserve.attention import backend, extend_inputs, mixed_attn_metadata
+
+    monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 0)  # split whatever the padding
+    torch.manual_seed(4)
+    H, Hkv, D = 4, 2, 8
+    rows, starts, q_lens = [0, 1, 2, 3], [0, 0, 5, 9], [40, 3, 6, 1]
+    pool = KVPool(1, 128, Hkv, D, torch.float32, "cpu")
+    table = ReqToTokenPool(4, 64, "cpu")
+    alloc = SlotAllocator(128, "cpu")
+    for row, s, n in zip(rows, starts, q_lens, strict=True):
+        table.write(row, 0, alloc.alloc(s + n))
+        pool.k[0][table.req_to_token[row, :s]] = torch.randn(s, Hkv, D)  # the cached prefix
+        pool.v[0][table.req_to_token[row, :s]] = torch.randn(s, Hkv, D)
+    tokens = [[5] * n for n in q_lens]
+    _, _, loc, padded = extend_inputs(table.req_to_token, rows, starts, tokens)
+    _, _, loc2, split = extend_inputs(table.req_to_token, rows, starts, tokens, may_split=True)
+    assert padded.groups is None and torch.equal(loc, loc2)
+    assert [n for n, _ in split.groups] == q_lens
+    assert [md.max_q_len for _, md in split.groups] == q_lens and split.groups[0][1].is_causal  # no prefix
+    T = sum(q_lens)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+
+    def run(md):
+        fb = ForwardBatch(ForwardMode.EXTEND, torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long),
+                          loc, md, pool)
+        return attention(q, k, v, 0, fb, scale=D**-0.5)
+
+    torch.testing.assert_close(run(split), run(padded), atol=1e-5, rtol=1e-5)
+    nested = mixed_attn_metadata([(2, padded), (T, split)])
+    assert len(nested.groups) == 1 + len(q_lens) and nested.batch_size == 2 * len(q_lens)
+
+
+def test_extend_splits_only_where_padding_wastes(monkeypatch):
+    """The rule: split when padding wastes at least MIN_PADDING_PER_REQUEST scores per request on average."""
+    from specserve.attention import backend, extend_inputs
+
+    table = torch.arange(2 * 512).view(2, 512)
+    tokens = [[1] * 100, [1] * 90]  # padded 2*100*100, their own 100*100 + 90*90: 1900 wasted, 950 per request
+    monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 950)
+    assert extend_inputs(table, [0, 1], [0, 0], tokens, may_split=True)[3].groups is not None
+    assert extend_inputs(table, [0, 1], [0, 0], tokens)[3].groups is None  # a caller that may not split
+    monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 951)
+    assert extend_inputs(table, [0, 1], [0, 0], tokens, may_split=True)[3].groups is None
+
+
+def test_default_rule_splits_a_long_prompt_among_short_ones():
+    from specserve.attention import extend_inputs
+
+    table = torch.arange(16 * 2048).view(16, 2048)
+    rows = list(range(16))
+    long_and_short = [[1] * 1024] + [[1] * 16] * 15  # padding: 16 x 1024 x 1024 scores for ~1.05M real ones
+    assert extend_inputs(table, rows, [0] * 16, long_and_short, may_split=True)[3].groups is not None
+    similar = [[1] * n for n in range(8, 128, 8)][:15] + [[1] * 128]  # the padding wastes ~2x, little per request
+    assert extend_inputs(table, rows, [0] * 16, similar, may_split=True)[3].groups is None
