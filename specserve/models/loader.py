@@ -70,7 +70,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def resolve_dtype(name: str, spec: ModelSpec) -> torch.dtype:
     if name != "auto":
         return DTYPE_NAMES[name]
-    return DTYPE_NAMES.get(str(spec.torch_dtype).replace("torch.", ""), torch.float32)
+    return DTYPE_NAMES.get(dtype_name(spec.torch_dtype), torch.float32)  # "bfloat16" and "torch.bfloat16" alike
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -37,6 +37,7 @@ import torch
 
 from specserve.config import ServerArgs
 from specserve.engine import SchedulerLoop, _server_info, load_tokenizer
+from specserve.models.loader import dtype_name
 from specserve.sampling.detokenizer import StopChecker
 from specserve.sampling.params import SamplingParams
 from specserve.scheduler.req import Req, ReqOutput
@@ -154,7 +155,7 @@ def model_info(s: Scheduler, tokenizer) -> dict:
         "max_running_requests": runner.max_running_requests,
         "eos_token_ids": sorted(eos),
         "device": str(runner.device),
-        "dtype": str(runner.dtype).replace("torch.", ""),
+        "dtype": dtype_name(runner.dtype),
         "worker_pid": os.getpid(),
     }
 

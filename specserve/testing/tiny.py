@@ -14,6 +14,7 @@ import sysconfig
 
 import torch
 
+from specserve.models.loader import dtype_name
 from specserve.train.tokenizer import train_tokenizer
 
 
@@ -120,7 +121,7 @@ def _set_dtype(out_dir: str, dtype: torch.dtype) -> None:
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)
-    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    cfg["torch_dtype"] = dtype_name(dtype)
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
 
