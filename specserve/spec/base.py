@@ -33,10 +33,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DraftMemory:
-    """Memory a drafter allocates beside the target: its weights and its KV cache per token slot."""
+    """Memory a drafter allocates beside the target: its weights and its KV cache per token slot, and the dtype a
+    separate draft model is loaded in (sized here, so the drafter loads it in that dtype; None: no such model)."""
 
     weight_bytes: int = 0
     kv_bytes_per_token: int = 0
+    dtype: torch.dtype | None = None
 
 
 @dataclass

@@ -111,7 +111,7 @@ class EagleProposer(Proposer):
         if not args.speculative_draft_model_path:
             raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
         path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
-        self.draft_dtype = self.draft_dtype_for(args, self.runner.dtype, self.device)
+        self.draft_dtype = self.runner.draft_memory.dtype  # resolved once, by memory_cost, for the KV capacity
         head, spec, self.head_dir = load_model(
             path, dtype_name(self.draft_dtype), self.device, revision, registry=self.head_registry,
             load_format=args.load_format, seed=args.random_seed + 1,
@@ -134,26 +134,17 @@ class EagleProposer(Proposer):
         return 1  # EAGLE heads have one attention layer
 
     @classmethod
-    def draft_dtype_for(cls, args, target_dtype: torch.dtype, device: torch.device,
-                        params: int | None = None) -> torch.dtype:
-        """The dtype the draft model at --speculative-draft-model-path is loaded and run in (``resolve_draft_dtype``;
-        params: its parameter count when the caller has it, else counted from its config)."""
-        if params is None:
-            params = count_parameters(args.speculative_draft_model_path, args.speculative_draft_model_revision,
-                                      cls.head_registry)
-        return resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
-
-    @classmethod
     def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
-        """The draft model's weights and KV pool, from its config and the dtype it will run in. A float32 draft's
-        MixedLinears also hold bf16 copies: counted as 2 bytes per parameter more (an upper bound)."""
+        """The draft model's weights and KV pool, from its config and the dtype it will run in
+        (``resolve_draft_dtype``, which the proposer then loads it in). A float32 draft's MixedLinears also hold bf16
+        copies: counted as 2 bytes per parameter more (an upper bound)."""
         path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
         params = count_parameters(path, revision, cls.head_registry)
-        dtype = cls.draft_dtype_for(args, target_dtype, device, params)
+        dtype = resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
         spec = model_spec(path, revision, cls.head_registry)
         bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
         return DraftMemory(params * dtype.itemsize + bf16_copies,
-                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, dtype))
+                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, dtype), dtype)
 
     def _check_head(self, head, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:
