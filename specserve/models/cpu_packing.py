@@ -27,6 +27,12 @@ logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
+#: The row count oneDNN is told to expect when it packs a weight; it picks the layout from it. On the reference CPU a
+#: hint of 1 gives 64-column blocks and any hint from 8 up gives 32-column blocks, with which a 1113-row prefill
+#: matmul takes ~0.75x the time (the large bench model's linears: 246 vs 325 ms) and 1-16-row calls take the same
+#: (docs/benchmarks.md, session 17).
+PACK_BATCH_HINT = 64
+
 
 def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ a oneDNN-packed weight (+ bias) -> [T, out]."""
@@ -91,7 +97,7 @@ def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor |
     w = linear.weight.detach().to(dtype or linear.weight.dtype)
     bias = None if linear.bias is None else linear.bias.detach().to(w.dtype)
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         probe = torch.randn(3, linear.in_features, dtype=w.dtype)
         got = _packed_matmul(probe, packed, bias)
         want = F.linear(probe, w, bias)

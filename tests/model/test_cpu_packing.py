@@ -17,13 +17,15 @@ from tests.engine.helpers import PROMPTS, greedy
 
 
 def test_packed_linear_matches_plain_linear():
+    """Decode-sized and prefill-sized calls alike (the packed layout is chosen for one row count)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    want = model(x)
+    xs = [torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (1, 5, 300)]
+    wants = [model(x) for x in xs]
     assert pack_linears_for_cpu(model) == 2
     assert all(isinstance(m, PackedLinear) for m in model)
-    torch.testing.assert_close(model(x).float(), want.float(), atol=2e-2, rtol=2e-2)
+    for x, want in zip(xs, wants, strict=True):
+        torch.testing.assert_close(model(x).float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_fp32_is_left_alone():
