@@ -34,7 +34,7 @@ from specserve.attention import (
 )
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
-from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, is_plain_greedy, sample
+from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, greedy_ids, is_plain_greedy, sample
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.scheduler.spec_decode import SpecDecoder
@@ -448,7 +448,7 @@ class Scheduler:
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         """logits [B, V] (one row per req) -> sample, append, check finish, release finished."""
         if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
-            next_ids = logits.argmax(dim=-1)  # nothing to process: skip building the sampling batch
+            next_ids = greedy_ids(logits)  # nothing to process: skip building the sampling batch
         else:
             info = SamplingBatchInfo.from_params(
                 [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],

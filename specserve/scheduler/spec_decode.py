@@ -33,6 +33,7 @@ from specserve.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties_and_bias,
     compute_logprobs,
+    greedy_ids,
     is_plain_greedy,
     position_coins,
     probs_from_logits,
@@ -287,14 +288,14 @@ class SpecDecoder:
         """logits [B, N, V] raw -> VerifyResult, every row judged against its own processed distribution."""
         if self.simulator is not None:  # simulated accept lengths: the target's judgement is ignored
             lens = self.simulator.sample(tree.batch_size, tree.max_depth + 1).to(self.device)  # [B]
-            return simulate_accept(tree, logits.argmax(dim=-1), lens)
+            return simulate_accept(tree, greedy_ids(logits), lens)
         plain = [is_plain_greedy(r.params, len(r.output_ids)) for r in reqs]
         if all(plain):
-            return verify_greedy(tree, logits.argmax(dim=-1))
+            return verify_greedy(tree, greedy_ids(logits))
         info, processed = self._processed(reqs, tree, logits)  # processed [B, N, V]
         greedy = [r.params.is_greedy or self.proposer.force_greedy_verify for r in reqs]
         if all(greedy):
-            return verify_greedy(tree, processed.argmax(dim=-1))
+            return verify_greedy(tree, greedy_ids(processed))
         B, N, V = processed.shape
         probs = probs_from_logits(processed.view(B * N, V), info).view(B, N, V)
         gens = [r.generator for r in reqs]
@@ -307,7 +308,7 @@ class SpecDecoder:
             return sampled
         # greedy rows: their probs are one-hot at the processed argmax, but they must not draw coins from a
         # generator, so they take the greedy walk; results are merged row by row
-        by_argmax = verify_greedy(tree, processed.argmax(dim=-1))
+        by_argmax = verify_greedy(tree, greedy_ids(processed))
         pick = torch.tensor(greedy, device=self.device)
         return _merge_results(pick, by_argmax, sampled)
 

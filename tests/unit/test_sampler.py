@@ -8,6 +8,7 @@ from specserve.sampling import sampler as sampler_mod
 from specserve.sampling.sampler import (
     apply_penalties_and_bias,
     compute_logprobs,
+    greedy_ids,
     position_coin,
     position_coins,
     probs_from_logits,
@@ -63,6 +64,28 @@ def test_from_params_flags_ignore_greedy_rows():
 
 
 # ---------------------------------------------------------------- greedy
+
+
+def test_greedy_ids_by_hand_first_maximum_on_ties():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0],    # tie: the first of the two maxima
+                           [5.0, -1.0, 5.0, 5.0],   # three-way tie at the front
+                           [-3.0, -2.0, -9.0, -2.5],
+                           [1.0, float("nan"), 3.0, float("nan")]])  # NaN counts as the maximum, as in argmax
+    assert greedy_ids(logits).tolist() == [1, 0, 1, 1]
+    assert greedy_ids(logits.to(torch.bfloat16)).tolist() == [1, 0, 1, 1]
+    assert greedy_ids(logits.view(2, 2, 4)).tolist() == [[1, 0], [1, 1]]  # verify logits [B, N, V]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_equal_argmax_on_vocabulary_sized_rows(dtype):
+    """Wide rows with many ties, where the CPU reduction splits the row between threads."""
+    torch.manual_seed(0)
+    logits = torch.randint(-3, 4, (16, 32000)).to(dtype)
+    logits[3, 20000] = 9.0
+    logits[5, 31999] = 9.0
+    ids = greedy_ids(logits)
+    assert ids[3] == 20000 and ids[5] == 31999
+    assert torch.equal(ids, logits.argmax(dim=-1))
 
 
 def test_greedy_is_argmax():
