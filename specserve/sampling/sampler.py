@@ -260,22 +260,71 @@ def probs_from_logits(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     return probs
 
 
+#: top_k / top_p / min_p keep a prefix of each row's tokens in descending order. A row whose kept prefix surely lies
+#: within its FILTER_CANDIDATES most probable tokens is filtered over those (one topk call); other rows sort their
+#: whole vocabulary. On CPU sorting [16, 32000] takes ~21 ms, topk 1024 of it ~3 ms (docs/benchmarks.md, session 17).
+FILTER_CANDIDATES = 1024
+#: A top_p row goes the topk way only when its candidates' mass exceeds top_p by this much, so that float rounding
+#: cannot put the nucleus's end just past them.
+NUCLEUS_MARGIN = 1e-4
+
+
 def _apply_top_k_top_p_min_p(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
-    """probs [B, V] -> filtered and renormalised probs [B, V], with one descending sort."""
+    """probs [B, V] -> filtered and renormalised probs [B, V]. Which way a row is filtered (its top candidates or a
+    full sort) depends on that row alone, so a row's result does not depend on its batch mates. Rows with no
+    filter keep their probabilities."""
     B, V = probs.shape
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V] each
-    if info.need_top_k:
-        rank = torch.arange(V, device=probs.device).view(1, V)  # [1, V]
-        sorted_p = sorted_p.masked_fill(rank >= info.top_ks.view(B, 1), 0.0)
-    if info.need_top_p:
-        renorm = sorted_p / sorted_p.sum(dim=-1, keepdim=True)  # [B, V]
-        mass_before = renorm.cumsum(dim=-1) - renorm  # [B, V] exclusive cumsum
-        top_p = info.top_ps.view(B, 1)
-        # Rows with top_p == 1 are left alone (rounding could otherwise trim their tail).
-        sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1.0), 0.0)
-    if info.need_min_p:
-        threshold = sorted_p[:, :1] * info.min_ps.view(B, 1)  # [B, 1]; column 0 is the max, never masked
-        sorted_p = sorted_p.masked_fill(sorted_p < threshold, 0.0)
+    top_ks, top_ps, min_ps = info.top_ks, info.top_ps, info.min_ps
+    unfiltered = (top_ks >= V) & (top_ps >= 1.0) & (min_ps <= 0.0)  # [B]
+    if V <= FILTER_CANDIDATES:
+        by_head = torch.zeros_like(unfiltered)
+    else:
+        head_p, head_ids = probs.topk(FILTER_CANDIDATES, dim=-1)  # [B, C] each, descending
+        by_head = _kept_within(probs, head_p, top_ks, top_ps, min_ps) & ~unfiltered  # [B]
+    head_rows, sort_rows = by_head.nonzero().view(-1), (~by_head & ~unfiltered).nonzero().view(-1)
+    out = probs.clone()
+    if B and len(head_rows) == B:  # the common case: every row on its candidates, no row indexing
+        return _filter_sorted(probs, head_p, head_ids, top_ks, top_ps, min_ps)
+    if len(head_rows):
+        out[head_rows] = _filter_sorted(probs[head_rows], head_p[head_rows], head_ids[head_rows],
+                                        top_ks[head_rows], top_ps[head_rows], min_ps[head_rows])
+    if len(sort_rows):
+        rows_p = probs[sort_rows]  # [R, V]
+        out[sort_rows] = _filter_sorted(rows_p, *rows_p.sort(dim=-1, descending=True),
+                                        top_ks[sort_rows], top_ps[sort_rows], min_ps[sort_rows])
+    return out
+
+
+def _kept_within(probs: Tensor, head_p: Tensor, top_ks: Tensor, top_ps: Tensor, min_ps: Tensor) -> Tensor:
+    """probs [B, V]; head_p [B, C] their C largest, descending -> [B] bool: every token the row's filters keep is
+    among those C. True when top_k <= C; or, top_k being off, when the C hold the whole nucleus (their share of the
+    row's mass reaches top_p + NUCLEUS_MARGIN) or every token of at least min_p x the maximum."""
+    C, V = head_p.shape[1], probs.shape[1]
+    top_k_off = top_ks >= V
+    nucleus = (top_ps < 1.0) & (head_p.sum(dim=-1) >= (top_ps + NUCLEUS_MARGIN) * probs.sum(dim=-1))
+    min_p_set = (min_ps > 0.0) & ((probs >= head_p[:, :1] * min_ps.view(-1, 1)).sum(dim=-1) <= C)
+    return (top_ks <= C) | (top_k_off & (nucleus | min_p_set))
+
+
+def _filter_sorted(probs: Tensor, sorted_p: Tensor, order: Tensor, top_ks: Tensor, top_ps: Tensor,
+                   min_ps: Tensor) -> Tensor:
+    """probs [R, V]; sorted_p / order [R, C] the rows' C most probable tokens, descending (C = V: all of them),
+    among which are all the tokens the filters keep -> filtered, renormalised probs [R, V]."""
+    R, C = sorted_p.shape
+    V = probs.shape[1]
+    rank = torch.arange(C, device=probs.device).view(1, C)  # [1, C]
+    sorted_p = sorted_p.masked_fill(rank >= top_ks.view(R, 1), 0.0)
+    # top_p renormalises over the top_k survivors: all within the C when top_k <= C, else (top_k off) the whole row
+    total = sorted_p.sum(dim=-1, keepdim=True)  # [R, 1]
+    if C < V:
+        total = torch.where(top_ks.view(R, 1) <= C, total, probs.sum(dim=-1, keepdim=True))
+    renorm = sorted_p / total  # [R, C]
+    mass_before = renorm.cumsum(dim=-1) - renorm  # [R, C] exclusive cumsum
+    top_p = top_ps.view(R, 1)
+    # Rows with top_p == 1 are left alone (rounding could otherwise trim their tail).
+    sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1.0), 0.0)
+    threshold = sorted_p[:, :1] * min_ps.view(R, 1)  # [R, 1]; column 0 is the max, never masked
+    sorted_p = sorted_p.masked_fill(sorted_p < threshold, 0.0)
     sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)  # back to vocabulary order
 

@@ -218,6 +218,51 @@ def test_probs_match_hand_computed(kwargs, expected):
     assert all(probs[0, i].item() == 0.0 for i, e in enumerate(expected) if e == 0)  # exactly 0
 
 
+def _filter_by_full_sort(probs, top_ks, top_ps, min_ps):
+    """The definition, written out: sort every row, mask top_k, then top_p, then min_p, renormalise."""
+    B, V = probs.shape
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p = sorted_p.masked_fill(torch.arange(V).view(1, V) >= top_ks.view(B, 1), 0.0)
+    renorm = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+    before = renorm.cumsum(dim=-1) - renorm
+    sorted_p = sorted_p.masked_fill((before >= top_ps.view(B, 1)) & (top_ps.view(B, 1) < 1.0), 0.0)
+    sorted_p = sorted_p.masked_fill(sorted_p < sorted_p[:, :1] * min_ps.view(B, 1), 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_p / sorted_p.sum(dim=-1, keepdim=True))
+
+
+def test_filters_over_top_candidates_equal_a_full_sort(monkeypatch):
+    """Rows filtered over their FILTER_CANDIDATES largest probabilities (peaked rows, small top_k, min_p) and rows
+    that must sort everything (flat rows with top_p near 1, top_k above the candidates) give the definition's
+    probabilities; each row's result is the same alone as in the batch."""
+    monkeypatch.setattr(sampler_mod, "FILTER_CANDIDATES", 16)
+    torch.manual_seed(0)
+    V = 200
+    peaked, flat = torch.randn(V) * 4, torch.randn(V) * 0.1
+    rows = [  # (logits, top_k, top_p, min_p, goes over the candidates)
+        (peaked, 5, 1.0, 0.0, True),        # top_k <= candidates
+        (peaked, V, 0.8, 0.0, True),        # the nucleus lies in the candidates
+        (flat, V, 0.99, 0.0, False),        # a flat row's nucleus does not
+        (peaked, V, 1.0, 0.3, True),        # min_p keeps few tokens
+        (flat, V, 1.0, 0.5, False),         # ... or many
+        (flat, 50, 0.9, 0.0, False),        # top_k above the candidates: sorted
+        (peaked, 12, 0.7, 0.05, True),      # all three
+        (flat, V, 1.0, 0.0, False),         # no filter: probabilities as they are
+    ]
+    logits = torch.stack([r[0] for r in rows])
+    params = [SamplingParams(temperature=1.0, top_k=-1 if k == V else k, top_p=p, min_p=m) for _, k, p, m, _ in rows]
+    info = make_info(params, V)
+    probs = torch.softmax(logits, dim=-1)
+    want = _filter_by_full_sort(probs, info.top_ks, info.top_ps, info.min_ps)
+    got = probs_from_logits(logits, info)
+    assert torch.equal(got > 0, want > 0)  # the same tokens kept
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    head = sampler_mod._kept_within(probs, probs.topk(16, dim=-1).values, info.top_ks, info.top_ps, info.min_ps)
+    assert head.tolist()[:7] == [r[4] for r in rows][:7]  # both ways were taken
+    for i in range(len(rows)):
+        alone = probs_from_logits(logits[i : i + 1], make_info(params[i : i + 1], V))
+        assert torch.equal(alone[0], got[i])
+
+
 def test_temperature_scaling():
     info = make_info([SamplingParams(temperature=2.0), SamplingParams(temperature=0.5)], 4)
     probs = probs_from_logits(LOGITS4.expand(2, 4), info)
