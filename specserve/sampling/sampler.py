@@ -275,23 +275,22 @@ def _apply_top_k_top_p_min_p(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
     filter keep their probabilities."""
     B, V = probs.shape
     top_ks, top_ps, min_ps = info.top_ks, info.top_ps, info.min_ps
+    on = (info.need_top_k, info.need_top_p, info.need_min_p)
     unfiltered = (top_ks >= V) & (top_ps >= 1.0) & (min_ps <= 0.0)  # [B]
-    if V <= FILTER_CANDIDATES:
-        by_head = torch.zeros_like(unfiltered)
-    else:
+    by_head = torch.zeros_like(unfiltered)
+    if V > FILTER_CANDIDATES:
         head_p, head_ids = probs.topk(FILTER_CANDIDATES, dim=-1)  # [B, C] each, descending
         by_head = _kept_within(probs, head_p, top_ks, top_ps, min_ps) & ~unfiltered  # [B]
-    head_rows, sort_rows = by_head.nonzero().view(-1), (~by_head & ~unfiltered).nonzero().view(-1)
+        if bool(by_head.all()):  # the common case: every row on its candidates, no row indexing
+            return _filter_sorted(probs, head_p, head_ids, top_ks, top_ps, min_ps, *on)
     out = probs.clone()
-    if B and len(head_rows) == B:  # the common case: every row on its candidates, no row indexing
-        return _filter_sorted(probs, head_p, head_ids, top_ks, top_ps, min_ps)
-    if len(head_rows):
+    if len(head_rows := by_head.nonzero().view(-1)):
         out[head_rows] = _filter_sorted(probs[head_rows], head_p[head_rows], head_ids[head_rows],
-                                        top_ks[head_rows], top_ps[head_rows], min_ps[head_rows])
-    if len(sort_rows):
+                                        top_ks[head_rows], top_ps[head_rows], min_ps[head_rows], *on)
+    if len(sort_rows := (~by_head & ~unfiltered).nonzero().view(-1)):
         rows_p = probs[sort_rows]  # [R, V]
         out[sort_rows] = _filter_sorted(rows_p, *rows_p.sort(dim=-1, descending=True),
-                                        top_ks[sort_rows], top_ps[sort_rows], min_ps[sort_rows])
+                                        top_ks[sort_rows], top_ps[sort_rows], min_ps[sort_rows], *on)
     return out
 
 
@@ -307,24 +306,28 @@ def _kept_within(probs: Tensor, head_p: Tensor, top_ks: Tensor, top_ps: Tensor, 
 
 
 def _filter_sorted(probs: Tensor, sorted_p: Tensor, order: Tensor, top_ks: Tensor, top_ps: Tensor,
-                   min_ps: Tensor) -> Tensor:
+                   min_ps: Tensor, top_k_on: bool, top_p_on: bool, min_p_on: bool) -> Tensor:
     """probs [R, V]; sorted_p / order [R, C] the rows' C most probable tokens, descending (C = V: all of them),
-    among which are all the tokens the filters keep -> filtered, renormalised probs [R, V]."""
+    among which are all the tokens the filters keep -> filtered, renormalised probs [R, V]. A filter no row of
+    the batch uses (``*_on`` False) is skipped."""
     R, C = sorted_p.shape
     V = probs.shape[1]
-    rank = torch.arange(C, device=probs.device).view(1, C)  # [1, C]
-    sorted_p = sorted_p.masked_fill(rank >= top_ks.view(R, 1), 0.0)
-    # top_p renormalises over the top_k survivors: all within the C when top_k <= C, else (top_k off) the whole row
-    total = sorted_p.sum(dim=-1, keepdim=True)  # [R, 1]
-    if C < V:
-        total = torch.where(top_ks.view(R, 1) <= C, total, probs.sum(dim=-1, keepdim=True))
-    renorm = sorted_p / total  # [R, C]
-    mass_before = renorm.cumsum(dim=-1) - renorm  # [R, C] exclusive cumsum
-    top_p = top_ps.view(R, 1)
-    # Rows with top_p == 1 are left alone (rounding could otherwise trim their tail).
-    sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1.0), 0.0)
-    threshold = sorted_p[:, :1] * min_ps.view(R, 1)  # [R, 1]; column 0 is the max, never masked
-    sorted_p = sorted_p.masked_fill(sorted_p < threshold, 0.0)
+    if top_k_on:
+        rank = torch.arange(C, device=probs.device).view(1, C)  # [1, C]
+        sorted_p = sorted_p.masked_fill(rank >= top_ks.view(R, 1), 0.0)
+    if top_p_on:
+        # renormalised over the top_k survivors: all within the C when top_k <= C, else (top_k off) the whole row
+        total = sorted_p.sum(dim=-1, keepdim=True)  # [R, 1]
+        if C < V:
+            total = torch.where(top_ks.view(R, 1) <= C, total, probs.sum(dim=-1, keepdim=True))
+        renorm = sorted_p / total  # [R, C]
+        mass_before = renorm.cumsum(dim=-1) - renorm  # [R, C] exclusive cumsum
+        top_p = top_ps.view(R, 1)
+        # Rows with top_p == 1 are left alone (rounding could otherwise trim their tail).
+        sorted_p = sorted_p.masked_fill((mass_before >= top_p) & (top_p < 1.0), 0.0)
+    if min_p_on:
+        threshold = sorted_p[:, :1] * min_ps.view(R, 1)  # [R, 1]; column 0 is the max, never masked
+        sorted_p = sorted_p.masked_fill(sorted_p < threshold, 0.0)
     sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)  # back to vocabulary order
 
