@@ -22,6 +22,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+#: --speculative-draft-score-temperature upper bound: far above 1 every candidate scores alike (no use)
+MAX_SCORE_TEMPERATURE = 10.0
 # Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -126,6 +128,11 @@ class ServerArgs:
         "help": "EAGLE / EAGLE3 / NEXTN / STANDALONE: stop drafting deeper levels once every request's best live "
                 "draft path has a cumulative draft probability below this (a shallower, cheaper tree; outputs "
                 "stay exact). 0 = off. Drafting always stops once deeper levels cannot change the verified tree."})
+    speculative_draft_score_temperature: float = field(default=1.0, metadata={
+        "help": "EAGLE / EAGLE3 / NEXTN / MTP / STANDALONE, greedy requests: rank the draft tree's candidates by the "
+                "draft's probabilities at this temperature (softmax(logits / T)). Below 1 they are sharpened toward "
+                "greedy acceptance (a draft token is accepted when it is the target's argmax), which favours deeper "
+                "trees. Sampled requests always use 1. Outputs never change, only which candidates are verified."})
     speculative_batch_token_budget: int = field(default=64, metadata={
         "help": "Batch-aware speculation: while batch x num_draft_tokens exceeds this, the draft tree shrinks to a "
                 "chain of budget // batch nodes (off below 2); 0 = never shrink."})
@@ -226,6 +233,9 @@ class ServerArgs:
         if not 0.0 <= self.speculative_draft_stop_threshold < 1.0:
             raise ConfigError(f"--speculative-draft-stop-threshold must be in [0, 1) (0 = off), got "
                               f"{self.speculative_draft_stop_threshold}")
+        if not 0.0 < self.speculative_draft_score_temperature <= MAX_SCORE_TEMPERATURE:
+            raise ConfigError(f"--speculative-draft-score-temperature must be in (0, {MAX_SCORE_TEMPERATURE:g}] "
+                              f"(1 = the draft's own probabilities), got {self.speculative_draft_score_temperature}")
         if self.speculative_algorithm == "NGRAM":
             self._validate_ngram()
             return

@@ -359,6 +359,7 @@ def _server_info(s: Scheduler) -> dict:
             spec_overlapped_steps=s.spec.overlap.overlapped_steps if s.spec.overlap is not None else 0,
             spec_trimmed_finishes=st.spec_trimmed_finishes,
             speculative_draft_stop_threshold=s.args.speculative_draft_stop_threshold,
+            speculative_draft_score_temperature=s.args.speculative_draft_score_temperature,
             speculative_draft_dtype=_draft_dtype_name(s.spec.proposer),  # as resolved (None: no draft model)
             spec_draft_trees=s.spec.proposer.draft_trees,  # see Proposer.draft_trees / draft_forwards
             spec_draft_forwards=s.spec.proposer.draft_forwards,

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--speculative-num-draft-tokens (default: the engine's resolution, 5,4,8 on a Llama target)")
     p.add_argument("--draft-stop-threshold", type=float, default=0.0,
                    help="--speculative-draft-stop-threshold of our EAGLE-3 and STANDALONE (default 0: off)")
+    p.add_argument("--draft-score-temperature", type=float, default=1.0,
+                   help="--speculative-draft-score-temperature of our EAGLE-3 and STANDALONE (default 1: the draft's "
+                        "own probabilities)")
     p.add_argument("--always-speculate", action="store_true",
                    help="our speculative engines speculate on every step (--disable-speculative-auto-off); default: "
                         "the engine's batch-aware policy, which runs plain steps where speculation measures slower")
@@ -261,6 +264,8 @@ def setup_lines(rows: list[dict]) -> list[str]:
                          f"draft tokens {r['speculative_num_draft_tokens']} ({r.get('tree_source', 'engine defaults')})"
                          + (f", draft stop threshold {r['speculative_draft_stop_threshold']}"
                             if r.get("speculative_draft_stop_threshold") else "")
+                         + (f", draft score temperature {r['speculative_draft_score_temperature']}"
+                            if r.get("speculative_draft_score_temperature", 1.0) != 1.0 else "")
                          + (f", draft {r['draft_path']}" if r.get("draft_path") else "")
                          + (f" in {r['draft_dtype']}" if r.get("draft_dtype") else ""))
         if r.get("hf_num_assistant_tokens") is not None:
@@ -332,6 +337,7 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
               "disable_speculative_auto_off": args.always_speculate} if algorithm else {}
         if algorithm in ("EAGLE3", "STANDALONE"):
             kw["speculative_draft_stop_threshold"] = args.draft_stop_threshold
+            kw["speculative_draft_score_temperature"] = args.draft_score_temperature
         tree_given = algorithm == "EAGLE3" and args.eagle3_tree is not None
         if tree_given:
             kw.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
@@ -370,6 +376,7 @@ def spec_setup(engine, draft_path: str | None) -> dict:
             "speculative_eagle_topk": info["speculative_eagle_topk"],
             "speculative_num_draft_tokens": info["speculative_num_draft_tokens"],
             "speculative_draft_stop_threshold": info.get("speculative_draft_stop_threshold"),
+            "speculative_draft_score_temperature": info.get("speculative_draft_score_temperature"),
             "draft_dtype": info.get("speculative_draft_dtype")}
 
 

@@ -92,6 +92,7 @@ class EagleProposer(Proposer):
         self.topk = args.speculative_eagle_topk
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.stop_threshold = args.speculative_draft_stop_threshold
+        self.score_temperature = args.speculative_draft_score_temperature  # greedy requests' (see _score_scale)
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
@@ -171,12 +172,37 @@ class EagleProposer(Proposer):
             return self.hot_head(draft_hidden)
         return self.target.compute_logits(draft_hidden.to(self.runner.dtype)), None
 
-    def _topk(self, draft_hidden: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _topk(self, draft_hidden: torch.Tensor, k: int | None = None,
+              scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
-        to the configured topk (what the per-request state keeps)."""
+        to the configured topk (what the per-request state keeps). scale (``_score_scale``): logits are multiplied
+        by it before the softmax; the top-k ids are the same either way, only their probabilities (the scores the
+        tree is ranked by) change."""
         logits, to_target = self._draft_logits(draft_hidden)
+        if scale is not None:
+            logits = logits * scale
         p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
         return p, (ids if to_target is None else to_target[ids])
+
+    def _score_scale(self, reqs, rows_per_req: int) -> float | torch.Tensor | None:
+        """The factor each draft row's logits are scaled by before scoring: 1 / --speculative-draft-score-temperature
+        for greedy requests, 1 for sampled ones. -> None (every row 1), a float (every row alike) or a
+        [B * rows_per_req, 1] tensor (rows request-major).
+
+        Why greedy only: a greedy request accepts a draft token when it is the target's argmax, which a good draft's
+        top token is more often than the draft's probability of it says, so sharpened scores rank candidates closer
+        to their chance of acceptance (deeper trees). A sampled request accepts by the target's probabilities, which
+        the draft's own approximate (docs/benchmarks.md: sharpening lowered its accept length)."""
+        if self.score_temperature == 1.0:
+            return None
+        greedy = [r.params.is_greedy for r in reqs]
+        if not any(greedy):
+            return None
+        inv = 1.0 / self.score_temperature
+        if all(greedy):
+            return inv
+        per_req = torch.tensor([inv if g else 1.0 for g in greedy], device=self.device)  # [B]
+        return per_req.repeat_interleave(rows_per_req).unsqueeze(1)  # [B * rows_per_req, 1]
 
     def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:
         """The target hidden states the head consumes, at flattened forward rows [R] -> [R, h]."""
@@ -195,7 +221,7 @@ class EagleProposer(Proposer):
 
     def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
         with torch.inference_mode():
-            p, ids = self._topk(last_hidden)  # [B, K] each
+            p, ids = self._topk(last_hidden, scale=self._score_scale(reqs, 1))  # [B, K] each
         for i, req in enumerate(reqs):
             req.spec_state = DraftState(p[i], ids[i], last_hidden[i])
 
@@ -264,6 +290,7 @@ class EagleProposer(Proposer):
         positions = torch.tensor(base, device=dev).repeat_interleave(K)  # [B*K] level-1 positions
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        scale = self._score_scale(reqs, K)
         try:
             for j in range(1, S):
                 if cands.can_stop(keep, self.stop_threshold):
@@ -272,7 +299,7 @@ class EagleProposer(Proposer):
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
                                   scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
-                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K)  # [B*K, K] each
+                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
                 if j == S - 1:
                     return j
