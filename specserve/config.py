@@ -129,7 +129,7 @@ class ServerArgs:
                 "draft path has a cumulative draft probability below this (a shallower, cheaper tree; outputs "
                 "stay exact). 0 = off. Drafting always stops once deeper levels cannot change the verified tree."})
     speculative_draft_score_temperature: float = field(default=1.0, metadata={
-        "help": "EAGLE / EAGLE3 / NEXTN / MTP / STANDALONE, greedy requests: rank the draft tree's candidates by the "
+        "help": "EAGLE / EAGLE3 / NEXTN / STANDALONE, greedy requests: rank the draft tree's candidates by the "
                 "draft's probabilities at this temperature (softmax(logits / T)). Below 1 they are sharpened toward "
                 "greedy acceptance (a draft token is accepted when it is the target's argmax), which favours deeper "
                 "trees. Sampled requests always use 1. Outputs never change, only which candidates are verified."})
