@@ -4,15 +4,19 @@
     specserve bench-speculative --model-path TARGET --speculative-algorithm EAGLE \\
         --speculative-draft-model-path DRAFT --batch-size 1,4,16 --steps 1,3,5 --topk 1,2,4 \\
         --num-draft-tokens 4,8,16 --num-prompts 8 --max-new-tokens 64 --reps 1 [--out-dir DIR]
+    specserve bench-speculative --steps 6 --topk 4 --num-draft-tokens 16 \
+        --stop-threshold 0,0.02 --score-temperature 1,0.6           # our two tree-shaping flags swept too
 
 Every (``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``) combination
 of the grid goes through ``ServerArgs.validate``: the ones it rejects are skipped with its message, and the ones
 it normalizes into an earlier one (topk 1 forces draft tokens = steps + 1) are skipped as duplicates. The plain
-engine (the same server flags, no speculation) is always measured too. One Engine is built per configuration,
-warmed up once, and runs every batch size; a batch of size b is b prompts submitted in one ``generate`` call,
-``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size the prompts
-(``held_out_prompts``, cycled) are ``max(--num-prompts, b)`` rounded up to a multiple of b; the prefix cache is
-flushed before each of the ``--reps`` passes over them.
+engine (the same server flags, no speculation) is always measured too. ``--stop-threshold`` and
+``--score-temperature`` add ``--speculative-draft-stop-threshold`` and ``--speculative-draft-score-temperature``
+to the grid (EAGLE-family trees; given once as server flags instead, they hold for every point). One Engine is
+built per configuration, warmed up once, and runs every batch size; a batch of size b is b prompts submitted in
+one ``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size
+the prompts (``held_out_prompts``, cycled) are ``max(--num-prompts, b)`` rounded up to a multiple of b; the
+prefix cache is flushed before each of the ``--reps`` passes over them.
 
 Figures per (batch size, configuration):
 
@@ -40,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import ConfigError, ServerArgs
@@ -62,6 +67,8 @@ class TreeShape:
     steps: int | None = None
     topk: int | None = None
     num_draft_tokens: int | None = None
+    stop_threshold: float | None = None  # None: not swept (the server flag's value)
+    score_temperature: float | None = None
 
     @property
     def is_baseline(self) -> bool:
@@ -73,7 +80,12 @@ class TreeShape:
             return "baseline"
         if self.steps is None:  # NGRAM: only the node budget matters
             return f"draft {self.num_draft_tokens}"
-        return f"steps {self.steps} topk {self.topk} draft {self.num_draft_tokens}"
+        label = f"steps {self.steps} topk {self.topk} draft {self.num_draft_tokens}"
+        if self.stop_threshold is not None:
+            label += f" thr {self.stop_threshold:g}"
+        if self.score_temperature is not None:
+            label += f" T {self.score_temperature:g}"
+        return label
 
 
 BASELINE = TreeShape()
@@ -91,6 +103,20 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def parse_float_list(text: str | None, flag: str, ok: Callable[[float], bool], bounds: str) -> list[float | None]:
+    """'0,0.02' -> [0.0, 0.02] (order kept, duplicates dropped), each passing `ok`; None (the flag not given)
+    -> [None]. ConfigError naming the flag and `bounds` otherwise."""
+    if text is None:
+        return [None]
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not values or not all(ok(v) for v in values):
+        raise ConfigError(f"{flag} takes comma-separated numbers in {bounds}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from specserve.cli import add_server_args
 
@@ -102,6 +128,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--topk", default="1,2,4", help="--speculative-eagle-topk values (default: 1,2,4)")
     g.add_argument("--num-draft-tokens", default="4,8,16",
                    help="--speculative-num-draft-tokens values (default: 4,8,16)")
+    g.add_argument("--stop-threshold", default=None,
+                   help="--speculative-draft-stop-threshold values, comma list in [0, 1) (default: not swept)")
+    g.add_argument("--score-temperature", default=None,
+                   help="--speculative-draft-score-temperature values, comma list in (0, 10] (default: not swept)")
     g.add_argument("--num-prompts", type=int, default=8,
                    help="held-out prompts per batch size (at least the batch size; they cycle; default: 8)")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -117,8 +147,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_args(ns: argparse.Namespace) -> dict[str, list[int]]:
+def check_args(ns: argparse.Namespace) -> dict[str, list]:
     """The grid lists; ConfigError naming the bad flag."""
+    from specserve.config import MAX_SCORE_TEMPERATURE
+
     for name in ("num_prompts", "max_new_tokens", "reps"):
         if getattr(ns, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
@@ -126,7 +158,12 @@ def check_args(ns: argparse.Namespace) -> dict[str, list[int]]:
         raise ConfigError(f"--temperature must be >= 0, got {ns.temperature}")
     return {"batch_sizes": parse_int_list(ns.batch_size, "--batch-size"), "steps": parse_int_list(ns.steps, "--steps"),
             "topk": parse_int_list(ns.topk, "--topk"),
-            "num_draft_tokens": parse_int_list(ns.num_draft_tokens, "--num-draft-tokens")}
+            "num_draft_tokens": parse_int_list(ns.num_draft_tokens, "--num-draft-tokens"),
+            "stop_threshold": parse_float_list(ns.stop_threshold, "--stop-threshold", lambda v: 0 <= v < 1,
+                                               "[0, 1)"),
+            "score_temperature": parse_float_list(ns.score_temperature, "--score-temperature",
+                                                  lambda v: 0 < v <= MAX_SCORE_TEMPERATURE,
+                                                  f"(0, {MAX_SCORE_TEMPERATURE:g}]")}
 
 
 def base_args(ns: argparse.Namespace) -> ServerArgs:
@@ -143,28 +180,36 @@ def base_args(ns: argparse.Namespace) -> ServerArgs:
 
 
 # ---------------------------------------------------------------------------------------------- grid
-def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: list[int]
+def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: list[int],
+                thresholds: list[float | None] = (None,), temperatures: list[float | None] = (None,)
                 ) -> tuple[list[tuple[TreeShape, ServerArgs]], list[dict]]:
-    """Validated (shape, server args) per distinct grid point, in grid order, and the skipped points with why."""
+    """Validated (shape, server args) per distinct grid point, in grid order, and the skipped points with why.
+    A None threshold / temperature keeps `base`'s value and is left out of the label."""
     configs: list[tuple[TreeShape, ServerArgs]] = []
     skipped: list[dict] = []
-    seen: dict[TreeShape, tuple] = {}
+    seen: dict[TreeShape, str] = {}
     ngram = base.speculative_algorithm == "NGRAM"
-    for s, k, n in itertools.product(steps, topks, tokens):
-        asked = {"steps": s, "topk": k, "num_draft_tokens": n}
+    for s, k, n, thr, temp in itertools.product(steps, topks, tokens, thresholds, temperatures):
+        asked = {"steps": s, "topk": k, "num_draft_tokens": n, "stop_threshold": thr, "score_temperature": temp}
+        asked_label = TreeShape(s, k, n, thr, temp).label
         try:
-            args = dataclasses.replace(base, speculative_num_steps=None if ngram else s,
-                                       speculative_eagle_topk=None if ngram else k,
-                                       speculative_num_draft_tokens=n).validate()
+            args = dataclasses.replace(
+                base, speculative_num_steps=None if ngram else s, speculative_eagle_topk=None if ngram else k,
+                speculative_num_draft_tokens=n,
+                speculative_draft_stop_threshold=base.speculative_draft_stop_threshold if thr is None else thr,
+                speculative_draft_score_temperature=base.speculative_draft_score_temperature if temp is None else temp,
+            ).validate()
         except ConfigError as e:
             skipped.append({**asked, "reason": str(e)})
             continue
-        shape = TreeShape(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+        # NGRAM has no draft probabilities: neither flag shapes its tree
+        shape = TreeShape(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+                          None if ngram else thr, None if ngram else temp)
         if shape in seen:
-            first = "steps {} topk {} draft {}".format(*seen[shape])
-            skipped.append({**asked, "reason": f"validation makes it {shape.label}, already measured (from {first})"})
+            skipped.append({**asked, "reason": f"validation makes it {shape.label}, already measured "
+                                               f"(from {seen[shape]})"})
             continue
-        seen[shape] = (s, k, n)
+        seen[shape] = asked_label
         configs.append((shape, args))
     return configs, skipped
 
@@ -248,8 +293,11 @@ def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]]
         for b, prompts in batches.items():
             row = {"config": shape.label, "algorithm": args.speculative_algorithm,
                    "draft_model_path": args.speculative_draft_model_path, "steps": shape.steps,
-                   "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens, "batch_size": b,
-                   "num_prompts": len(prompts)}
+                   "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
+                   "stop_threshold": args.speculative_draft_stop_threshold if args.speculative_algorithm else None,
+                   "score_temperature": (args.speculative_draft_score_temperature if args.speculative_algorithm
+                                         else None),
+                   "batch_size": b, "num_prompts": len(prompts)}
             rows.append({**row, **measure_batch(engine, clock, prompts, b, params, reps)})
         return rows
     finally:
@@ -350,10 +398,11 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     from specserve.bench.eval_acceptance import plain_args
     from specserve.train.corpus import held_out_prompts
 
-    configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"])
+    configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"],
+                                   grid["stop_threshold"], grid["score_temperature"])
     for s in skipped:
-        print(f"skip steps {s['steps']} topk {s['topk']} draft {s['num_draft_tokens']}: {s['reason']}",
-              file=sys.stderr)
+        shape = TreeShape(s["steps"], s["topk"], s["num_draft_tokens"], s["stop_threshold"], s["score_temperature"])
+        print(f"skip {shape.label}: {s['reason']}", file=sys.stderr)
     pool = held_out_prompts(max(ns.num_prompts, *grid["batch_sizes"]))
     batches = {b: prompts_for_batch(pool, b, ns.num_prompts) for b in grid["batch_sizes"]}
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "ignore_eos": True}
@@ -363,8 +412,7 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
         try:
             rows += run_config(shape, cfg_args, batches, params, ns.reps, ns.batch_aware)
         except ConfigError as e:  # a check the engine makes at load time (e.g. against the draft model)
-            skipped.append({"steps": shape.steps, "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
-                            "reason": str(e)})
+            skipped.append({**dataclasses.asdict(shape), "reason": str(e)})
             print(f"skip {shape.label}: {e}", file=sys.stderr)
     rows.sort(key=lambda r: r["batch_size"])  # stable: per batch size, the baseline then the grid order
     import torch

@@ -34,6 +34,35 @@ def test_expand_grid_skips_invalid_and_normalized_duplicates():
     assert all(a.speculative_num_draft_tokens == c.num_draft_tokens for c, a in configs)
 
 
+def test_parse_float_list():
+    assert bs.parse_float_list(None, "--score-temperature", lambda v: v > 0, "(0, 10]") == [None]
+    assert bs.parse_float_list("1, 0.6,1", "--score-temperature", lambda v: v > 0, "(0, 10]") == [1.0, 0.6]
+    for bad in ("0.5,x", "0,1", ""):
+        with pytest.raises(ConfigError, match="--score-temperature"):
+            bs.parse_float_list(bad, "--score-temperature", lambda v: 0 < v <= 10, "(0, 10]")
+
+
+def test_expand_grid_sweeps_threshold_and_temperature():
+    base = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_stop_threshold=0.1,
+                      speculative_draft_score_temperature=0.8).validate()
+    configs, skipped = bs.expand_grid(base, [2], [2], [4], [None, 0.05], [1.0, 0.5, 20.0])
+    assert [c.label for c, _ in configs] == [
+        "steps 2 topk 2 draft 4 T 1", "steps 2 topk 2 draft 4 T 0.5",
+        "steps 2 topk 2 draft 4 thr 0.05 T 1", "steps 2 topk 2 draft 4 thr 0.05 T 0.5"]
+    # None keeps the server flag's value (threshold 0.1); the swept values replace it
+    assert [(a.speculative_draft_stop_threshold, a.speculative_draft_score_temperature) for _, a in configs] == [
+        (0.1, 1.0), (0.1, 0.5), (0.05, 1.0), (0.05, 0.5)]
+    assert [(s["stop_threshold"], s["score_temperature"]) for s in skipped] == [(None, 20.0), (0.05, 20.0)]
+    assert all("--speculative-draft-score-temperature must be in" in s["reason"] for s in skipped)
+
+
+def test_expand_grid_ngram_ignores_threshold_and_temperature():
+    base = ServerArgs(speculative_algorithm="NGRAM").validate()
+    configs, skipped = bs.expand_grid(base, [1], [1], [4], [None], [1.0, 0.5])
+    assert [c.label for c, _ in configs] == ["draft 4"]
+    assert len(skipped) == 1 and "already measured (from steps 1 topk 1 draft 4 T 1)" in skipped[0]["reason"]
+
+
 def test_expand_grid_ngram_keeps_only_draft_tokens():
     base = ServerArgs(speculative_algorithm="NGRAM").validate()
     configs, skipped = bs.expand_grid(base, [1, 3], [1], [4, 8])
@@ -113,6 +142,25 @@ def test_bench_speculative_end_to_end(model_factory, tmp_path, capsys, monkeypat
     assert "skip steps 1 topk 2 draft 4" in printed.err
 
 
+def test_bench_speculative_sweeps_score_temperature(model_factory, tmp_path, monkeypatch):
+    for name in bs.SIMULATE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
+    head = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
+    out = tmp_path / "out"
+    rc = bs.main(["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
+                  "--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
+                  "--stop-threshold", "0.02", "--score-temperature", "1,0.5", "--max-new-tokens", "8",
+                  "--num-prompts", "2", "--num-threads", "2", "--no-progress", "--out-dir", str(out)])
+    assert rc == 0
+    rows = read_jsonl(str(out / "results.jsonl"))
+    assert [(r["config"], r["stop_threshold"], r["score_temperature"]) for r in rows] == [
+        ("baseline", None, None), ("steps 2 topk 2 draft 4 thr 0.02 T 1", 0.02, 1.0),
+        ("steps 2 topk 2 draft 4 thr 0.02 T 0.5", 0.02, 0.5)]
+    assert all(r["completion_tokens"] == 16 for r in rows)
+    assert all(r["accept_length"] >= 1.0 for r in rows[1:])
+
+
 def test_bench_speculative_bad_flags(capsys):
     assert bs.main(["--no-such-flag"]) == 2
     assert "--no-such-flag" in capsys.readouterr().err
@@ -120,3 +168,7 @@ def test_bench_speculative_bad_flags(capsys):
     assert "--batch-size" in capsys.readouterr().err
     assert bs.main(["--model-path", "demo", "--reps", "0"]) == 2
     assert "--reps" in capsys.readouterr().err
+    assert bs.main(["--score-temperature", "1,0"]) == 2
+    assert "--score-temperature takes comma-separated numbers in (0, 10]" in capsys.readouterr().err
+    assert bs.main(["--stop-threshold", "1"]) == 2
+    assert "--stop-threshold takes comma-separated numbers in [0, 1)" in capsys.readouterr().err
