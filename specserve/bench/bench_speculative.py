@@ -16,7 +16,9 @@ to the grid (EAGLE-family trees; given once as server flags instead, they hold f
 built per configuration, warmed up once, and runs every batch size; a batch of size b is b prompts submitted in
 one ``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size
 the prompts (``held_out_prompts``, cycled) are ``max(--num-prompts, b)`` rounded up to a multiple of b; the
-prefix cache is flushed before each of the ``--reps`` passes over them.
+prefix cache is flushed before each of the ``--reps`` passes over them. With ``--interleave`` every engine is
+loaded at once and, per batch size, rep r of every configuration runs before rep r + 1 of any (A B C A B C):
+the machine's drift then reaches every configuration alike, at the cost of memory for all the engines.
 
 Figures per (batch size, configuration):
 
@@ -142,6 +144,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--batch-aware", action="store_true",
                    help="keep the engine's batch-aware speculation (tree shrinking and auto-off) as served; "
                         "default: measure each swept tree as given, on every step")
+    g.add_argument("--interleave", action="store_true",
+                   help="load every configuration's engine at once and alternate them rep by rep (fairer on a busy "
+                        "machine: drift reaches every configuration alike; needs memory for all the engines)")
     add_server_args(p)
     p.set_defaults(log_level="warning")  # engine progress lines would break the progress bar
     return p.parse_args(argv)
@@ -223,26 +228,41 @@ def prompts_for_batch(pool: list[str], batch_size: int, num_prompts: int) -> lis
 # ---------------------------------------------------------------------------------------------- measuring
 def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: dict, reps: int) -> dict:
     """Time `reps` passes over `prompts` in generate calls of batch_size (prefix cache flushed before each)."""
+    mark = start_batch(engine, clock)
+    return summarize(engine, clock, mark, [measure_pass(engine, prompts, batch_size, params) for _ in range(reps)])
+
+
+def start_batch(engine, clock) -> tuple[int, int]:
+    """Start a batch size's measurement: the step clock emptied; the draft counters so far (for summarize)."""
+    clock.reset()
+    return _draft_counts(engine)
+
+
+def measure_pass(engine, prompts: list[str], batch_size: int, params: dict) -> tuple[float, list[dict]]:
+    """One pass over `prompts` in generate calls of batch_size after a prefix-cache flush: (seconds inside the
+    generate calls, every request's meta_info)."""
     from specserve.bench.bench_core import flush_prefix_cache
 
-    clock.reset()
-    trees0, forwards0 = _draft_counts(engine)
-    rates, metas = [], []
-    for _ in range(reps):
-        flush_prefix_cache(engine)
-        seconds, rep_tokens = 0.0, 0
-        for i in range(0, len(prompts), batch_size):
-            start = time.perf_counter()
-            outs = engine.generate(prompts[i : i + batch_size], params)
-            seconds += time.perf_counter() - start
-            rep_tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
-            metas += [o["meta_info"] for o in outs]
-        rates.append(rep_tokens / seconds)
+    flush_prefix_cache(engine)
+    seconds, metas = 0.0, []
+    for i in range(0, len(prompts), batch_size):
+        start = time.perf_counter()
+        outs = engine.generate(prompts[i : i + batch_size], params)
+        seconds += time.perf_counter() - start
+        metas += [o["meta_info"] for o in outs]
+    return seconds, metas
+
+
+def summarize(engine, clock, mark: tuple[int, int], passes: list[tuple[float, list[dict]]]) -> dict:
+    """A batch size's figures from its passes (each from measure_pass) since start_batch returned `mark`."""
+    reps = len(passes)
+    rates = [sum(m["completion_tokens"] for m in metas) / seconds for seconds, metas in passes]
+    metas = [m for _, pass_metas in passes for m in pass_metas]
     tokens = sum(m["completion_tokens"] for m in metas)
     verify = sum(m.get("spec_verify_ct", 0) for m in metas)
     plain_tokens = sum(m.get("spec_plain_tokens", 0) for m in metas)
     steps = len(clock.times.get("decode_step", []))
-    trees, forwards = (now - before for now, before in zip(_draft_counts(engine), (trees0, forwards0), strict=True))
+    trees, forwards = (now - before for now, before in zip(_draft_counts(engine), mark, strict=True))
     return {
         "completion_tokens": tokens // reps, "tokens_per_s": statistics.median(rates), "decode_steps": steps // reps,
         "verify_steps": verify // reps if verify else None,
@@ -280,28 +300,75 @@ def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]]
                batch_aware: bool = False
                ) -> list[dict]:
     """One engine for the configuration: warm up once, then every batch size. Rows without speed-up yet."""
+    engine, clock = load_engine(args, params, batch_aware)
+    try:
+        return [{**row_head(shape, args, b, prompts), **measure_batch(engine, clock, prompts, b, params, reps)}
+                for b, prompts in batches.items()]
+    finally:
+        engine.shutdown()
+
+
+def run_interleaved(todo: list[tuple[TreeShape, ServerArgs]], batches: dict[int, list[str]], params: dict,
+                    reps: int, batch_aware: bool = False, progress=None) -> tuple[list[dict], list[dict]]:
+    """Every configuration's engine loaded at once; per batch size, rep r of every configuration runs before rep
+    r + 1 of any, so the machine's drift reaches them all alike. (rows without speed-up, configurations skipped
+    at load time)."""
+    loaded, skipped = [], []
+    try:
+        for shape, args in todo:
+            try:
+                loaded.append((shape, args, *load_engine(args, params, batch_aware)))
+            except ConfigError as e:  # a check the engine makes at load time (e.g. against the draft model)
+                skipped.append(skip_row(shape, e))
+        rows = []
+        for b, prompts in batches.items():
+            marks = [start_batch(engine, clock) for _, _, engine, clock in loaded]
+            passes: list[list] = [[] for _ in loaded]
+            for _ in range(reps):
+                for i, (_, _, engine, _) in enumerate(loaded):
+                    passes[i].append(measure_pass(engine, prompts, b, params))
+                    if progress is not None:
+                        progress.update(1)
+            rows += [{**row_head(shape, args, b, prompts), **summarize(engine, clock, mark, done)}
+                     for (shape, args, engine, clock), mark, done in zip(loaded, marks, passes, strict=True)]
+        return rows, skipped
+    finally:
+        for _, _, engine, _ in loaded:
+            engine.shutdown()
+
+
+def load_engine(args: ServerArgs, params: dict, batch_aware: bool):
+    """(engine, its step clock) for one configuration, warmed up. Without batch_aware the swept tree runs as
+    given: no shrinking or auto-off."""
     from specserve.bench.eval_acceptance import WARMUP_PROMPT, WARMUP_TOKENS
     from specserve.engine import Engine
 
-    if args.speculative_algorithm and not batch_aware:  # the swept tree itself: no shrinking or auto-off
+    if args.speculative_algorithm and not batch_aware:
         args = dataclasses.replace(args, speculative_batch_token_budget=0, disable_speculative_auto_off=True)
     engine = Engine(**dataclasses.asdict(args))
     try:
         clock = step_clock(engine)
         engine.generate(WARMUP_PROMPT, {**params, "max_new_tokens": WARMUP_TOKENS})
-        rows = []
-        for b, prompts in batches.items():
-            row = {"config": shape.label, "algorithm": args.speculative_algorithm,
-                   "draft_model_path": args.speculative_draft_model_path, "steps": shape.steps,
-                   "topk": shape.topk, "num_draft_tokens": shape.num_draft_tokens,
-                   "stop_threshold": args.speculative_draft_stop_threshold if args.speculative_algorithm else None,
-                   "score_temperature": (args.speculative_draft_score_temperature if args.speculative_algorithm
-                                         else None),
-                   "batch_size": b, "num_prompts": len(prompts)}
-            rows.append({**row, **measure_batch(engine, clock, prompts, b, params, reps)})
-        return rows
-    finally:
+    except BaseException:
         engine.shutdown()
+        raise
+    return engine, clock
+
+
+def row_head(shape: TreeShape, args: ServerArgs, batch_size: int, prompts: list[str]) -> dict:
+    """The configuration's columns of a result row."""
+    spec = args.speculative_algorithm is not None
+    return {"config": shape.label, "algorithm": args.speculative_algorithm,
+            "draft_model_path": args.speculative_draft_model_path, "steps": shape.steps, "topk": shape.topk,
+            "num_draft_tokens": shape.num_draft_tokens,
+            "stop_threshold": args.speculative_draft_stop_threshold if spec else None,
+            "score_temperature": args.speculative_draft_score_temperature if spec else None,
+            "batch_size": batch_size, "num_prompts": len(prompts)}
+
+
+def skip_row(shape: TreeShape, error: ConfigError) -> dict:
+    print(f"skip {shape.label}: {error}", file=sys.stderr)
+    return {**dataclasses.asdict(shape), "reason": str(error)}
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -406,20 +473,24 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     pool = held_out_prompts(max(ns.num_prompts, *grid["batch_sizes"]))
     batches = {b: prompts_for_batch(pool, b, ns.num_prompts) for b in grid["batch_sizes"]}
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "ignore_eos": True}
-    rows: list[dict] = []
     todo = [(BASELINE, plain_args(args)), *configs]
-    for shape, cfg_args in tqdm(todo, desc=COMMAND, unit="config", disable=ns.no_progress):
-        try:
-            rows += run_config(shape, cfg_args, batches, params, ns.reps, ns.batch_aware)
-        except ConfigError as e:  # a check the engine makes at load time (e.g. against the draft model)
-            skipped.append({**dataclasses.asdict(shape), "reason": str(e)})
-            print(f"skip {shape.label}: {e}", file=sys.stderr)
+    if ns.interleave:
+        with tqdm(total=len(todo) * len(batches) * ns.reps, desc=COMMAND, unit="pass", disable=ns.no_progress) as bar:
+            rows, load_skipped = run_interleaved(todo, batches, params, ns.reps, ns.batch_aware, bar)
+        skipped += load_skipped
+    else:
+        rows = []
+        for shape, cfg_args in tqdm(todo, desc=COMMAND, unit="config", disable=ns.no_progress):
+            try:
+                rows += run_config(shape, cfg_args, batches, params, ns.reps, ns.batch_aware)
+            except ConfigError as e:  # a check the engine makes at load time (e.g. against the draft model)
+                skipped.append(skip_row(shape, e))
     rows.sort(key=lambda r: r["batch_size"])  # stable: per batch size, the baseline then the grid order
     import torch
 
     common = {"model_path": args.model_path, "max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
               "reps": ns.reps, "dtype": args.dtype, "num_threads": torch.get_num_threads(),
-              "simulate_acc_len": simulate_acc_len()}
+              "simulate_acc_len": simulate_acc_len(), "interleave": ns.interleave}
     return [{**r, **common} for r in add_speedups(rows)], skipped
 
 
@@ -441,7 +512,8 @@ def main(argv: list[str]) -> int:
     setup = {"command": " ".join(["specserve", COMMAND, *argv]), "algorithm": args.speculative_algorithm,
              "model_path": args.model_path, "draft_model_path": args.speculative_draft_model_path,
              "batch_sizes": grid["batch_sizes"], "max_new_tokens": ns.max_new_tokens,
-             "temperature": ns.temperature, "reps": ns.reps, "simulate_acc_len": simulate_acc_len()}
+             "temperature": ns.temperature, "reps": ns.reps, "simulate_acc_len": simulate_acc_len(),
+             "interleave": ns.interleave}
     paths = write_outputs(rows, skipped, setup, out_dir)
     print(format_rows(rows))
     print()

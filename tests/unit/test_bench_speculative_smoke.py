@@ -161,6 +161,62 @@ def test_bench_speculative_sweeps_score_temperature(model_factory, tmp_path, mon
     assert all(r["accept_length"] >= 1.0 for r in rows[1:])
 
 
+def test_run_interleaved_alternates_configurations_rep_by_rep(monkeypatch):
+    order, shut = [], []
+
+    class FakeEngine:
+        def __init__(self, name):
+            self.name = name
+
+        def shutdown(self):
+            shut.append(self.name)
+
+    def load(args, params, batch_aware):
+        if args == "bad":
+            raise ConfigError("draft vocabulary mismatch")
+        return FakeEngine(args), None
+
+    monkeypatch.setattr(bs, "load_engine", load)
+    monkeypatch.setattr(bs, "start_batch", lambda engine, clock: engine.name)
+    monkeypatch.setattr(bs, "measure_pass", lambda engine, prompts, b, params: order.append((b, engine.name)) or b)
+    monkeypatch.setattr(bs, "summarize", lambda engine, clock, mark, passes: {"mark": mark, "passes": passes})
+    monkeypatch.setattr(bs, "row_head", lambda shape, args, b, prompts: {"config": args, "batch_size": b})
+    todo = [(bs.BASELINE, "A"), (bs.TreeShape(2, 1, 3), "bad"), (bs.TreeShape(3, 1, 4), "B")]
+    rows, skipped = bs.run_interleaved(todo, {1: ["p"], 4: ["p"] * 4}, {}, reps=2)
+    assert order == [(1, "A"), (1, "B"), (1, "A"), (1, "B"), (4, "A"), (4, "B"), (4, "A"), (4, "B")]
+    assert rows == [{"config": "A", "batch_size": 1, "mark": "A", "passes": [1, 1]},
+                    {"config": "B", "batch_size": 1, "mark": "B", "passes": [1, 1]},
+                    {"config": "A", "batch_size": 4, "mark": "A", "passes": [4, 4]},
+                    {"config": "B", "batch_size": 4, "mark": "B", "passes": [4, 4]}]
+    assert skipped == [{"steps": 2, "topk": 1, "num_draft_tokens": 3, "stop_threshold": None,
+                        "score_temperature": None, "reason": "draft vocabulary mismatch"}]
+    assert shut == ["A", "B"]
+
+
+def test_bench_speculative_interleaved_matches_sequential(model_factory, tmp_path, monkeypatch):
+    """Interleaving changes only when each pass runs: the greedy acceptance figures of every row are the same."""
+    for name in bs.SIMULATE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
+    head = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
+    common = ["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
+              "--batch-size", "1,2", "--steps", "2", "--topk", "1,2", "--num-draft-tokens", "3", "--reps", "2",
+              "--max-new-tokens", "8", "--num-prompts", "2", "--num-threads", "2", "--no-progress"]
+    runs = {}
+    for mode in ("sequential", "interleave"):
+        out = tmp_path / mode
+        assert bs.main(common + ["--out-dir", str(out)] + (["--interleave"] if mode == "interleave" else [])) == 0
+        runs[mode] = read_jsonl(str(out / "results.jsonl"))
+    keys = ("config", "batch_size", "completion_tokens", "verify_steps", "accept_length", "decode_steps",
+            "draft_forwards_per_tree")
+    assert [[r[k] for k in keys] for r in runs["interleave"]] == [[r[k] for k in keys] for r in runs["sequential"]]
+    assert [r["config"] for r in runs["interleave"]] == ["baseline", "steps 2 topk 1 draft 3",
+                                                         "steps 2 topk 2 draft 3"] * 2
+    assert all(r["accept_length"] > 1.0 for r in runs["interleave"] if r["config"] != "baseline")  # it drafted
+    assert {r["interleave"] for r in runs["interleave"]} == {True}
+    assert {r["interleave"] for r in runs["sequential"]} == {False}
+
+
 def test_bench_speculative_bad_flags(capsys):
     assert bs.main(["--no-such-flag"]) == 2
     assert "--no-such-flag" in capsys.readouterr().err
