@@ -17,8 +17,9 @@ built per configuration, warmed up once, and runs every batch size; a batch of s
 one ``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size
 the prompts (``held_out_prompts``, cycled) are ``max(--num-prompts, b)`` rounded up to a multiple of b; the
 prefix cache is flushed before each of the ``--reps`` passes over them. With ``--interleave`` every engine is
-loaded at once and, per batch size, rep r of every configuration runs before rep r + 1 of any (A B C A B C):
-the machine's drift then reaches every configuration alike, at the cost of memory for all the engines.
+loaded at once and each generate call (one batch of prompts) runs on every configuration in turn before the
+next (A B C A B C): the machine's drift then reaches every configuration alike, at the cost of memory for all the
+engines.
 
 Figures per (batch size, configuration):
 
@@ -145,7 +146,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="keep the engine's batch-aware speculation (tree shrinking and auto-off) as served; "
                         "default: measure each swept tree as given, on every step")
     g.add_argument("--interleave", action="store_true",
-                   help="load every configuration's engine at once and alternate them rep by rep (fairer on a busy "
+                   help="load every configuration's engine at once and alternate them batch by batch (fairer on a busy "
                         "machine: drift reaches every configuration alike; needs memory for all the engines)")
     add_server_args(p)
     p.set_defaults(log_level="warning")  # engine progress lines would break the progress bar
@@ -241,16 +242,30 @@ def start_batch(engine, clock) -> tuple[int, int]:
 def measure_pass(engine, prompts: list[str], batch_size: int, params: dict) -> tuple[float, list[dict]]:
     """One pass over `prompts` in generate calls of batch_size after a prefix-cache flush: (seconds inside the
     generate calls, every request's meta_info)."""
+    flush(engine)
+    seconds, metas = 0.0, []
+    for chunk in chunks(prompts, batch_size):
+        chunk_seconds, chunk_metas = timed_generate(engine, chunk, params)
+        seconds += chunk_seconds
+        metas += chunk_metas
+    return seconds, metas
+
+
+def chunks(prompts: list[str], batch_size: int) -> list[list[str]]:
+    return [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+
+
+def timed_generate(engine, prompts: list[str], params: dict) -> tuple[float, list[dict]]:
+    """One generate call (a batch): (its wall seconds, every request's meta_info)."""
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return time.perf_counter() - start, [o["meta_info"] for o in outs]
+
+
+def flush(engine) -> None:
     from specserve.bench.bench_core import flush_prefix_cache
 
     flush_prefix_cache(engine)
-    seconds, metas = 0.0, []
-    for i in range(0, len(prompts), batch_size):
-        start = time.perf_counter()
-        outs = engine.generate(prompts[i : i + batch_size], params)
-        seconds += time.perf_counter() - start
-        metas += [o["meta_info"] for o in outs]
-    return seconds, metas
 
 
 def summarize(engine, clock, mark: tuple[int, int], passes: list[tuple[float, list[dict]]]) -> dict:
@@ -310,9 +325,9 @@ def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]]
 
 def run_interleaved(todo: list[tuple[TreeShape, ServerArgs]], batches: dict[int, list[str]], params: dict,
                     reps: int, batch_aware: bool = False, progress=None) -> tuple[list[dict], list[dict]]:
-    """Every configuration's engine loaded at once; per batch size, rep r of every configuration runs before rep
-    r + 1 of any, so the machine's drift reaches them all alike. (rows without speed-up, configurations skipped
-    at load time)."""
+    """Every configuration's engine loaded at once. Per batch size and rep, each generate call (one batch of
+    prompts) runs on every configuration in turn before the next batch (A B C A B C), so the machine's drift
+    reaches them all alike. -> (rows without speed-up, configurations skipped at load time)."""
     loaded, skipped = [], []
     try:
         for shape, args in todo:
@@ -325,10 +340,17 @@ def run_interleaved(todo: list[tuple[TreeShape, ServerArgs]], batches: dict[int,
             marks = [start_batch(engine, clock) for _, _, engine, clock in loaded]
             passes: list[list] = [[] for _ in loaded]
             for _ in range(reps):
-                for i, (_, _, engine, _) in enumerate(loaded):
-                    passes[i].append(measure_pass(engine, prompts, b, params))
-                    if progress is not None:
-                        progress.update(1)
+                for _, _, engine, _ in loaded:
+                    flush(engine)
+                done = [(0.0, []) for _ in loaded]
+                for chunk in chunks(prompts, b):
+                    for i, (_, _, engine, _) in enumerate(loaded):
+                        seconds, metas = timed_generate(engine, chunk, params)
+                        done[i] = (done[i][0] + seconds, done[i][1] + metas)
+                for i, one_pass in enumerate(done):
+                    passes[i].append(one_pass)
+                if progress is not None:
+                    progress.update(len(loaded))
             rows += [{**row_head(shape, args, b, prompts), **summarize(engine, clock, mark, done)}
                      for (shape, args, engine, clock), mark, done in zip(loaded, marks, passes, strict=True)]
         return rows, skipped

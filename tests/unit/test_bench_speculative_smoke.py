@@ -161,8 +161,8 @@ def test_bench_speculative_sweeps_score_temperature(model_factory, tmp_path, mon
     assert all(r["accept_length"] >= 1.0 for r in rows[1:])
 
 
-def test_run_interleaved_alternates_configurations_rep_by_rep(monkeypatch):
-    order, shut = [], []
+def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
+    calls, shut = [], []
 
     class FakeEngine:
         def __init__(self, name):
@@ -176,18 +176,26 @@ def test_run_interleaved_alternates_configurations_rep_by_rep(monkeypatch):
             raise ConfigError("draft vocabulary mismatch")
         return FakeEngine(args), None
 
+    def generate(engine, prompts, params):
+        calls.append((engine.name, "".join(prompts)))
+        return len(prompts) * 0.5, [{"n": len(prompts)}] * len(prompts)
+
     monkeypatch.setattr(bs, "load_engine", load)
+    monkeypatch.setattr(bs, "flush", lambda engine: calls.append((engine.name, "flush")))
     monkeypatch.setattr(bs, "start_batch", lambda engine, clock: engine.name)
-    monkeypatch.setattr(bs, "measure_pass", lambda engine, prompts, b, params: order.append((b, engine.name)) or b)
+    monkeypatch.setattr(bs, "timed_generate", generate)
     monkeypatch.setattr(bs, "summarize", lambda engine, clock, mark, passes: {"mark": mark, "passes": passes})
     monkeypatch.setattr(bs, "row_head", lambda shape, args, b, prompts: {"config": args, "batch_size": b})
     todo = [(bs.BASELINE, "A"), (bs.TreeShape(2, 1, 3), "bad"), (bs.TreeShape(3, 1, 4), "B")]
-    rows, skipped = bs.run_interleaved(todo, {1: ["p"], 4: ["p"] * 4}, {}, reps=2)
-    assert order == [(1, "A"), (1, "B"), (1, "A"), (1, "B"), (4, "A"), (4, "B"), (4, "A"), (4, "B")]
-    assert rows == [{"config": "A", "batch_size": 1, "mark": "A", "passes": [1, 1]},
-                    {"config": "B", "batch_size": 1, "mark": "B", "passes": [1, 1]},
-                    {"config": "A", "batch_size": 4, "mark": "A", "passes": [4, 4]},
-                    {"config": "B", "batch_size": 4, "mark": "B", "passes": [4, 4]}]
+    rows, skipped = bs.run_interleaved(todo, {1: ["p", "q"], 2: ["p", "q"]}, {}, reps=2)
+    rep_b1 = [("A", "flush"), ("B", "flush"), ("A", "p"), ("B", "p"), ("A", "q"), ("B", "q")]
+    rep_b2 = [("A", "flush"), ("B", "flush"), ("A", "pq"), ("B", "pq")]
+    assert calls == rep_b1 * 2 + rep_b2 * 2
+    one = [{"n": 1}] * 2  # batch 1: two calls of one request; batch 2: one call of two
+    assert rows == [{"config": "A", "batch_size": 1, "mark": "A", "passes": [(1.0, one), (1.0, one)]},
+                    {"config": "B", "batch_size": 1, "mark": "B", "passes": [(1.0, one), (1.0, one)]},
+                    {"config": "A", "batch_size": 2, "mark": "A", "passes": [(1.0, [{"n": 2}] * 2)] * 2},
+                    {"config": "B", "batch_size": 2, "mark": "B", "passes": [(1.0, [{"n": 2}] * 2)] * 2}]
     assert skipped == [{"steps": 2, "topk": 1, "num_draft_tokens": 3, "stop_threshold": None,
                         "score_temperature": None, "reason": "draft vocabulary mismatch"}]
     assert shut == ["A", "B"]
