@@ -8,13 +8,20 @@ tokens/s of each (median over the repetitions), the median of the per-repetition
 the overlap scheduler was faster, greedy equality, and how many steps overlapped.
 
     python -m specserve.bench.bench_overlap [--batch-size 1,32] [--reps 5] [--stop] [--logprobs]
+
+Any target works with ``--model-path``; ``--draft-model-path random`` gives it a random EAGLE-3 head (built in a
+temporary folder) and ``--simulate-acc-len A`` simulates acceptance (``SPECSERVE_SIMULATE_ACC_LEN``), e.g. on the
+large GEMM-bound model ``python -m specserve.bench.bench_core`` builds under ``bench_out/models``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -29,7 +36,10 @@ NEVER_MATCHES = ["\n\n\n\n\n\n", "<never-emitted-stop>"]  # checked after every 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="demo")
-    p.add_argument("--draft-model-path", default="demo-eagle3")
+    p.add_argument("--draft-model-path", default="demo-eagle3",
+                   help="an EAGLE-3 head folder, or 'random': a random head for the target (temporary folder)")
+    p.add_argument("--simulate-acc-len", type=float, default=None,
+                   help="simulated accept length (sets SPECSERVE_SIMULATE_ACC_LEN; lossy, benchmarking only)")
     p.add_argument("--steps", type=int, default=3, help="chain length (--speculative-num-steps), topk 1")
     p.add_argument("--batch-size", default="1,32", help="comma list")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -44,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.batch_size = parse_int_list(a.batch_size, "--batch-size")
     except ValueError as e:
         p.error(str(e))
+    if a.simulate_acc_len is not None and not 1.0 <= a.simulate_acc_len <= a.steps + 1:
+        p.error(f"--simulate-acc-len must be in [1, --steps + 1 = {a.steps + 1}], got {a.simulate_acc_len:g}")
     return a
 
 
@@ -91,6 +103,33 @@ def bench_batch(engines, batch: int, args: argparse.Namespace, prompts: list[str
             "overlapped_steps": overlap.get_server_info()["spec_overlapped_steps"] - before}
 
 
+@contextlib.contextmanager
+def simulated(acc_len: float | None):
+    """SPECSERVE_SIMULATE_ACC_LEN set to acc_len inside the block (unchanged for None), restored after."""
+    name = "SPECSERVE_SIMULATE_ACC_LEN"
+    before = os.environ.get(name)
+    if acc_len is not None:
+        os.environ[name] = f"{acc_len:g}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def random_head(target: str, out_dir: str) -> str:
+    """A random-weight EAGLE-3 head for `target` in out_dir (draft vocabulary: the first 8192 target ids at most)."""
+    import json
+
+    from specserve.testing.tiny import make_eagle3_head_dir
+
+    with open(os.path.join(target, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    return make_eagle3_head_dir(out_dir, target, kind="random", draft_vocab=list(range(min(vocab, 8192))))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if args.num_threads:
@@ -98,9 +137,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from specserve.demo_models import resolve_demo
     from specserve.train.corpus import held_out_prompts
 
-    args.model_path, args.draft_model_path = resolve_demo(args.model_path), resolve_demo(args.draft_model_path)
+    args.model_path = resolve_demo(args.model_path)
     prompts = held_out_prompts(16)
-    engines = _engines(args)
+    with tempfile.TemporaryDirectory(prefix="bench-overlap-head-") as tmp, simulated(args.simulate_acc_len):
+        if args.draft_model_path == "random":
+            args.draft_model_path = random_head(args.model_path, tmp)
+        else:
+            args.draft_model_path = resolve_demo(args.draft_model_path)
+        engines = _engines(args)  # the engines read the simulation variable when they are built
     try:
         rows = [bench_batch(engines, b, args, prompts) for b in args.batch_size]
     finally:

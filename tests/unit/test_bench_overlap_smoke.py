@@ -1,7 +1,11 @@
 """`python -m specserve.bench.bench_overlap` end to end on a tiny model: both engines run, outputs are equal and
 the overlap engine really overlapped steps."""
 
-from specserve.bench.bench_overlap import main
+import os
+
+import pytest
+
+from specserve.bench.bench_overlap import main, simulated
 from specserve.testing.tiny import make_eagle3_head_dir
 
 
@@ -18,3 +22,29 @@ def test_bench_overlap_smoke(tmp_path, llama_dir, capsys):
         wins, reps = map(int, r["wins"].split("/"))
         assert reps == 2 and 0 <= wins <= reps
     assert "overlap / serial" in capsys.readouterr().out
+
+
+def test_bench_overlap_random_head_and_simulated_acceptance(llama_dir, monkeypatch):
+    monkeypatch.delenv("SPECSERVE_SIMULATE_ACC_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_SIMULATE_ACC_LEN", raising=False)
+    rows = main(["--model-path", llama_dir, "--draft-model-path", "random", "--simulate-acc-len", "3",
+                 "--batch-size", "2", "--reps", "1", "--max-new-tokens", "12", "--num-threads", "1"])
+    # simulated acceptance: both engines draw the same accept lengths (seeded), so outputs stay equal; 12 tokens
+    # at ~3 a step take far fewer steps than tokens
+    assert rows[0]["equal"] is True and 0 < rows[0]["overlapped_steps"] < 12
+    assert "SPECSERVE_SIMULATE_ACC_LEN" not in os.environ  # set only while the engines were built
+
+
+def test_simulated_restores_the_variable(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_SIMULATE_ACC_LEN", "2")
+    with simulated(3.5):
+        assert os.environ["SPECSERVE_SIMULATE_ACC_LEN"] == "3.5"
+    assert os.environ["SPECSERVE_SIMULATE_ACC_LEN"] == "2"
+    with simulated(None):
+        assert os.environ["SPECSERVE_SIMULATE_ACC_LEN"] == "2"
+
+
+def test_bench_overlap_rejects_an_impossible_simulated_length(capsys):
+    with pytest.raises(SystemExit):
+        main(["--simulate-acc-len", "9", "--steps", "3"])
+    assert "--simulate-acc-len must be in [1, --steps + 1 = 4], got 9" in capsys.readouterr().err
