@@ -100,16 +100,23 @@ def test_simulate_acc_len_recorded_from_either_name(monkeypatch):
     assert bs.simulate_acc_len() == "3"
 
 
-def test_bench_speculative_end_to_end(model_factory, tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def eagle_pair(model_factory, tmp_path, monkeypatch):
+    """(target, self EAGLE head, the sweep flags naming them) on a tiny Llama, the simulation variables unset."""
     for name in bs.SIMULATE_ENV:
         monkeypatch.delenv(name, raising=False)
     target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
     head = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
+    flags = ["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
+             "--max-new-tokens", "8", "--num-prompts", "2", "--num-threads", "2", "--no-progress"]
+    return target, head, flags
+
+
+def test_bench_speculative_end_to_end(eagle_pair, tmp_path, capsys):
+    _, head, flags = eagle_pair
     out = tmp_path / "out"
-    rc = bs.main(["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
-                  "--batch-size", "1,2", "--steps", "1,2", "--topk", "1,2", "--num-draft-tokens", "2,4",
-                  "--max-new-tokens", "8", "--num-prompts", "2", "--num-threads", "2", "--no-progress",
-                  "--out-dir", str(out)])
+    rc = bs.main(flags + ["--batch-size", "1,2", "--steps", "1,2", "--topk", "1,2", "--num-draft-tokens", "2,4",
+                          "--out-dir", str(out)])
     assert rc == 0
     rows = read_jsonl(str(out / "results.jsonl"))
     configs = ["baseline", "steps 1 topk 1 draft 2", "steps 1 topk 2 draft 2", "steps 2 topk 1 draft 3",
@@ -142,16 +149,10 @@ def test_bench_speculative_end_to_end(model_factory, tmp_path, capsys, monkeypat
     assert "skip steps 1 topk 2 draft 4" in printed.err
 
 
-def test_bench_speculative_sweeps_score_temperature(model_factory, tmp_path, monkeypatch):
-    for name in bs.SIMULATE_ENV:
-        monkeypatch.delenv(name, raising=False)
-    target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
-    head = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
+def test_bench_speculative_sweeps_score_temperature(eagle_pair, tmp_path):
     out = tmp_path / "out"
-    rc = bs.main(["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
-                  "--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
-                  "--stop-threshold", "0.02", "--score-temperature", "1,0.5", "--max-new-tokens", "8",
-                  "--num-prompts", "2", "--num-threads", "2", "--no-progress", "--out-dir", str(out)])
+    rc = bs.main(eagle_pair[2] + ["--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
+                                  "--stop-threshold", "0.02", "--score-temperature", "1,0.5", "--out-dir", str(out)])
     assert rc == 0
     rows = read_jsonl(str(out / "results.jsonl"))
     assert [(r["config"], r["stop_threshold"], r["score_temperature"]) for r in rows] == [
@@ -201,15 +202,10 @@ def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
     assert shut == ["A", "B"]
 
 
-def test_bench_speculative_interleaved_matches_sequential(model_factory, tmp_path, monkeypatch):
+def test_bench_speculative_interleaved_matches_sequential(eagle_pair, tmp_path):
     """Interleaving changes only when each pass runs: the greedy acceptance figures of every row are the same."""
-    for name in bs.SIMULATE_ENV:
-        monkeypatch.delenv(name, raising=False)
-    target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True)
-    head = make_eagle_head_dir(str(tmp_path / "eagle"), target, kind="self")
-    common = ["--model-path", target, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
-              "--batch-size", "1,2", "--steps", "2", "--topk", "1,2", "--num-draft-tokens", "3", "--reps", "2",
-              "--max-new-tokens", "8", "--num-prompts", "2", "--num-threads", "2", "--no-progress"]
+    common = eagle_pair[2] + ["--batch-size", "1,2", "--steps", "2", "--topk", "1,2", "--num-draft-tokens", "3",
+                              "--reps", "2"]
     runs = {}
     for mode in ("sequential", "interleave"):
         out = tmp_path / mode
