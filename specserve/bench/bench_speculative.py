@@ -4,7 +4,7 @@
     specserve bench-speculative --model-path TARGET --speculative-algorithm EAGLE \\
         --speculative-draft-model-path DRAFT --batch-size 1,4,16 --steps 1,3,5 --topk 1,2,4 \\
         --num-draft-tokens 4,8,16 --num-prompts 8 --max-new-tokens 64 --reps 1 [--out-dir DIR]
-    specserve bench-speculative --steps 6 --topk 4 --num-draft-tokens 16 \
+    specserve bench-speculative --steps 6 --topk 4 --num-draft-tokens 16 \\
         --stop-threshold 0,0.02 --score-temperature 1,0.6           # our two tree-shaping flags swept too
 
 Every (``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``) combination
