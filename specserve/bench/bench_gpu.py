@@ -27,7 +27,6 @@ Timing: decode tokens/s = D / (time of a request generating 1 + D tokens - time 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import random
@@ -249,20 +248,6 @@ def measure_verify(sched, ns: argparse.Namespace, device: torch.device) -> list[
     return rows
 
 
-@contextlib.contextmanager
-def simulated_env(value: float):
-    """SPECSERVE_SIMULATE_ACC_LEN set for the block (restored after)."""
-    old = os.environ.get("SPECSERVE_SIMULATE_ACC_LEN")
-    os.environ["SPECSERVE_SIMULATE_ACC_LEN"] = str(value)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["SPECSERVE_SIMULATE_ACC_LEN"]
-        else:
-            os.environ["SPECSERVE_SIMULATE_ACC_LEN"] = old
-
-
 def release(engine) -> None:
     engine.shutdown()
     del engine
@@ -311,9 +296,9 @@ def run_simulated(ns, target: str, head: str, prompt: list[int], device: torch.d
     """One engine (its simulator is created from the env at start-up); the mean is then changed between runs on
     the scheduler thread, which is what restarting with another SPECSERVE_SIMULATE_ACC_LEN would do."""
     from specserve import Engine
-    from specserve.spec.simulate import AcceptSimulator
+    from specserve.spec.simulate import AcceptSimulator, simulated_acc_len
 
-    with simulated_env(ns.accept_lens[0]):
+    with simulated_acc_len(ns.accept_lens[0]):
         engine = Engine(**engine_kwargs(ns, target, head))
     rows = []
     try:

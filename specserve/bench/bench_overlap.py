@@ -17,8 +17,6 @@ large GEMM-bound model ``python -m specserve.bench.bench_core`` builds under ``b
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -103,30 +101,12 @@ def bench_batch(engines, batch: int, args: argparse.Namespace, prompts: list[str
             "overlapped_steps": overlap.get_server_info()["spec_overlapped_steps"] - before}
 
 
-@contextlib.contextmanager
-def simulated(acc_len: float | None):
-    """SPECSERVE_SIMULATE_ACC_LEN set to acc_len inside the block (unchanged for None), restored after."""
-    name = "SPECSERVE_SIMULATE_ACC_LEN"
-    before = os.environ.get(name)
-    if acc_len is not None:
-        os.environ[name] = f"{acc_len:g}"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
 def random_head(target: str, out_dir: str) -> str:
     """A random-weight EAGLE-3 head for `target` in out_dir (draft vocabulary: the first 8192 target ids at most)."""
-    import json
-
+    from specserve.models.loader import read_config
     from specserve.testing.tiny import make_eagle3_head_dir
 
-    with open(os.path.join(target, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    vocab = read_config(target)["vocab_size"]
     return make_eagle3_head_dir(out_dir, target, kind="random", draft_vocab=list(range(min(vocab, 8192))))
 
 
@@ -135,11 +115,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     from specserve.demo_models import resolve_demo
+    from specserve.spec.simulate import simulated_acc_len
     from specserve.train.corpus import held_out_prompts
 
     args.model_path = resolve_demo(args.model_path)
     prompts = held_out_prompts(16)
-    with tempfile.TemporaryDirectory(prefix="bench-overlap-head-") as tmp, simulated(args.simulate_acc_len):
+    with tempfile.TemporaryDirectory(prefix="bench-overlap-head-") as tmp, simulated_acc_len(args.simulate_acc_len):
         if args.draft_model_path == "random":
             args.draft_model_path = random_head(args.model_path, tmp)
         else:

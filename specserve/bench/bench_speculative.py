@@ -342,12 +342,12 @@ def run_interleaved(todo: list[tuple[TreeShape, ServerArgs]], batches: dict[int,
             for _ in range(reps):
                 for _, _, engine, _ in loaded:
                     flush(engine)
-                done = [(0.0, []) for _ in loaded]
+                this_rep = [(0.0, []) for _ in loaded]  # per configuration: (seconds, metas) of this pass
                 for chunk in chunks(prompts, b):
                     for i, (_, _, engine, _) in enumerate(loaded):
                         seconds, metas = timed_generate(engine, chunk, params)
-                        done[i] = (done[i][0] + seconds, done[i][1] + metas)
-                for i, one_pass in enumerate(done):
+                        this_rep[i] = (this_rep[i][0] + seconds, this_rep[i][1] + metas)
+                for i, one_pass in enumerate(this_rep):
                     passes[i].append(one_pass)
                 if progress is not None:
                     progress.update(len(loaded))

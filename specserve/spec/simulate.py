@@ -19,10 +19,11 @@ outputs are NOT the target's (lossy); a WARNING says so at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -63,6 +64,23 @@ def read_simulate_env(environ: Mapping[str, str] | None = None) -> tuple[float, 
     if method not in METHODS:
         raise ConfigError(f"{method_found[0]} must be one of {', '.join(METHODS)}, got {method_found[1]!r}")
     return mean, method
+
+
+@contextlib.contextmanager
+def simulated_acc_len(mean: float | None) -> Iterator[None]:
+    """SPECSERVE_SIMULATE_ACC_LEN set to `mean` inside the block (left as it is for None), restored after: for a
+    benchmark that builds engines with simulated acceptance (a decoder reads the variable when it starts)."""
+    name = ACC_LEN_ENV[0]
+    before = os.environ.get(name)
+    if mean is not None:
+        os.environ[name] = str(mean)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def sample_accept_lengths(mean: float, n: int, max_len: int, generator: torch.Generator,

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from specserve.bench.bench_overlap import main, simulated
+from specserve.bench.bench_overlap import main
+from specserve.spec.simulate import simulated_acc_len
 from specserve.testing.tiny import make_eagle3_head_dir
 
 
@@ -35,12 +36,12 @@ def test_bench_overlap_random_head_and_simulated_acceptance(llama_dir, monkeypat
     assert "SPECSERVE_SIMULATE_ACC_LEN" not in os.environ  # set only while the engines were built
 
 
-def test_simulated_restores_the_variable(monkeypatch):
+def test_simulated_acc_len_restores_the_variable(monkeypatch):
     monkeypatch.setenv("SPECSERVE_SIMULATE_ACC_LEN", "2")
-    with simulated(3.5):
+    with simulated_acc_len(3.5):
         assert os.environ["SPECSERVE_SIMULATE_ACC_LEN"] == "3.5"
     assert os.environ["SPECSERVE_SIMULATE_ACC_LEN"] == "2"
-    with simulated(None):
+    with simulated_acc_len(None):
         assert os.environ["SPECSERVE_SIMULATE_ACC_LEN"] == "2"
 
 
