@@ -45,6 +45,23 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+#: The default draft tree (steps, topk, draft tokens) of the bundled demo EAGLE-3 head (``demo-eagle3``), chosen
+#: with ``specserve bench-speculative`` (docs/benchmarks.md, session 20): deeper and narrower than SGLang's Llama
+#: default (5, 4, 8), it verified 5.15 against 4.18 tokens a step on the held-out prompts at batch 1 (greedy) and
+#: ran 1.98x against 1.84x plain decoding in the same interleaved run. Any other head keeps the architecture's
+#: default.
+DEMO_EAGLE3_TREE = (8, 3, 12)
+
+
+def is_demo_eagle3(path: str | None) -> bool:
+    """True when a draft path names the bundled demo EAGLE-3 head (``demo-eagle3`` or its folder)."""
+    from specserve.demo_models import demo_path, resolve_demo
+
+    if not path:
+        return False
+    return os.path.realpath(resolve_demo(path)) == os.path.realpath(demo_path("demo-eagle3"))
+
+
 @dataclass
 class ServerArgs:
     # --- model and tokenizer ---
@@ -277,7 +294,8 @@ class ServerArgs:
             )
 
     def resolve_speculative_defaults(self, architecture: str) -> None:
-        """Fill S, K, N when none was given: Llama-family targets (5, 4, 8), others and STANDALONE (3, 1, 4)."""
+        """Fill S, K, N when none was given: the bundled demo EAGLE-3 head its tuned DEMO_EAGLE3_TREE, other
+        Llama-family targets (5, 4, 8), others and STANDALONE (3, 1, 4). The overlap scheduler keeps (3, 1, 4)."""
         if self.speculative_algorithm is None or self.speculative_num_steps is not None:
             return
         if self.speculative_algorithm == "NGRAM":
@@ -285,6 +303,9 @@ class ServerArgs:
         llama_family = (architecture in LLAMA_FAMILY and self.speculative_algorithm != "STANDALONE"
                         and not self.enable_spec_v2)  # the overlap scheduler drafts chains (topk 1)
         steps, topk, tokens = (5, 4, 8) if llama_family else (3, 1, 4)
+        demo_head = self.speculative_algorithm == "EAGLE3" and is_demo_eagle3(self.speculative_draft_model_path)
+        if llama_family and demo_head:
+            steps, topk, tokens = DEMO_EAGLE3_TREE
         self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
         logger.info("speculative tree: num_steps=%d eagle_topk=%d num_draft_tokens=%d", steps, topk, tokens)
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from specserve.cli import add_server_args, main, server_args_from
-from specserve.config import ConfigError, ServerArgs, flag_name
+from specserve.config import DEMO_EAGLE3_TREE, ConfigError, ServerArgs, flag_name
+from specserve.demo_models import demo_path
 
 
 def parse(argv: list[str]) -> ServerArgs:
@@ -99,6 +100,26 @@ def test_speculative_tree_shape_rules():
     assert (other.speculative_num_steps, other.speculative_eagle_topk, other.speculative_num_draft_tokens) == (3, 1, 4)
     # NGRAM: N defaults to the max match window
     assert parse(["--speculative-algorithm", "NGRAM"]).speculative_num_draft_tokens == 12
+
+
+def test_the_bundled_demo_eagle3_head_gets_its_tuned_default_tree(tmp_path):
+    """demo-eagle3 (by name or folder) without tree flags: DEMO_EAGLE3_TREE; explicit flags, another head, EAGLE-2 on
+    that head's name, or the overlap scheduler keep their own rules."""
+    demo = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path"]
+
+    def tree(argv, architecture="LlamaForCausalLM"):
+        args = parse(argv)
+        args.resolve_speculative_defaults(architecture)
+        return args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+
+    assert DEMO_EAGLE3_TREE == (8, 3, 12)
+    assert tree(demo + ["demo-eagle3"]) == DEMO_EAGLE3_TREE
+    assert tree(demo + [demo_path("demo-eagle3")]) == DEMO_EAGLE3_TREE
+    assert tree(demo + [str(tmp_path)]) == (5, 4, 8)  # another EAGLE-3 head
+    assert tree(demo + ["demo-eagle3", "--speculative-num-steps", "6", "--speculative-eagle-topk", "4",
+                        "--speculative-num-draft-tokens", "16"]) == (6, 4, 16)
+    assert tree(demo + ["demo-eagle3", "--enable-spec-v2"]) == (3, 1, 4)
+    assert tree(demo + ["demo-eagle3"], "Qwen2ForCausalLM") == (3, 1, 4)
 
 
 def test_speculative_defaults_max_running_requests():
