@@ -198,10 +198,10 @@ def attended_slots(table: torch.Tensor, rows: torch.Tensor, kv_lens: list[int]) 
 
 
 def extend_batch(mode: ForwardMode, table: torch.Tensor, rows: list[int], starts: list[int], tokens: list[list[int]],
-                 kv_pool: KVPool, **extra) -> ForwardBatch:
-    """ForwardBatch over ``extend_inputs``; used for target prefill chunks and draft extends alike.
-    extra: ForwardBatch's optional fields."""
-    return ForwardBatch(mode, *extend_inputs(table, rows, starts, tokens), kv_pool, **extra)
+                 kv_pool: KVPool, may_split: bool = False, **extra) -> ForwardBatch:
+    """ForwardBatch over ``extend_inputs`` (may_split as there); used for target prefill chunks and draft extends
+    alike. extra: ForwardBatch's optional fields."""
+    return ForwardBatch(mode, *extend_inputs(table, rows, starts, tokens, may_split), kv_pool, **extra)
 
 
 def last_token_rows(q_lens: list[int], device) -> torch.Tensor:

@@ -59,7 +59,8 @@ class CompiledForward:
         self.compiled = torch.compile(eager, dynamic=None)
 
     def use_compiled(self, fb: ForwardBatch) -> bool:
-        return fb.mode in self.modes and fb.attn.batch_size <= self.max_bs
+        # request-by-request attention (a split prefill catch-up) loops over a varying number of groups: eager
+        return fb.mode in self.modes and fb.attn.batch_size <= self.max_bs and fb.attn.groups is None
 
     def __call__(self, fb: ForwardBatch, *args, **kwargs):
         if not self.use_compiled(fb):

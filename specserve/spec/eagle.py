@@ -209,12 +209,14 @@ class EagleProposer(Proposer):
         return out.hidden.index_select(0, rows)
 
     # ------------------------------------------------------------------ extend (catch up)
-    def _extend(self, reqs, starts: list[int], tokens: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
+    def _extend(self, reqs, starts: list[int], tokens: list[list[int]], hidden: torch.Tensor,
+                may_split: bool = False) -> torch.Tensor:
         """Draft extend: request b's positions [starts[b], starts[b] + len(tokens[b])) with those input tokens
         and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
+        may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
         fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.runner.req_to_token_pool.req_to_token,
-                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool)
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h]
         return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
@@ -232,7 +234,7 @@ class EagleProposer(Proposer):
         reqs = [c.req for c in chunks]
         tokens = [c.req.fill_ids[c.start + 1 : c.start + c.length + 1] for c in chunks]
         rows = torch.cat([torch.arange(c.row_offset, c.row_offset + c.length) for c in chunks]).to(self.device)
-        last = self._extend(reqs, [c.start for c in chunks], tokens, self._target_hidden(out, rows))
+        last = self._extend(reqs, [c.start for c in chunks], tokens, self._target_hidden(out, rows), may_split=True)
         done = [i for i, c in enumerate(chunks) if c.completed]
         if done:
             self._store_states([reqs[i] for i in done], last[done])

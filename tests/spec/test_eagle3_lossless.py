@@ -97,3 +97,38 @@ def test_heads_that_do_not_fit_the_target_fail_at_start_up(target, model_factory
     eagle3 = make_eagle3_head_dir(str(tmp_path / "e3"), narrow, kind="random", draft_vocab=[1, 2, 3, 4])
     with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the EAGLE-3 head expects"):
         Engine(model_path=target, **spec_kwargs("EAGLE3", eagle3, 3, 1, 4))
+
+
+def test_prompt_catch_up_attended_request_by_request(target, plain, tmp_path, monkeypatch):
+    """The draft's extend over prompts may attend request by request, as the target's prefill does (forced here on
+    every batch): outputs equal plain decoding, every request's accept figures equal those of a padded catch-up
+    (float32: the draft's states are the same), and a draft extend of several requests was really split."""
+    from specserve.attention import backend
+    from specserve.spec import eagle
+
+    head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self")
+    kw = dict(model_path=target, max_total_tokens=4096, dtype="float32", **spec_kwargs("EAGLE3", head, 4, 3, 8))
+
+    def figures(outs):
+        return [(o["meta_info"]["spec_verify_ct"], o["meta_info"]["spec_accept_histogram"]) for o in outs]
+
+    with Engine(**kw) as e:
+        padded = e.generate(PROMPTS, greedy(20))
+    monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 0)
+    split_sizes = []
+    real = eagle.extend_batch
+
+    def spy(*args, **kwargs):
+        fb = real(*args, **kwargs)
+        if fb.attn.groups is not None:
+            split_sizes.append(len(fb.attn.groups))
+        return fb
+
+    monkeypatch.setattr(eagle, "extend_batch", spy)
+    with Engine(**kw) as e:
+        split = e.generate(PROMPTS, greedy(20))
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in split] == plain
+    assert_drafting_happened(split, min_accept_length=1.2)
+    assert figures(split) == figures(padded)
+    assert split_sizes and max(split_sizes) > 1, "no draft extend of several requests was split"

@@ -53,3 +53,20 @@ def test_compiled_bf16_with_packed_linears(model_factory):
             graphs = e.get_server_info()["torch_compile_graphs"] if compiled else None
     assert outs[0] == outs[1]
     assert graphs > 0
+
+
+def test_grouped_attention_runs_eagerly():
+    """A forward attending request by request (a split prompt catch-up) is not compiled: its Python loop over a
+    varying number of groups would make a graph per group count. The same forward ungrouped is compiled."""
+    from types import SimpleNamespace
+
+    from specserve.attention import ForwardMode
+    from specserve.models.compile import CompiledForward, CompileStats
+
+    wrapper = CompiledForward(lambda fb: fb, max_bs=8, stats=CompileStats())
+
+    def fb(groups):
+        return SimpleNamespace(mode=ForwardMode.DRAFT_EXTEND, attn=SimpleNamespace(batch_size=2, groups=groups))
+
+    assert wrapper.use_compiled(fb(None))
+    assert not wrapper.use_compiled(fb([(3, None), (5, None)]))
