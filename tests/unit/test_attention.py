@@ -194,6 +194,50 @@ def test_decode_attention_folds_query_heads_per_kv_head():
             torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=1e-5)
 
 
+def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
+    """Several queries per request in bf16 on CPU, from FOLD_MIN_BATCH requests (verify trees at a large batch):
+    each KV head's query heads are attended as G * Q rows of it (``_attend_folded``). Checked against the
+    per-query float32 reference and against SDPA's own GQA grouping, for ragged requests with tree masks and
+    padded query rows, GQA groups of 2 and 4; a batch below FOLD_MIN_BATCH and float32 keep the kernel's path."""
+    from specserve.attention import backend
+
+    torch.manual_seed(5)
+    D, lens, q_lens = 8, [9, 4, 7, 12, 6], [3, 2, 3, 1, 2]
+    for H, Hkv in ((4, 2), (8, 2)):
+        pool = KVPool(1, 96, Hkv, D, torch.bfloat16, "cpu")
+        table = ReqToTokenPool(5, 16, "cpu")
+        alloc = SlotAllocator(96, "cpu")
+        masks = []
+        for row, (n, q) in enumerate(zip(lens, q_lens, strict=True)):
+            table.write(row, 0, alloc.alloc(n))
+            pool.k[0][table.req_to_token[row, : n - q]] = torch.randn(n - q, Hkv, D).bfloat16()
+            pool.v[0][table.req_to_token[row, : n - q]] = torch.randn(n - q, Hkv, D).bfloat16()
+            masks.append(torch.eye(q, dtype=torch.bool) | torch.tensor([[True] + [False] * (q - 1)] * q))  # a star
+        md = build_attn_metadata(table.req_to_token[list(range(5))], lens, q_lens, custom_masks=masks)
+        T = sum(q_lens)
+        q, k, v = (torch.randn(T, h, D).bfloat16() for h in (H, Hkv, Hkv))
+        spans = enumerate(zip(lens, q_lens, strict=True))
+        loc = torch.cat([table.req_to_token[row, n - ql : n] for row, (n, ql) in spans])  # the new tokens' slots
+        fb = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.zeros(T, dtype=torch.long),
+                          torch.zeros(T, dtype=torch.long), loc, md, pool)
+        qb = torch.zeros(5, md.max_q_len, H, D, dtype=torch.bfloat16)
+        assert backend.folds_query_heads(qb, Hkv, md)
+        assert not backend.folds_query_heads(qb[:3], Hkv, md) and not backend.folds_query_heads(qb.float(), Hkv, md)
+        got = attention(q, k, v, 0, fb, scale=D**-0.5)  # [T, H*D]
+        start = 0
+        for row, (n, ql) in enumerate(zip(lens, q_lens, strict=True)):
+            keys = table.req_to_token[row, :n]
+            visible = torch.cat([torch.ones(ql, n - ql, dtype=torch.bool), masks[row]], dim=1)
+            want = _reference(q[start : start + ql].float(), pool.k[0][keys].float(), pool.v[0][keys].float(),
+                              visible, D**-0.5)
+            torch.testing.assert_close(got[start : start + ql].float(), want, atol=2e-2, rtol=2e-2)
+            start += ql
+        with monkeypatch.context() as m:
+            m.setattr(backend, "FOLD_MIN_BATCH", 10**6)  # the kernel's own grouping
+            unfolded = attention(q, k, v, 0, fb, scale=D**-0.5)
+        torch.testing.assert_close(got.float(), unfolded.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_attended_slots_takes_only_the_attended_columns():
     from specserve.attention import attended_slots
 
