@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -216,26 +217,26 @@ class SpecDecoder:
         tree = self.proposer.propose(reqs, shape)
         n_nodes = tree.num_nodes.tolist()
         root_pos = [r.seq_len - 1 for r in reqs]
-        slots = self._verify_slots(reqs, root_pos, n_nodes)  # list of [n_b]
+        slots = self._verify_slots(reqs, root_pos, n_nodes)  # [T] request-major, node order
         out = self._verify_forward(reqs, tree, root_pos, n_nodes, slots)
         logits = self._padded(out.logits, tree)  # [B, N, V]
         result = self._verify(reqs, tree, logits)
         record = StepRecord(reqs, logits, result.accepted_nodes.tolist(), result.token_lists(), [], [], [], n_nodes,
                             tree.depth.max(dim=1).values.tolist())
-        steps, row_offset = [], 0
+        steps, kept, row_offset = [], [], 0
         for b, req in enumerate(reqs):
             tokens, n_out = record.tokens[b], len(req.output_ids)
             take = self._forward_take(req, tokens, n_out)
             req.output_ids.extend(tokens[:take])
             accepted = record.paths[b][: len(tokens)]  # root first, one node per new token
-            keep = min(len(accepted), take + 1)  # nodes whose KV stays: root + accepted drafts in the output
-            self._keep_slots(req, root_pos[b], slots[b], accepted[:keep])
+            kept.append(accepted[: min(len(accepted), take + 1)])  # nodes whose KV stays: root + drafts in the output
             record.n_out.append(n_out)
             record.taken.append(take)
             record.stopped.append(req.spec_stopped)
             if not req.spec_stopped:
                 steps.append(VerifiedStep(req, root_pos[b], accepted, tokens[:take], row_offset))
             row_offset += n_nodes[b]
+        self._commit_slots(reqs, root_pos, slots, n_nodes, kept)
         self.proposer.after_verify(steps, out)
         return record
 
@@ -247,15 +248,23 @@ class SpecDecoder:
                 return k + 1
         return len(tokens)
 
-    def _verify_slots(self, reqs: list[Req], root_pos: list[int], n_nodes: list[int]) -> list[torch.Tensor]:
+    def _verify_slots(self, reqs: list[Req], root_pos: list[int], n_nodes: list[int]) -> torch.Tensor:
+        """A fresh KV slot per real tree node, written into req_to_token at columns P_b .. P_b + n_b - 1
+        -> slots [T] (request-major, node order: the verify forward's rows)."""
         flat = self.sched._alloc(sum(n_nodes))
         if flat is None:
             raise RuntimeError("no KV slots for verification (the scheduler should have reserved them)")
-        table = self.sched.req_pool.req_to_token
-        per_req = list(flat.split(n_nodes))
-        for req, pos, s in zip(reqs, root_pos, per_req, strict=True):
-            table[req.req_pool_idx, pos : pos + len(s)] = s
-        return per_req
+        rows, cols = self._table_cells(reqs, root_pos, n_nodes)
+        self.sched.req_pool.req_to_token[rows, cols] = flat
+        return flat
+
+    def _table_cells(self, reqs: list[Req], root_pos: list[int],
+                     counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """req_to_token cells (rows [n], columns [n]) of counts[b] consecutive positions from root_pos[b] per
+        request, request-major; built on the host and copied once (one op for the whole batch)."""
+        rows = [r.req_pool_idx for r, n in zip(reqs, counts, strict=True) for _ in range(n)]
+        cols = [p + i for p, n in zip(root_pos, counts, strict=True) for i in range(n)]
+        return torch.tensor([rows, cols], dtype=torch.int64, device=self.device).unbind(0)
 
     def _verify_forward(self, reqs, tree: DraftTree, root_pos, n_nodes, slots):
         dev = self.device
@@ -266,7 +275,7 @@ class SpecDecoder:
         kv_lens = [p + n for p, n in zip(root_pos, n_nodes, strict=True)]
         masks = [tree.mask[b, :n, :n] for b, n in enumerate(n_nodes)]
         fb = ForwardBatch(
-            ForwardMode.TARGET_VERIFY, ids, positions, torch.cat(slots),
+            ForwardMode.TARGET_VERIFY, ids, positions, slots,
             build_attn_metadata(attended_slots(self.sched.req_pool.req_to_token, rows, kv_lens), kv_lens, n_nodes,
                                 custom_masks=masks),
             self.runner.kv_pool, capture_layers=self.proposer.capture_layers,
@@ -373,14 +382,20 @@ class SpecDecoder:
                 req.kv_len = req.seq_len
             self.sched._release(req)
 
-    def _keep_slots(self, req: Req, root_pos: int, node_slots: torch.Tensor, keep_nodes: list[int]) -> None:
-        keep_idx = torch.tensor(keep_nodes, dtype=torch.int64, device=node_slots.device)
-        table = self.sched.req_pool.req_to_token
-        table[req.req_pool_idx, root_pos : root_pos + len(keep_nodes)] = node_slots[keep_idx]
-        dropped = torch.ones(len(node_slots), dtype=torch.bool, device=node_slots.device)
-        dropped[keep_idx] = False
-        self.sched.allocator.free(node_slots[dropped])
-        req.kv_len = root_pos + len(keep_nodes)
+    def _commit_slots(self, reqs: list[Req], root_pos: list[int], slots: torch.Tensor, n_nodes: list[int],
+                      kept: list[list[int]]) -> None:
+        """Request b keeps the KV of its nodes kept[b] (root first) as positions P_b .. P_b + len(kept[b]) - 1;
+        every other node's slot is freed. slots [T]: the verify slots, request-major (n_nodes[b] each)."""
+        offsets = [0, *accumulate(n_nodes)][:-1]  # [B] first row of each request
+        flat_kept = torch.tensor([off + node for off, nodes in zip(offsets, kept, strict=True) for node in nodes],
+                                 dtype=torch.int64, device=slots.device)  # [kept total] rows of slots
+        rows, cols = self._table_cells(reqs, root_pos, [len(nodes) for nodes in kept])
+        self.sched.req_pool.req_to_token[rows, cols] = slots[flat_kept]
+        dropped = torch.ones(len(slots), dtype=torch.bool, device=slots.device)
+        dropped[flat_kept] = False
+        self.sched.allocator.free(slots[dropped])
+        for req, pos, nodes in zip(reqs, root_pos, kept, strict=True):
+            req.kv_len = pos + len(nodes)
 
     def _count(self, req: Req, accepted_drafts: int, appended: int, drafted: int, depth: int) -> None:
         """Counters of one request's verify step; `depth` = its tree's deepest drafted node."""
