@@ -224,8 +224,8 @@ class EagleProposer(Proposer):
     def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
         with torch.inference_mode():
             p, ids = self._topk(last_hidden, scale=self._score_scale(reqs, 1))  # [B, K] each
-        for i, req in enumerate(reqs):
-            req.spec_state = DraftState(p[i], ids[i], last_hidden[i])
+        for req, p_i, ids_i, h_i in zip(reqs, p.unbind(0), ids.unbind(0), last_hidden.unbind(0), strict=True):
+            req.spec_state = DraftState(p_i, ids_i, h_i)
 
     def after_prefill(self, chunks: list[PrefillChunk], out) -> None:
         chunks = [c for c in chunks if not c.req.finished]
@@ -264,8 +264,8 @@ class EagleProposer(Proposer):
         dev, B = self.device, len(reqs)
         states = [r.spec_state for r in reqs]
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
-        cands = EagleCandidates(torch.stack([s.topk_p[:K] for s in states]),
-                                torch.stack([s.topk_ids[:K] for s in states]))  # stored top-K are sorted
+        cands = EagleCandidates(torch.stack([s.topk_p for s in states])[:, :K],
+                                torch.stack([s.topk_ids for s in states])[:, :K])  # stored top-K are sorted
         if S > 1:
             hidden = torch.stack([s.hidden for s in states])  # [B, h]
             live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
