@@ -52,9 +52,10 @@ from dataclasses import dataclass
 
 from specserve.config import ConfigError, ServerArgs
 from specserve.spec.accept_stats import accept_length
+from specserve.spec.simulate import ACC_LEN_ENV, simulate_env_value
 
 COMMAND = "bench-speculative"
-SIMULATE_ENV = ("SPECSERVE_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_LEN")
+SIMULATE_ENV = ACC_LEN_ENV  # the simulation variables a run records (SPECSERVE_ first)
 TABLE_COLUMNS = (
     ("batch_size", "batch", None), ("config", "config", None), ("accept_length", "accept len", ".2f"),
     ("draft_forwards_per_tree", "draft fwd/tree", ".2f"), ("step_ms", "decode step ms", ".2f"),
@@ -476,7 +477,7 @@ def write_outputs(rows: list[dict], skipped: list[dict], setup: dict, out_dir: s
 
 def simulate_acc_len() -> str | None:
     """The value of SPECSERVE_SIMULATE_ACC_LEN (or its twin SGLANG_SIMULATE_ACC_LEN) when set."""
-    return next((os.environ[k] for k in SIMULATE_ENV if os.environ.get(k)), None)
+    return simulate_env_value()
 
 
 # ---------------------------------------------------------------------------------------------- command

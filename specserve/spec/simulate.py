@@ -45,6 +45,13 @@ def _first_set(names: tuple[str, ...], environ: Mapping[str, str]) -> tuple[str,
     return None
 
 
+def simulate_env_value(environ: Mapping[str, str] | None = None) -> str | None:
+    """The accept-length variable's value as set (SPECSERVE_ first, then its SGLANG_ twin), None when off: what a
+    benchmark records beside its figures."""
+    found = _first_set(ACC_LEN_ENV, os.environ if environ is None else environ)
+    return None if found is None else found[1]
+
+
 def read_simulate_env(environ: Mapping[str, str] | None = None) -> tuple[float, str] | None:
     """-> (mean accept length, method) when the simulation is on, None when off; ConfigError naming the
     variable for a bad value."""
