@@ -241,7 +241,9 @@ def attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the new tokens -> output [T, H*D].
 
-    Writes the new K/V into the pool at fb.out_cache_loc, then attends over each request's slots.
+    Writes the new K/V into the pool at fb.out_cache_loc, then attends over each request's slots. Attention runs
+    in the pool's dtype: a float32 draft keeps its KV in bf16 (``EagleProposer``), so its float32 queries are cast
+    to it and the output back.
     """
     if fb.kv_pool is None:
         from specserve.attention.training import poolless_attention
@@ -250,13 +252,14 @@ def attention(
     k_buf, v_buf = fb.kv_pool.layer(layer_id)  # [S, Hkv, D]
     k_buf[fb.out_cache_loc] = k.to(k_buf.dtype)
     v_buf[fb.out_cache_loc] = v.to(v_buf.dtype)
+    out_dtype, q = q.dtype, q.to(k_buf.dtype)
     if fb.attn.groups is None:
-        return _attend(q, k_buf, v_buf, fb.attn, scale)
+        return _attend(q, k_buf, v_buf, fb.attn, scale).to(out_dtype)
     outs, start = [], 0
     for n_rows, md in fb.attn.groups:
         outs.append(_attend(q[start : start + n_rows], k_buf, v_buf, md, scale))
         start += n_rows
-    return torch.cat(outs)
+    return torch.cat(outs).to(out_dtype)
 
 
 def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnMetadata, scale: float) -> torch.Tensor:

@@ -27,8 +27,10 @@ class RMSNorm(DirectCall):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32:  # one fused op
             return F.rms_norm(x, self.shape, self.weight, self.eps)
-        # low precision: normalise in float32, cast, then scale (the reference implementations' order)
-        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+        # low precision: normalise in float32, cast, then scale (the reference implementations' order); a float32
+        # weight (a float32 draft's large calls in bf16, ``EagleProposer.compute_dtype``) scales in x's dtype too
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -68,21 +70,23 @@ class RotaryEmbedding(DirectCall):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.inv_freq, self.scale = rope_inv_freq(head_dim, theta, scaling)
-        self._table_cache: torch.Tensor | None = None  # [P, 2, D] = (cos | cos, -sin | sin), built on first use
+        # per dtype: [P, 2, D] = (cos | cos, -sin | sin), built on first use (a float32 draft runs its large calls in
+        # bf16, so it keeps a table of each)
+        self._tables: dict[torch.dtype, torch.Tensor] = {}
 
     def cover(self, n: int) -> None:
         """Make the table reach positions up to n (rebuilt lazily on next use)."""
         if n > self.max_positions:
-            self.max_positions, self._table_cache = n, None
+            self.max_positions, self._tables = n, {}
 
     def _table(self, device, dtype) -> torch.Tensor:
-        table = self._table_cache
-        if table is None or table.device != device or table.dtype != dtype:
+        table = self._tables.get(dtype)
+        if table is None or table.device != device:
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))  # [P, D/2] float32
             cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
             table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1).to(dtype)  # [P, 2, D]
-            self._table_cache = table
+            self._tables[dtype] = table
         return table
 
     def cos_sin(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch | None = None):

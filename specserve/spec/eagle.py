@@ -30,7 +30,7 @@ import torch
 from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
-from specserve.models.cpu_packing import mix_linears_for_cpu, pack_linears_for_cpu
+from specserve.models.cpu_packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
 from specserve.spec.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep, register_proposer
 from specserve.spec.batch_policy import TreeShape
@@ -52,6 +52,12 @@ def _mixed_linears(args, device: torch.device, draft_dtype: torch.dtype, target_
     """A float32 draft under a half-precision target on CPU gets MixedLinears (packed bf16 for large calls)."""
     return (device.type == "cpu" and not args.disable_cpu_weight_packing and draft_dtype == torch.float32
             and target_dtype in (torch.bfloat16, torch.float16))
+
+
+#: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more than FP32_MAX_ROWS
+#: tokens in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the bytes and its prompt
+#: catch-up runs on half-size activations (docs/benchmarks.md); batch-1 tree levels and extends stay float32.
+HALF_DRAFT_DTYPE = torch.bfloat16
 
 
 def resolve_draft_dtype(flag: str, target_dtype: torch.dtype, device_type: str, num_params: int) -> torch.dtype:
@@ -83,6 +89,8 @@ class EagleProposer(Proposer):
     #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
     #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
     root_offset = 0
+    #: a float32 draft with MixedLinears keeps its KV in HALF_DRAFT_DTYPE and runs its large forwards in it
+    half_precision_calls = True
 
     def __init__(self, args, runner, alloc) -> None:
         self.args, self.runner, self.alloc = args, runner, alloc
@@ -96,15 +104,18 @@ class EagleProposer(Proposer):
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
+        self.half_dtype = None  # the dtype of large forwards when it is not the draft's (compute_dtype)
         if _mixed_linears(args, self.device, self.draft_dtype, runner.dtype):
             for module in (self.head, self.hot_head):
                 if module is not None:
                     mix_linears_for_cpu(module)
+            all_mixed = not any(isinstance(m, torch.nn.Linear) for m in self.head.modules())
+            self.half_dtype = HALF_DRAFT_DTYPE if self.half_precision_calls and all_mixed else None
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.head_spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
-            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim, self.draft_dtype,
-            self.device,
+            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim,
+            self.kv_dtype(args, self.device, self.draft_dtype, runner.dtype), self.device,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -144,8 +155,18 @@ class EagleProposer(Proposer):
         dtype = resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
         spec = model_spec(path, revision, cls.head_registry)
         bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
+        kv_dtype = cls.kv_dtype(args, device, dtype, target_dtype)
         return DraftMemory(params * dtype.itemsize + bf16_copies,
-                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, dtype), dtype)
+                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, kv_dtype),
+                           dtype)
+
+    @classmethod
+    def kv_dtype(cls, args, device: torch.device, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
+        """The draft KV's dtype: HALF_DRAFT_DTYPE for a float32 draft with MixedLinears whose large calls run in
+        it, else the draft's own."""
+        if cls.half_precision_calls and _mixed_linears(args, device, draft_dtype, target_dtype):
+            return HALF_DRAFT_DTYPE
+        return draft_dtype
 
     def _check_head(self, head, spec) -> None:
         if spec.hidden_size != self.runner.spec.hidden_size:
@@ -161,9 +182,19 @@ class EagleProposer(Proposer):
         return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset
 
     # ------------------------------------------------------------------ the draft network
+    def compute_dtype(self, rows: int) -> torch.dtype:
+        """The dtype a draft forward over `rows` tokens runs in: a float32 draft with MixedLinears runs calls of more
+        than FP32_MAX_ROWS tokens (prompt catch-ups, catch-ups and tree levels at a large batch) in half_dtype, where
+        its matmuls run packed bf16 anyway, so the activations between them stay half-size and unconverted; smaller
+        calls (batch-1 tree levels and catch-ups) keep float32's lower per-op cost."""
+        if self.half_dtype is not None and rows > FP32_MAX_ROWS:
+            return self.half_dtype
+        return self.draft_dtype
+
     def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h] (draft dtype)."""
-        return self.head(fb, self.target.embed(fb.input_ids).to(self.draft_dtype), hidden)
+        embeds = self.target.embed(fb.input_ids).to(self.compute_dtype(fb.input_ids.shape[0]))
+        return self.head(fb, embeds, hidden).to(self.draft_dtype)
 
     def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the

@@ -50,6 +50,7 @@ def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | 
 class StandaloneProposer(EagleProposer):
     head_registry = MODEL_REGISTRY
     root_offset = 1
+    half_precision_calls = False  # a full LM drafter keeps float32 throughout (its own embedding, per-layer KV)
 
     @classmethod
     def kv_layers(cls, draft_spec) -> int:

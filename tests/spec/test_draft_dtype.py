@@ -45,15 +45,17 @@ def test_count_parameters_matches_the_loaded_model(model_factory, tmp_path, tied
         sum(p.numel() for p in head.parameters())
 
 
-def _gate(target: str, kw: dict, want_dtype: torch.dtype, min_accept_length: float, **target_kw) -> None:
-    """Greedy output with the draft in want_dtype == plain decoding's, drafts accepted, no KV leak."""
+def _gate(target: str, kw: dict, want_dtype: torch.dtype, min_accept_length: float, kv_dtype=None,
+          **target_kw) -> None:
+    """Greedy output with the draft in want_dtype (its KV in kv_dtype, default the same) == plain decoding's, drafts
+    accepted, no KV leak."""
     with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
         plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
     with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
         proposer = e.scheduler.spec.proposer
         assert proposer.draft_dtype == want_dtype
         assert {p.dtype for p in proposer.head.parameters()} == {want_dtype}
-        assert proposer.kv_pool.dtype == want_dtype
+        assert proposer.kv_pool.dtype == (kv_dtype or want_dtype)
         assert e.get_server_info()["speculative_draft_dtype"] == str(want_dtype).removeprefix("torch.")
         outs = e.generate(PROMPTS, greedy(24))
         assert [o["output_ids"] for o in outs] == plain
@@ -80,14 +82,15 @@ def test_bf16_draft_under_a_float32_target_is_lossless(target, self_head, bigram
 
 def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
     """bf16 target on CPU, auto: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's LM head
-    rows, a MixedLinear like the head's linears) run in float32; the target's own LM head stays packed bf16."""
+    rows, a MixedLinear like the head's linears) run in float32, the head's KV in bf16; the target's own LM head
+    stays packed bf16."""
     from specserve.spec.token_map import save_token_map
 
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
     head = make_eagle_head_dir(str(tmp_path / "head"), path, kind="self")
     save_token_map(torch.arange(64), str(tmp_path / "map.pt"))
     kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
-    _gate(path, kw, F32, min_accept_length=1.2)
+    _gate(path, kw, F32, min_accept_length=1.2, kv_dtype=BF16)
     with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
         assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
         hot = e.scheduler.spec.proposer.hot_head.proj
@@ -110,3 +113,31 @@ def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory, 
         out = e.generate(PROMPTS[0], greedy(24))
     assert out["output_ids"] == want
     assert_drafting_happened([out], min_accept_length=1.5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_path, compiled):
+    """A float32 EAGLE-3 head under a bf16 target (auto) keeps its KV in bf16 and runs forwards of more than
+    FP32_MAX_ROWS tokens in bf16 (prompt catch-ups; at batch 8 the tree levels of 8 x 3 rows and the catch-ups after
+    verification), smaller ones (a lone request's levels of 3 rows) in float32. Both kinds must have run, and the
+    greedy output is plain decoding's at batch 8 and for a lone request, eager and compiled."""
+    target = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True, dtype=BF16)
+    head = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
+    target_kw = {"enable_torch_compile": compiled}
+    kw = spec_kwargs("EAGLE3", head, 4, 3, 8)
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+        lone = e.generate(PROMPTS[0], greedy(24))["output_ids"]
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
+        proposer = e.scheduler.spec.proposer
+        assert proposer.draft_dtype == F32 and proposer.kv_pool.dtype == BF16 and proposer.half_dtype == BF16
+        seen = []
+        pick = proposer.compute_dtype
+        proposer.compute_dtype = lambda rows: seen.append(pick(rows)) or seen[-1]
+        outs = e.generate(PROMPTS, greedy(24))
+        one = e.generate(PROMPTS[0], greedy(24))
+        assert [o["output_ids"] for o in outs] == plain and one["output_ids"] == lone
+        assert_drafting_happened(outs, min_accept_length=1.5)
+        assert_drafting_happened([one], min_accept_length=1.5)
+        assert {F32, BF16} <= set(seen)
+        assert_no_kv_leak(e)
