@@ -23,8 +23,10 @@ from transformers import AutoTokenizer
 
 from specserve.config import ConfigError, ServerArgs
 from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, prepare_requests
+from specserve.malloc import tune_malloc
 from specserve.models.loader import dtype_name
 from specserve.omp import release_thread_pool
+from specserve.scheduler.model_runner import resolve_device
 from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
 from specserve.spec.accept_stats import position_rates
@@ -157,6 +159,8 @@ class Engine:
             raise ConfigError("--model-path is required")
         logging.getLogger("specserve").setLevel(args.log_level.upper())
         self.server_args = args
+        if resolve_device(args.device).type == "cpu":
+            tune_malloc()  # before the model's tensors and the scheduler thread (malloc.py)
         self.scheduler = Scheduler(args)
         runner = self.scheduler.runner
         self.tokenizer = load_tokenizer(args, runner.model_dir)

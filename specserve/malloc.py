@@ -1,0 +1,76 @@
+"""Keep freed activation buffers inside the process (glibc malloc, CPU).
+
+A CPU forward allocates its activations with the C allocator: at batch 32 a prefill chunk's tensors are several MB
+each, and a speculative step adds the draft's (its KV gathers, its catch-up over the prompt). glibc's defaults hand
+such buffers back to the kernel: blocks above the mmap threshold are unmapped when freed, and a heap whose free top
+passes the trim threshold is shrunk. The next forward faults every page in again (the kernel zeroes each 4 KiB
+page). Threads other than the main one also get arenas of their own, whose heaps cannot grow past 64 MiB, so large
+blocks of the scheduler thread keep falling back to fresh mappings.
+
+Measured on the project's 2-core machine (docs/benchmarks.md, batch 32, demo bf16 with its float32 EAGLE-3 head):
+with the defaults a prefill chunk of the target took 8-15k minor page faults and about 30% longer once the
+draft's catch-up ran in bf16 (its blocks then share the target's sizes), against 0-1k with the settings below.
+
+``tune_malloc`` sets, through ``mallopt`` before the engine's threads start: one arena for the whole process
+(``M_ARENA_MAX``), a fixed mmap threshold of 32 MiB (``M_MMAP_THRESHOLD``, glibc's largest dynamic value; larger
+blocks such as the KV pool are still mapped on their own) and a trim threshold of 2 GiB (``M_TRIM_THRESHOLD``, the
+largest it takes). The heap then keeps what it has held instead of returning it between steps, which is what a
+serving process that runs the same shapes step after step wants.
+
+Left alone: a non-glibc C library; a process whose ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_`` or
+``MALLOC_TRIM_THRESHOLD_`` is set (the user chose); ``SPECSERVE_KEEP_MALLOC_DEFAULTS=1`` (for A/B measurements).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+KEEP_DEFAULTS_ENV = "SPECSERVE_KEEP_MALLOC_DEFAULTS"
+USER_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+# mallopt parameters (glibc's malloc.h) and the values set
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, 32 * 2**20), (M_TRIM_THRESHOLD, 2**31 - 1))  # mallopt's int max
+
+
+def should_tune(environ) -> bool:
+    """Whether ``tune_malloc`` may change the allocator's settings under this environment."""
+    if environ.get(KEEP_DEFAULTS_ENV, "") not in ("", "0"):
+        return False
+    return not any(name in environ for name in USER_ENV)
+
+
+@functools.cache
+def _mallopt():
+    """glibc's mallopt, or None (another C library, or none found)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallopt
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return None
+    version.restype = ctypes.c_char_p
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    logger.debug("glibc %s", version().decode())
+    return fn
+
+
+@functools.cache
+def tune_malloc() -> bool:
+    """Apply SETTINGS once per process (see the module docstring); True when they were all accepted."""
+    if not should_tune(os.environ):
+        return False
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    ok = all(mallopt(param, value) == 1 for param, value in SETTINGS)
+    if ok:
+        logger.info("malloc: one arena, 32 MiB mmap threshold, heap kept (set %s=1 to keep glibc's defaults)",
+                    KEEP_DEFAULTS_ENV)
+    return ok
