@@ -104,18 +104,19 @@ class EagleProposer(Proposer):
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
+        kv_dtype = self.kv_dtype(args, self.device, self.draft_dtype, runner.dtype)
         self.half_dtype = None  # the dtype of large forwards when it is not the draft's (compute_dtype)
         if _mixed_linears(args, self.device, self.draft_dtype, runner.dtype):
             for module in (self.head, self.hot_head):
                 if module is not None:
                     mix_linears_for_cpu(module)
             all_mixed = not any(isinstance(m, torch.nn.Linear) for m in self.head.modules())
-            self.half_dtype = HALF_DRAFT_DTYPE if self.half_precision_calls and all_mixed else None
+            if kv_dtype != self.draft_dtype and all_mixed:  # every matmul has its packed bf16 copy
+                self.half_dtype = kv_dtype
         self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.head_spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
-            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim,
-            self.kv_dtype(args, self.device, self.draft_dtype, runner.dtype), self.device,
+            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim, kv_dtype, self.device,
         )
 
     # ------------------------------------------------------------------ set-up
