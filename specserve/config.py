@@ -229,6 +229,8 @@ class ServerArgs:
         """``demo``, ``demo-eagle3``, ... name the bundled demo family (``specserve.demo_models``)."""
         from specserve.demo_models import resolve_demo
 
+        if self.served_model_name is None and resolve_demo(self.model_path) != self.model_path:
+            self.served_model_name = self.model_path  # the name the user typed ("demo"), not the package path
         for name in ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_token_map"):
             setattr(self, name, resolve_demo(getattr(self, name)))
 
@@ -287,10 +289,11 @@ class ServerArgs:
                 "--speculative-eagle-topk 1: --speculative-num-draft-tokens set to num_steps + 1 = %d", steps + 1
             )
             self.speculative_num_draft_tokens = steps + 1
-        if self.speculative_num_draft_tokens > steps * topk + 1:
+        most = max_tree_nodes(steps, topk)
+        if self.speculative_num_draft_tokens > most:
             raise ConfigError(
                 f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} exceeds what the draft tree can "
-                f"hold: num_steps * eagle_topk + 1 = {steps * topk + 1}"
+                f"hold: the root plus eagle_topk + (num_steps - 1) * eagle_topk^2 drafted candidates = {most}"
             )
 
     def resolve_speculative_defaults(self, architecture: str) -> None:
@@ -360,6 +363,12 @@ class ServerArgs:
         if unknown:
             raise ConfigError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def max_tree_nodes(steps: int, topk: int) -> int:
+    """The largest --speculative-num-draft-tokens a (steps, topk) draft can fill: the root plus every candidate the
+    EAGLE-2 rerank chooses from (level 0 drafts topk, each later level topk children of each of topk branches)."""
+    return 1 + topk + (steps - 1) * topk * topk
 
 
 def _choice(args: ServerArgs, name: str, choices: tuple[str, ...]) -> None:

@@ -397,9 +397,9 @@ def select_eagle_tree(
 
     root_tokens [B]; cand_tokens [B, M]; cand_parents [B, M]: CANDIDATE index of each parent, -1 = root;
     cand_scores [B, M]: cumulative path probability or log-prob, a child never above its parent.
-    N - 1 > M raises ValueError (the scheduler validates N <= S*K + 1 at start-up). topk == 1 (a chain) takes
-    the first N-1 candidates through build_chain, with no sort. distinct=True: siblings carry distinct tokens
-    (the caller guarantees it), so duplicate merging is skipped.
+    N - 1 > M raises ValueError (start-up validates N - 1 <= K + (S-1) * K^2, what S levels draft). topk == 1 (a
+    chain) takes the first N-1 candidates through build_chain, with no sort. distinct=True: siblings carry distinct
+    tokens (the caller guarantees it), so duplicate merging is skipped.
 
     Why the kept set is ancestor-closed: order the candidates by (score desc, index asc). For a child c of p,
     score[c] <= score[p] and index[p] < index[c] (candidates are listed level by level), so p sorts strictly

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from specserve.cli import add_server_args, main, server_args_from
-from specserve.config import DEMO_EAGLE3_TREE, ConfigError, ServerArgs, flag_name
+from specserve.config import DEMO_EAGLE3_TREE, ConfigError, ServerArgs, flag_name, max_tree_nodes
 from specserve.demo_models import demo_path
 
 
@@ -58,8 +58,8 @@ SPEC = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d
 
 @pytest.mark.parametrize("argv,flag", [
     (SPEC + ["--speculative-num-steps", "3"], "--speculative-eagle-topk"),
-    (SPEC + ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
-     "--speculative-num-draft-tokens"),
+    (SPEC + ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"],
+     "--speculative-num-draft-tokens"),  # 2 steps of topk 2 draft 2 + 4 candidates: at most 7 nodes
     (SPEC + ["--speculative-num-steps", "0", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "2"],
      "--speculative-num-steps"),
     (SPEC + ["--speculative-accept-threshold-single", "1.5"], "--speculative-accept-threshold-single"),
@@ -120,6 +120,15 @@ def test_the_bundled_demo_eagle3_head_gets_its_tuned_default_tree(tmp_path):
                         "--speculative-num-draft-tokens", "16"]) == (6, 4, 16)
     assert tree(demo + ["demo-eagle3", "--enable-spec-v2"]) == (3, 1, 4)
     assert tree(demo + ["demo-eagle3"], "Qwen2ForCausalLM") == (3, 1, 4)
+
+
+def test_tree_bound_counts_every_drafted_candidate():
+    """N - 1 may be any number up to the candidates S levels of topk K draft: K, then K children of K branches."""
+    assert [max_tree_nodes(s, k) for s, k in [(1, 1), (3, 1), (1, 4), (2, 2), (3, 4), (5, 8)]] == [2, 4, 5, 7, 37, 265]
+    for steps, topk, tokens in [("3", "4", "16"), ("5", "8", "64"), ("2", "2", "7")]:  # the seed page's, the edge
+        args = parse(SPEC + ["--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
+                                  "--speculative-num-draft-tokens", tokens])
+        assert args.speculative_num_draft_tokens == int(tokens)
 
 
 def test_speculative_defaults_max_running_requests():
