@@ -12,6 +12,7 @@ await asyncio queues). Detokenization happens on the caller's side.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -174,9 +175,8 @@ class Engine:
         self._closed = False
 
     # ------------------------------------------------------------------ request preparation
-    def _prepare(self, prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid):
-        return prepare_requests(self.factory, prompt, sampling_params, input_ids, return_logprob,
-                                top_logprobs_num, rid)
+    def _prepare(self, prompt, sampling_params, input_ids, rid, logprob_fields: dict):
+        return prepare_requests(self.factory, prompt, sampling_params, input_ids, rid, **logprob_fields)
 
     # ------------------------------------------------------------------ sync API
     def generate(
@@ -184,15 +184,22 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | None = None,
-        top_logprobs_num: int | None = None,
+        return_logprob: bool | list[bool] | None = None,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        return_text_in_logprobs: bool | None = None,
+        temp_scaled_logprobs: bool | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        """Generate for one prompt (-> dict) or a batch / n > 1 (-> list of dicts); stream -> chunk iterator."""
+        """Generate for one prompt (-> dict) or a batch / n > 1 (-> list of dicts); stream -> chunk iterator.
+        The logprob arguments are SGLang's (``Engine.generate``): one value, or a list of one per prompt."""
         self._check_open()
-        prepared, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
-                                         rid)
+        prepared, single = self._prepare(prompt, sampling_params, input_ids, rid, dict(
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
+            temp_scaled_logprobs=temp_scaled_logprobs))
         if stream:
             if not single:
                 raise RequestError("stream=True takes a single prompt with n=1", "stream")
@@ -223,14 +230,20 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | None = None,
-        top_logprobs_num: int | None = None,
+        return_logprob: bool | list[bool] | None = None,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        return_text_in_logprobs: bool | None = None,
+        temp_scaled_logprobs: bool | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_open()
-        prepared, single = self._prepare(prompt, sampling_params, input_ids, return_logprob, top_logprobs_num,
-                                         rid)
+        prepared, single = self._prepare(prompt, sampling_params, input_ids, rid, dict(
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
+            temp_scaled_logprobs=temp_scaled_logprobs))
         loop = asyncio.get_running_loop()
         for p in prepared:
             p.state.queue = asyncio.Queue()
@@ -265,7 +278,9 @@ class Engine:
         return self.loop.call(lambda s: s.flush_cache())
 
     def get_server_info(self) -> dict:
-        return self.loop.call(_server_info)
+        """SGLang's shape: the server arguments, the runtime state over them, the state again as
+        ``internal_states[0]`` (one data-parallel rank), and the version."""
+        return server_info(self.server_args, self.loop.call(_server_info))
 
     def shutdown(self) -> None:
         if not self._closed:
@@ -318,9 +333,27 @@ def _async_deliver(loop: asyncio.AbstractEventLoop):
     return bind
 
 
+SECRET_FIELDS = ("api_key",)
+
+
+def server_info(args: ServerArgs, state: dict) -> dict:
+    """/server_info and Engine.get_server_info(): arguments (secrets hidden), then the runtime state."""
+    from specserve import __version__
+
+    shown = dataclasses.asdict(args)
+    for name in SECRET_FIELDS:
+        if shown.get(name) is not None:
+            shown[name] = "***"
+    return {**shown, **state, "internal_states": [state], "version": __version__}
+
+
 def _server_info(s: Scheduler) -> dict:
     info = {
+        "status": "ready",
         "max_total_tokens": s.runner.max_total_tokens,
+        "max_total_num_tokens": s.runner.max_total_tokens,  # SGLang's name
+        "max_req_input_len": s.context_len - 1,
+        "page_size": 1,  # the KV cache holds one token per slot
         "context_length": s.context_len,
         "max_running_requests": s.runner.max_running_requests,
         "num_running_reqs": len(s.running),

@@ -21,7 +21,12 @@ import torch
 
 from specserve.sampling.detokenizer import IncrementalDetokenizer, StopChecker
 from specserve.sampling.params import SamplingParams
-from specserve.scheduler.req import Req, ReqOutput
+from specserve.scheduler.req import InputLogprobs, Req, ReqOutput
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text as logprob entries show it (special tokens included)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class RequestError(ValueError):
@@ -81,6 +86,9 @@ class RequestFactory:
             raise
         except ValueError as e:
             raise RequestError(str(e), _param_of(str(e))) from e
+        if p.return_logprob and p.logprob_start_len > prompt_len:
+            raise RequestError(f"logprob_start_len ({p.logprob_start_len}) is higher than the number of input tokens "
+                               f"({prompt_len}); use a smaller logprob_start_len", "logprob_start_len")
         if prompt_len + p.max_new_tokens > self.context_len:
             raise RequestError(
                 f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
@@ -129,6 +137,8 @@ class RequestState:
     finished_reason: dict | None = None
     logprobs: list = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
+    ids_logprobs: list = field(default_factory=list)
+    input_logprobs: InputLogprobs | None = None
     cached_tokens: int = 0
     spec: dict = field(default_factory=dict)
     start: float = field(default_factory=time.monotonic)
@@ -155,9 +165,15 @@ class RequestState:
         self.output_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.new_logprobs)
         self.top_logprobs.extend(out.new_top_logprobs)
+        self.ids_logprobs.extend(out.new_ids_logprobs)
+        if out.input_logprobs is not None:
+            self.input_logprobs = out.input_logprobs
         self.cached_tokens, self.spec = out.cached_tokens, out.spec
         if self._detok is not None:
-            delta = self._detok.add(out.new_token_ids)
+            shown = out.new_token_ids
+            if self._trims_stop_token(out.finished_reason):
+                shown = shown[:-1]  # a matched stop token's text is not output (SGLang), unless no_stop_trim
+            delta = self._detok.add(shown)
             if out.finished_reason is not None:
                 delta += self._detok.flush()
         else:
@@ -166,7 +182,12 @@ class RequestState:
         self.finished_reason = out.finished_reason
         return self.chunk(delta, out.new_token_ids, len(out.new_logprobs))
 
-    def meta_info(self) -> dict:
+    def _trims_stop_token(self, reason: dict | None) -> bool:
+        return (reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
+                and not self.params.no_stop_trim)
+
+    def meta_info(self, logprobs_from: int = 0) -> dict:
+        """SGLang's meta_info; logprobs_from: the first output position whose logprob entries are included."""
         meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
@@ -176,18 +197,37 @@ class RequestState:
             "e2e_latency": time.monotonic() - self.start,
         }
         if self.params.return_logprob:
-            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in self.logprobs]
-            if self.params.top_logprobs_num:
-                meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in row] for row in self.top_logprobs]
+            meta.update(self._logprob_meta(logprobs_from))
         meta.update(self.spec)
         return meta
 
+    def _logprob_meta(self, start: int) -> dict:
+        """The logprob fields of meta_info, SGLang's layout: entries [logprob, token_id, text or None]; per scored
+        position, the top-n and the token_ids_logprob entries (None where a position has none)."""
+        p, entry = self.params, self._entry
+        inp = self.input_logprobs
+        in_ids = inp.token_ids if inp is not None else []
+        meta = {
+            "input_token_logprobs": [entry(lp, t) for lp, t in zip(inp.logprobs, in_ids, strict=True)] if inp else [],
+            "output_token_logprobs": [entry(lp, t) for lp, t in self.logprobs[start:]],
+        }
+        if p.top_logprobs_num:
+            meta["input_top_logprobs"] = [self._row(r) for r in inp.top] if inp else []
+            meta["output_top_logprobs"] = [self._row(r) for r in self.top_logprobs[start:]]
+        if p.token_ids_logprob:
+            meta["input_token_ids_logprobs"] = [self._row(r) for r in inp.ids] if inp else []
+            meta["output_token_ids_logprobs"] = [self._row(r) for r in self.ids_logprobs[start:]]
+        return meta
+
+    def _entry(self, logprob: float | None, token_id: int) -> tuple:
+        text = token_text(self.tokenizer, token_id) if self.params.return_text_in_logprobs else None
+        return (logprob, token_id, text)
+
+    def _row(self, row: list[tuple[float, int]] | None) -> list[tuple] | None:
+        return None if row is None else [self._entry(lp, t) for lp, t in row]
+
     def chunk(self, delta_text: str, delta_ids: list[int], n_new_logprobs: int) -> dict:
-        meta = self.meta_info()
-        if self.params.return_logprob:
-            meta["output_token_logprobs"] = meta["output_token_logprobs"][len(self.logprobs) - n_new_logprobs:]
-            if "output_top_logprobs" in meta:
-                meta["output_top_logprobs"] = meta["output_top_logprobs"][len(self.logprobs) - n_new_logprobs:]
+        meta = self.meta_info(logprobs_from=len(self.logprobs) - n_new_logprobs)
         return {"text": delta_text, "output_ids": list(delta_ids), "meta_info": meta}
 
     def result(self) -> dict:
@@ -203,8 +243,15 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
         new_token_ids=[t for o in outs for t in o.new_token_ids],
         new_logprobs=[x for o in outs for x in o.new_logprobs],
         new_top_logprobs=[x for o in outs for x in o.new_top_logprobs],
+        new_ids_logprobs=[x for o in outs for x in o.new_ids_logprobs],
+        input_logprobs=next((o.input_logprobs for o in outs if o.input_logprobs is not None), None),
         new_text=None if last.new_text is None else "".join(t or "" for t in texts),
     )
+
+
+# SGLang's request-level fields carried per request in its SamplingParams (scalars, or a list: one per prompt)
+REQUEST_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob",
+                          "return_text_in_logprobs", "temp_scaled_logprobs")
 
 
 def prepare_requests(
@@ -212,14 +259,19 @@ def prepare_requests(
     prompt: str | list[str] | None,
     sampling_params: dict | list[dict] | None,
     input_ids: list[int] | list[list[int]] | None,
-    return_logprob: bool | None = None,
-    top_logprobs_num: int | None = None,
     rid: str | list[str] | None = None,
+    **request_fields,
 ) -> tuple[list[PreparedRequest], bool]:
     """The SGLang ``generate`` input (text or ids, single or batch, per-prompt or shared sampling params) as
     prepared requests, n samples of each prompt in a row. Returns (prepared, single): single is True when
     the caller gets one result dict (one prompt, n == 1) rather than a list. Shared by Engine and /generate.
+
+    request_fields: the REQUEST_LOGPROB_FIELDS given at the request's top level (None = not given), each one
+    value for every prompt or a list of one per prompt (token_ids_logprob: a list of ids, or a list of lists).
     """
+    unknown = set(request_fields) - set(REQUEST_LOGPROB_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown request fields {sorted(unknown)}")
     if (prompt is None) == (input_ids is None):
         raise RequestError("give exactly one of prompt and input_ids", "prompt")
     batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], list)
@@ -232,18 +284,27 @@ def prepare_requests(
     if len(sps) != len(ids_list):
         raise RequestError("sampling_params has a different length than the batch", "sampling_params")
     rids = _batch_rids(rid, len(ids_list), batched)
+    fields = [_per_prompt(name, value, len(ids_list)) for name, value in request_fields.items() if value is not None]
     prepared: list[PreparedRequest] = []
-    for ids, sp, r in zip(ids_list, sps, rids, strict=True):
+    for i, (ids, sp, r) in enumerate(zip(ids_list, sps, rids, strict=True)):
         factory.check_ids(ids)
         if sp is not None and not isinstance(sp, dict):
             raise RequestError(f"sampling_params must be an object, got {type(sp).__name__}", "sampling_params")
         sp = dict(sp or {})
-        if return_logprob is not None:
-            sp["return_logprob"] = return_logprob
-        if top_logprobs_num is not None:
-            sp["top_logprobs_num"] = top_logprobs_num
+        for name, values in fields:
+            sp[name] = values[i]
         prepared.extend(factory.build(ids, factory.params(sp, len(ids)), r))
     return prepared, not batched and len(prepared) == 1
+
+
+def _per_prompt(name: str, value, n: int) -> tuple[str, list]:
+    """A request-level field as one value per prompt: a list of n (per prompt) or one value for all."""
+    per_prompt = isinstance(value, list) and (name != "token_ids_logprob" or (value and isinstance(value[0], list)))
+    if not per_prompt:
+        return name, [value] * n
+    if len(value) != n:
+        raise RequestError(f"{name} has {len(value)} entries for a batch of {n} prompts", name)
+    return name, value
 
 
 def _batch_rids(rid: str | list[str] | None, n: int, batched: bool) -> list[str | None]:

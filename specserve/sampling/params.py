@@ -20,14 +20,30 @@ GREEDY_TEMPERATURE_EPS = 1e-6
 LOGIT_BIAS_LIMIT = 100.0
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # range torch.Generator.manual_seed accepts
 
-_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num", "seed")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "top_logprobs_num", "seed", "logprob_start_len")
 _NULLABLE_INT_FIELDS = ("max_new_tokens", "seed")
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
 )
 _BOOL_FIELDS = (
     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "return_logprob",
+    "return_text_in_logprobs", "temp_scaled_logprobs",
 )
+# SGLang sampling parameters specserve does not honour yet: accepted at their "off" value (null), refused
+# otherwise, so a request never silently loses what it asked for.
+UNSUPPORTED_FIELDS = {
+    "regex": "constrained decoding (regex) is not supported yet",
+    "json_schema": "constrained decoding (json_schema) is not supported yet",
+    "ebnf": "constrained decoding (ebnf) is not supported yet",
+    "structural_tag": "constrained decoding (structural_tag) is not supported yet",
+    "stop_regex": "stop_regex is not supported yet; use stop strings",
+    "custom_params": "custom_params needs a custom logit processor, which this server does not run",
+}
+# SGLang spellings of specserve's fields
+ALIASES = {"sampling_seed": "seed"}
+# fields where null is a value of its own (max_new_tokens: until EOS or the context is full); for the others a
+# null means the default, as in SGLang
+_NULLABLE = ("max_new_tokens", "seed", "stop", "stop_token_ids", "logit_bias", "token_ids_logprob")
 
 
 def _is_int(x: Any) -> bool:
@@ -70,8 +86,13 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     logit_bias: dict[int | str, float] | None = None
+    # logprobs (SGLang's request-level fields, carried per request here)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # first prompt position with an input logprob entry; -1 = the last prompt token
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs are reported at every scored position
+    return_text_in_logprobs: bool = False  # logprob entries carry the token's text
+    temp_scaled_logprobs: bool = False  # logprobs of logits / temperature (sampled requests), not the raw ones
     # Derived by normalize(): the longest stop string, in characters (0 when there is none).
     stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -84,10 +105,22 @@ class SamplingParams:
         if not isinstance(d, dict):
             raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls) if f.init}
-        for key in d:
-            if key not in known:
+        kwargs = {}
+        for key, value in d.items():
+            if key in UNSUPPORTED_FIELDS:
+                if value is not None:
+                    raise ValueError(f"{key}: {UNSUPPORTED_FIELDS[key]}")
+                continue
+            name = ALIASES.get(key, key)
+            if name not in known:
                 raise ValueError(f"unknown sampling parameter {key!r}")
-        kwargs = dict(d)
+            if name != key and value is None:
+                continue
+            if name in kwargs and kwargs[name] != value:
+                raise ValueError(f"{key}: given together with {name} and a different value")
+            kwargs[name] = value
+        # SGLang: a null for a field that has a default means "use the default"
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k in _NULLABLE}
         for name in _FLOAT_FIELDS:  # accept ints for float fields
             if name in kwargs and _is_int(kwargs[name]):
                 kwargs[name] = float(kwargs[name])
@@ -114,9 +147,10 @@ class SamplingParams:
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
                 raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-        ids = self.stop_token_ids
-        if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        for name in ("stop_token_ids", "token_ids_logprob"):
+            ids = getattr(self, name)
+            if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
+                raise ValueError(f"{name} must be a list of ints, got {ids!r}")
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
@@ -149,14 +183,17 @@ class SamplingParams:
             self.temperature = 0.0
         if self.logit_bias is not None:
             self.logit_bias = {_bias_key_to_int(k): float(v) for k, v in self.logit_bias.items()}
+        if not self.token_ids_logprob:  # [] is no request (SGLang)
+            self.token_ids_logprob = None
         return self
 
     # ------------------------------------------------------------------ range checks
     def verify(self, vocab_size: int | None = None) -> None:
         """Raises ValueError, message starting with the field name, for any out-of-range value."""
         self._check_types()
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0 (0: prefill only, e.g. to score a prompt), got "
+                             f"{self.max_new_tokens}")
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
@@ -183,6 +220,11 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (the last prompt token) or >= 0, got "
+                             f"{self.logprob_start_len}")
+        for token_id in self.token_ids_logprob or []:
+            _check_token_id("token_ids_logprob", token_id, vocab_size)
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
         for token_id in self.stop_token_ids or []:

@@ -359,21 +359,55 @@ def sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
 
 
 def compute_logprobs(
-    logits: Tensor, token_ids: Tensor, top_n: list[int]
-) -> tuple[Tensor, list[list[tuple[float, int]]]]:
+    logits: Tensor, token_ids: Tensor, top_n: list[int], probe_ids: list[list[int] | None] | None = None,
+    temperatures: list[float] | None = None,
+) -> tuple[Tensor, list[list[tuple[float, int]]], list[list[tuple[float, int]] | None]]:
     """Log-probabilities under log_softmax of the RAW logits [B, V], i.e. the model's own distribution, before
     penalties, bias, temperature and top-k/p filtering (as SGLang and OpenAI report them; processed
     distributions would give -inf for filtered tokens and depend on the sampling knobs).
 
-    Returns the chosen tokens' logprobs [B] float32 (token_ids: [B]) and, per row i, the top_n[i]
-    (logprob, token_id) pairs, highest first (at most V).
+    temperatures: per row, divide the logits by it first (``temp_scaled_logprobs``; 1.0 or 0 = raw).
+    Returns the chosen tokens' logprobs [B] float32 (token_ids: [B]); per row i, the top_n[i] (logprob, token_id)
+    pairs, highest first (at most V); and per row, the (logprob, token_id) of each id in probe_ids[i]
+    (``token_ids_logprob``, in the order asked) or None.
     """
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [B, V]
+    logits = logits.to(torch.float32)
+    if temperatures is not None and any(t not in (0.0, 1.0) for t in temperatures):
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)  # [B]
+        logits = logits / scale.view(-1, 1)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     chosen = logprobs.gather(1, token_ids.view(-1, 1).to(torch.int64)).view(-1)  # [B]
+    probes = _probe_logprobs(logprobs, probe_ids)
     max_n = min(max(top_n, default=0), logprobs.shape[-1])
     if max_n <= 0:
-        return chosen, [[] for _ in top_n]
+        return chosen, [[] for _ in top_n], probes
     values, indices = logprobs.topk(max_n, dim=-1)  # [B, max_n], sorted descending
     values_l, indices_l = values.tolist(), indices.tolist()  # one transfer each
     tops = [list(zip(values_l[i][:n], indices_l[i][:n], strict=True)) for i, n in enumerate(top_n)]
-    return chosen, tops
+    return chosen, tops, probes
+
+
+def request_logprobs(params, logits: Tensor, token_ids: Tensor):
+    """One request's rows: logits [R, V], token_ids [R] -> (logprobs, tops, probes) as lists, one entry per row,
+    with the request's top_logprobs_num, token_ids_logprob and temp_scaled_logprobs (params: SamplingParams)."""
+    n = logits.shape[0]
+    temps = [params.temperature] * n if params.temp_scaled_logprobs else None
+    chosen, tops, probes = compute_logprobs(logits, token_ids, [params.top_logprobs_num] * n,
+                                            [params.token_ids_logprob] * n, temps)
+    return chosen.tolist(), tops, probes
+
+
+def _probe_logprobs(logprobs: Tensor, probe_ids: list[list[int] | None] | None) -> list[list[tuple[float, int]] | None]:
+    """logprobs [B, V] -> per row, [(logprob, id)] of the row's probe ids, or None where the row has none."""
+    B = logprobs.shape[0]
+    if not probe_ids or not any(probe_ids):
+        return [None] * B
+    out: list[list[tuple[float, int]] | None] = []
+    for i in range(B):
+        ids = probe_ids[i]
+        if not ids:
+            out.append(None)
+            continue
+        vals = logprobs[i, torch.tensor(ids, device=logprobs.device)].tolist()
+        out.append(list(zip(vals, ids, strict=True)))
+    return out

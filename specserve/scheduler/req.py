@@ -23,8 +23,47 @@ class ReqOutput:
     cached_tokens: int
     new_logprobs: list[tuple[float, int]] = field(default_factory=list)  # (logprob, token id)
     new_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    new_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)  # token_ids_logprob
+    input_logprobs: InputLogprobs | None = None  # the prompt's, in the request's first output only
     spec: dict[str, Any] = field(default_factory=dict)  # speculative counters (verify count, ...)
     new_text: str | None = None  # text delta, only for requests the scheduler detokenizes (stop strings)
+
+
+@dataclass
+class InputLogprobs:
+    """Prompt (input) logprobs from prompt position `start` on: entry i is about prompt token start + i. Entry 0's
+    logprob is None (it would need the logits at start - 1, which are not computed), as in SGLang."""
+
+    start: int
+    token_ids: list[int]  # prompt[start:]
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[list[tuple[float, int]] | None] = field(default_factory=list)  # with top_logprobs_num
+    ids: list[list[tuple[float, int]] | None] = field(default_factory=list)  # with token_ids_logprob
+
+    def __post_init__(self) -> None:
+        if self.token_ids and not self.logprobs:  # entry 0: nothing predicts it
+            self.logprobs.append(None)
+            self.top.append(None)
+            self.ids.append(None)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.logprobs) == len(self.token_ids)
+
+    def next_position(self) -> int:
+        """The prompt position whose logits score the next missing entry (logits at position p score token p+1)."""
+        return self.start + len(self.logprobs) - 1
+
+
+def input_logprob_start(params: SamplingParams, prompt_len: int) -> int | None:
+    """The first prompt position with an input logprob entry, or None when the request asks for none.
+    logprob_start_len -1 means the last prompt token (SGLang), or no entry at all for a prefill-only request."""
+    if not params.return_logprob:
+        return None
+    start = params.logprob_start_len
+    if start == -1:
+        start = prompt_len if params.max_new_tokens == 0 else prompt_len - 1
+    return start
 
 
 class Req:
@@ -54,6 +93,11 @@ class Req:
         self.retracted_count = 0
         self.logprobs: list[tuple[float, int]] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.ids_logprobs: list[list[tuple[float, int]] | None] = []  # token_ids_logprob, per output token
+        start = input_logprob_start(params, len(input_ids))
+        # the prompt's logprobs, filled by the prefill (None: not asked); sent_input: already in an output
+        self.input_logprobs = None if start is None else InputLogprobs(start, list(input_ids[start:]))
+        self.sent_input_logprobs = False
         self.created = time.monotonic()
         self.admitted_once = False
         self.pending_text = ""  # stop-string requests: text produced since the last output

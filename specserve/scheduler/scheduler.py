@@ -34,7 +34,14 @@ from specserve.attention import (
 )
 from specserve.cache.radix_cache import RadixCache
 from specserve.config import ServerArgs
-from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, greedy_ids, is_plain_greedy, sample
+from specserve.sampling.sampler import (
+    SamplingBatchInfo,
+    compute_logprobs,
+    greedy_ids,
+    is_plain_greedy,
+    request_logprobs,
+    sample,
+)
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.scheduler.spec_decode import SpecDecoder
@@ -47,6 +54,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 RETRACT_RATIO_BUMP = 0.3
 DECODE_LOG_INTERVAL = 40  # decode steps between two progress log lines (SGLang's default)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head call (bounds the [R, V] logits of a long prompt)
 
 
 @dataclass
@@ -262,6 +270,8 @@ class Scheduler:
         if row is None:
             return False
         prefix, node = self.tree.match_prefix(req.fill_ids[:-1])  # keep >= 1 token to compute logits
+        if req.input_logprobs is not None and not req.input_logprobs.complete:
+            prefix = prefix[: req.input_logprobs.next_position()]  # the scored positions are computed, not cached
         self.tree.inc_lock_ref(node)
         need = req.seq_len - len(prefix)
         reserve = self._decode_reserve(self.running + [r for r, _ in batch] + [req])
@@ -322,19 +332,49 @@ class Scheduler:
         row_starts = [n_dec + sum(q_lens[:i]) for i in range(len(q_lens))]  # forward rows of each chunk
         chunks = [PrefillChunk(r, r.kv_len, t, row, r is not self.chunked)
                   for (r, t), row in zip(batch, row_starts, strict=True)]
-        done_rows, done_reqs = list(range(n_dec)), []
+        self._score_prompts(chunks, out.hidden)
+        done_rows, done_reqs, prefill_only = list(range(n_dec)), [], []
         for i, (req, take) in enumerate(batch):
             req.kv_len += take
-            if req is not self.chunked:
+            if req is self.chunked:
+                continue
+            if req.params.max_new_tokens == 0:
+                prefill_only.append(req)
+            else:
                 done_rows.append(n_dec + i)
                 done_reqs.append(req)
-        outputs: list[ReqOutput] = []
+        outputs = [self._finish_prefill_only(req) for req in prefill_only]
         if done_rows:
-            outputs = self._sample_and_append(decode_reqs + done_reqs, out.logits[done_rows])  # logits [R, V]
+            outputs += self._sample_and_append(decode_reqs + done_reqs, out.logits[done_rows])  # logits [R, V]
             self.running.extend(r for r in done_reqs if not r.finished)
         if self.spec:
             self.spec.proposer.after_prefill(chunks, out)
         return outputs
+
+    def _score_prompts(self, chunks: list[PrefillChunk], hidden: torch.Tensor) -> None:
+        """Input (prompt) logprobs of the chunks' requests that asked for them, from the forward's final hidden
+        states [T, h]: the logits at prompt position p score prompt token p + 1. Before the chunks' kv_len moves."""
+        for c in chunks:
+            lp = c.req.input_logprobs
+            if lp is None or lp.complete:
+                continue
+            prompt = c.req.origin_input_ids
+            first, last = lp.next_position(), min(c.start + c.length, len(prompt) - 1)  # positions [first, last)
+            for lo in range(first, last, PROMPT_LOGPROB_ROWS):  # [R, V] logits a slice at a time
+                hi = min(lo + PROMPT_LOGPROB_ROWS, last)
+                rows = torch.arange(c.row_offset + lo - c.start, c.row_offset + hi - c.start, device=self.device)
+                logits = self.runner.model.compute_logits(hidden.index_select(0, rows))  # [R, V]
+                targets = torch.tensor(prompt[lo + 1 : hi + 1], device=self.device)
+                chosen, tops, probes = request_logprobs(c.req.params, logits, targets)
+                lp.logprobs.extend(chosen)
+                lp.top.extend(tops)
+                lp.ids.extend(probes)
+
+    def _finish_prefill_only(self, req: Req) -> ReqOutput:
+        """A max_new_tokens 0 request ends once its prompt is prefilled (scored), with no token sampled."""
+        req.finished_reason = {"type": "length", "length": 0}
+        self._release(req)
+        return self._step_output(req)
 
     # ------------------------------------------------------------------ mixed prefill + decode
     def _can_mix(self) -> bool:
@@ -462,6 +502,7 @@ class Scheduler:
             if lp is not None and req.wants_logprobs():
                 req.logprobs.append((float(lp[0][i]), tok))
                 req.top_logprobs.append(lp[1][i])
+                req.ids_logprobs.append(lp[2][i])
             self._append_token(req, tok)
             self.stats.generated_tokens += 1
             if req.finished:
@@ -474,7 +515,9 @@ class Scheduler:
         if not any(r.wants_logprobs() for r in reqs):
             return None
         top_n = [r.params.top_logprobs_num if r.wants_logprobs() else 0 for r in reqs]
-        return compute_logprobs(logits, next_ids, top_n)
+        probes = [r.params.token_ids_logprob if r.wants_logprobs() else None for r in reqs]
+        temps = [r.params.temperature if r.params.temp_scaled_logprobs else 1.0 for r in reqs]
+        return compute_logprobs(logits, next_ids, top_n, probes, temps)
 
     def _append_token(self, req: Req, tok: int) -> None:
         """Append one sampled token and decide whether req finishes on it."""
@@ -485,10 +528,11 @@ class Scheduler:
         """Decide whether req finishes on `tok`, its n_out-th output token (stop strings see it here)."""
         past_min = n_out >= req.params.min_new_tokens
         matched = None
-        if req.stop_checker is not None:
-            text, matched = req.stop_checker.add([tok], allow_match=past_min)
+        stop_id = self.hits_stop_id(req, tok, n_out)
+        if req.stop_checker is not None and not (stop_id and not req.params.no_stop_trim):
+            text, matched = req.stop_checker.add([tok], allow_match=past_min)  # a matched stop id shows no text
             req.pending_text += text
-        if self.hits_stop_id(req, tok, n_out):
+        if stop_id:
             req.finished_reason = {"type": "stop", "matched": tok}
         elif matched is not None:
             req.finished_reason = {"type": "stop", "matched": matched}
@@ -523,7 +567,11 @@ class Scheduler:
         new_ids = req.output_ids[req.sent_tokens : completion]
         new_logprobs = req.logprobs[req.sent_logprobs :] if req.wants_logprobs() else []
         new_top = req.top_logprobs[req.sent_logprobs :] if req.wants_logprobs() else []
+        new_ids_lp = req.ids_logprobs[req.sent_logprobs :] if req.wants_logprobs() else []
         req.sent_tokens, req.sent_logprobs = completion, len(req.logprobs)
+        input_lp = None
+        if req.input_logprobs is not None and not req.sent_input_logprobs:
+            input_lp, req.sent_input_logprobs = req.input_logprobs, True
         return ReqOutput(
             rid=req.rid,
             new_token_ids=new_ids,
@@ -533,6 +581,8 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             new_logprobs=new_logprobs,
             new_top_logprobs=new_top,
+            new_ids_logprobs=new_ids_lp,
+            input_logprobs=input_lp,
             new_text=self._take_text(req),
             spec=req.spec_meta(completion) if self.spec else {},
         )

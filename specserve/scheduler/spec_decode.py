@@ -33,11 +33,11 @@ from specserve.models.llama import ModelOutput
 from specserve.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties_and_bias,
-    compute_logprobs,
     greedy_ids,
     is_plain_greedy,
     position_coins,
     probs_from_logits,
+    request_logprobs,
 )
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.scheduler.spec_overlap import OverlapPipeline
@@ -355,6 +355,7 @@ class SpecDecoder:
                 if lp is not None and req.wants_logprobs():
                     req.logprobs.append(lp[b][0][k])
                     req.top_logprobs.append(lp[b][1][k])
+                    req.ids_logprobs.append(lp[b][2][k])
                 emitted += 1
                 self.sched._check_finish(req, tok, record.n_out[b] + k + 1)
                 if req.finished:
@@ -415,8 +416,9 @@ class SpecDecoder:
         hist[accepted_drafts] += 1
 
     def _logprobs(self, reqs, logits, paths, token_lists):
-        """Per request: (logprobs of the new tokens, their top-n lists), from the raw verify logits at the node
-        each token was produced at (as plain decoding computes them); None when nobody asked."""
+        """Per request: (logprobs of the new tokens, their top-n lists, their token_ids_logprob lists), from the raw
+        verify logits at the node each token was produced at (as plain decoding computes them); None when nobody
+        asked."""
         want = [b for b, r in enumerate(reqs) if r.wants_logprobs()]
         if not want:
             return None
@@ -425,8 +427,8 @@ class SpecDecoder:
             nodes = paths[b][: len(token_lists[b])]
             rows = logits[b, torch.tensor(nodes, device=self.device)]  # [k, V]
             ids = torch.tensor(token_lists[b], device=self.device)
-            chosen, tops = compute_logprobs(rows, ids, [reqs[b].params.top_logprobs_num] * len(nodes))
-            out[b] = ([(float(c), t) for c, t in zip(chosen.tolist(), token_lists[b], strict=True)], tops)
+            chosen, tops, probes = request_logprobs(reqs[b].params, rows, ids)
+            out[b] = ([(c, t) for c, t in zip(chosen, token_lists[b], strict=True)], tops, probes)
         return out
 
 

@@ -269,9 +269,6 @@ class RequestManager:
             self.on_worker_exit()
 
     # ------------------------------------------------------------------ info
-    def model_names(self) -> set[str]:
-        return {self.served_model_name, self.args.model_path}
-
     async def server_info(self) -> dict:
         state = await self.call("server_info")
         return {**state, "num_inflight_reqs": self.num_inflight, "draining": self.draining}

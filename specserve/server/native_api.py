@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import specserve
+from specserve.engine import server_info
 from specserve.frontend import PreparedRequest, prepare_requests
 from specserve.server.errors import APIError, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
@@ -21,7 +20,6 @@ from specserve.server.protocol import AbortRequest, GenerateRequest
 router = APIRouter()
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
-SECRET_FIELDS = ("api_key",)
 
 
 def _manager(request: Request) -> RequestManager:
@@ -36,26 +34,35 @@ async def generate(request: Request):
     manager = _manager(request)
     req = await parse_body(request, GenerateRequest)
     rid = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
-    single_box: list[bool] = []
+    built: list[tuple[list[PreparedRequest], bool]] = []
 
     def build() -> list[PreparedRequest]:
-        prepared, single = prepare_requests(manager.factory, req.text, req.sampling_params, req.input_ids,
-                                            req.return_logprob, req.top_logprobs_num, req.rid)
-        single_box.append(single)
-        return prepared
+        built.append(prepare_requests(manager.factory, req.text, req.sampling_params, req.input_ids, req.rid,
+                                      **req.logprob_fields()))
+        return built[0][0]
 
     job = await submit_job(manager, build, rid, req.stream)
-    single = single_box[0]
+    prepared, single = built[0]
+    prompts = [p.req.origin_input_ids for p in prepared] if req.return_prompt_token_ids else None
     if req.stream:
-        return stream_response(request, manager, job, _generate_events(job, single))
+        return stream_response(request, manager, job, _generate_events(job, single, prompts))
     results = await wait_results(request, manager, job)
+    for i, r in enumerate(results):
+        _add_prompt_ids(r, prompts, i)
     return JSONResponse(results[0] if single else results)
 
 
-async def _generate_events(job: Job, single: bool) -> AsyncIterator[str]:
+def _add_prompt_ids(result: dict, prompts: list[list[int]] | None, i: int) -> dict:
+    """return_prompt_token_ids: the request's prompt ids beside its output (SGLang's "prompt_token_ids")."""
+    if prompts is not None:
+        result["prompt_token_ids"] = list(prompts[i])
+    return result
+
+
+async def _generate_events(job: Job, single: bool, prompts: list[list[int]] | None) -> AsyncIterator[str]:
     async for batch in job.chunks():
         for i, _ in batch:
-            out = job.states[i].result()
+            out = _add_prompt_ids(job.states[i].result(), prompts, i)
             if not single:
                 out["index"] = i
             yield sse(out)
@@ -90,6 +97,7 @@ async def health_generate(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------------------------------- info
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict:
     m = _manager(request)
@@ -98,6 +106,9 @@ async def get_model_info(request: Request) -> dict:
         "tokenizer_path": m.args.tokenizer_path or m.info["model_dir"],
         "served_model_name": m.served_model_name,
         "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "architectures": [m.info["architecture"]],
         "architecture": m.info["architecture"],
         "context_length": m.context_len,
         "vocab_size": m.info["vocab_size"],
@@ -106,17 +117,13 @@ async def get_model_info(request: Request) -> dict:
     }
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict:
     """Server arguments (secrets hidden) and the worker's runtime state. The state is also under
     "internal_states" (a one-element list) where SGLang clients look for e.g. avg_spec_accept_length."""
     m = _manager(request)
-    args = dataclasses.asdict(m.args)
-    for name in SECRET_FIELDS:
-        if args.get(name) is not None:
-            args[name] = "***"
-    state = await m.server_info()
-    return {**args, **state, "internal_states": [state], "version": specserve.__version__}
+    return server_info(m.args, await m.server_info())
 
 
 # ---------------------------------------------------------------------------------------------- control

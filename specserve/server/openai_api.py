@@ -35,16 +35,23 @@ def _manager(request: Request) -> RequestManager:
     return request.app.state.manager
 
 
-def check_model(manager: RequestManager, model: str | None) -> None:
-    if model is not None and model not in manager.model_names():
-        raise APIError(404, f"The model {model!r} does not exist; this server serves {manager.served_model_name!r}",
-                       param="model", code="model_not_found")
+def _model_card(m: RequestManager) -> ModelCard:
+    return ModelCard(id=m.served_model_name, root=m.args.model_path, max_model_len=m.context_len)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
+    return ModelList(data=[_model_card(_manager(request))])
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> ModelCard:
+    """The served model's card; 404 for any other name (requests may name any model: see the endpoints)."""
     m = _manager(request)
-    return ModelList(data=[ModelCard(id=m.served_model_name, root=m.args.model_path, max_model_len=m.context_len)])
+    if model != m.served_model_name:
+        raise APIError(404, f"The model {model!r} does not exist; this server serves {m.served_model_name!r}",
+                       param="model", code="model_not_found")
+    return _model_card(m)
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -52,23 +59,23 @@ async def list_models(request: Request) -> ModelList:
 async def chat_completions(request: Request):
     manager = _manager(request)
     req = await parse_body(request, ChatCompletionRequest)
-    check_model(manager, req.model)
     rid = req.rid or uuid.uuid4().hex
 
     def build() -> list[PreparedRequest]:
         fmt.check_chat_supported(req)
-        ids = fmt.render_chat(manager.tokenizer, fmt.chat_messages(req), req.chat_template_kwargs)
+        ids = fmt.render_chat(manager.tokenizer, fmt.chat_messages(req), req.chat_template_kwargs,
+                              req.continue_final_message)
         return prepare_requests(manager.factory, None, fmt.chat_sampling_params(req), ids, rid=rid)[0]
 
     job = await submit_job(manager, build, rid, req.stream, openai_names=True)
-    model = req.model or manager.served_model_name
+    model = manager.served_model_name  # any requested name is served by the one model (as SGLang does)
     if req.stream:
         return stream_response(request, manager, job, _chat_events(manager, req, job, model))
     results = await wait_results(request, manager, job)
     choices = []
     for i, r in enumerate(results):
         reason, matched = fmt.finish_reason(r["meta_info"]["finish_reason"])
-        lps = fmt.chat_logprobs(manager.tokenizer, r["meta_info"]) if req.logprobs else None
+        lps = fmt.chat_logprobs(manager.tokenizer, *fmt.output_logprobs(r["meta_info"])) if req.logprobs else None
         choices.append(ChatChoice(index=i, message=ChatMessageOut(content=r["text"]), logprobs=lps,
                                   finish_reason=reason, matched_stop=matched))
     usage = fmt.results_usage([r["meta_info"] for r in results], req.n)
@@ -87,14 +94,15 @@ async def _chat_events(manager: RequestManager, req: ChatCompletionRequest, job:
 
     for i in range(len(job.states)):
         yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    held = [LogprobsHeld() for _ in job.states]
     async for batch in job.chunks():
         for i, c in batch:
             meta = c["meta_info"]
             finished = job.states[i].finished
-            lps = fmt.chat_logprobs(manager.tokenizer, meta) if req.logprobs and meta["output_token_logprobs"] \
-                else None
-            if not (c["text"] or finished or lps or (continuous and c["output_ids"])):  # nothing to tell
+            held[i].add(meta)
+            if not (c["text"] or finished):  # text held back (part of a character, a possible stop): wait
                 continue
+            lps = fmt.chat_logprobs(manager.tokenizer, *held[i].take()) if req.logprobs else None
             reason, matched = fmt.finish_reason(meta["finish_reason"] if finished else None)
             delta = DeltaMessage(content=c["text"]) if c["text"] else DeltaMessage()
             yield chunk(ChatChunkChoice(index=i, delta=delta, logprobs=lps, finish_reason=reason,
@@ -125,7 +133,6 @@ def _prompt_inputs(prompt) -> tuple[str | list[str] | None, list[int] | list[lis
 async def completions(request: Request):
     manager = _manager(request)
     req = await parse_body(request, CompletionRequest)
-    check_model(manager, req.model)
     rid = req.rid or uuid.uuid4().hex
     texts, ids = _prompt_inputs(req.prompt)
 
@@ -134,7 +141,7 @@ async def completions(request: Request):
         return prepare_requests(manager.factory, texts, fmt.completion_sampling_params(req), ids, rid=rid)[0]
 
     job = await submit_job(manager, build, rid, req.stream, openai_names=True)
-    model = req.model or manager.served_model_name
+    model = manager.served_model_name  # any requested name is served by the one model (as SGLang does)
     echoes = _echo_texts(manager, req, texts, ids)
     if req.stream:
         return stream_response(request, manager, job, _completion_events(manager, req, job, model, echoes))
@@ -143,8 +150,7 @@ async def completions(request: Request):
     for i, r in enumerate(results):
         reason, matched = fmt.finish_reason(r["meta_info"]["finish_reason"])
         echo = echoes[i // req.n]
-        lps = fmt.completion_logprobs(manager.tokenizer, r["meta_info"], len(echo)) \
-            if req.logprobs is not None else None
+        lps = _completion_logprobs(manager, req, r["meta_info"], echo, 0) if req.logprobs is not None else None
         choices.append(CompletionChoice(index=i, text=echo + r["text"], logprobs=lps, finish_reason=reason,
                                         matched_stop=matched))
     usage = fmt.results_usage([r["meta_info"] for r in results], req.n)
@@ -160,35 +166,74 @@ def _echo_texts(manager: RequestManager, req: CompletionRequest, texts, ids) -> 
     return [manager.tokenizer.decode(x) if req.echo else "" for x in id_lists]
 
 
+def _completion_logprobs(manager: RequestManager, req: CompletionRequest, meta: dict, echo: str, offset: int):
+    """A completion choice's logprobs: with echo, the prompt's entries first (from offset 0, echo's text);
+    then the output's, from where the text so far ends."""
+    rest = fmt.completion_logprobs(manager.tokenizer, *fmt.output_logprobs(meta), offset + len(echo))
+    if not req.echo:
+        return rest
+    return fmt.join_logprobs(fmt.completion_logprobs(manager.tokenizer, *fmt.prompt_logprobs(meta), 0), rest)
+
+
+class LogprobsHeld:
+    """One streamed choice's logprob entries not sent yet: a chunk whose text is held back (part of a character,
+    a possible stop string) keeps its entries until a chunk with text, or the last one, carries them."""
+
+    def __init__(self) -> None:
+        self.entries: list = []
+        self.tops: list | None = None
+
+    def add(self, meta: dict) -> None:
+        entries, tops = fmt.output_logprobs(meta)
+        self.entries += entries
+        if tops is not None:
+            self.tops = (self.tops or []) + tops
+
+    def take(self) -> tuple[list, list | None]:
+        out = (self.entries, self.tops)
+        self.entries, self.tops = [], None
+        return out
+
+
 async def _completion_events(manager: RequestManager, req: CompletionRequest, job: Job, model: str,
                              echoes: list[str]) -> AsyncIterator[str]:
     created = int(time.time())
     opts = req.stream_options
     continuous = opts is not None and opts.continuous_usage_stats
-    offsets = [len(echoes[i // req.n]) for i in range(len(job.states))]
+    sent = [0] * len(job.states)  # characters of each choice's text sent so far (echo included)
+    echo_first = [req.echo] * len(job.states)  # the echo goes out with the choice's first chunk
+    held = [LogprobsHeld() for _ in job.states]
 
     def chunk(choice: CompletionChoice) -> str:
         usage = _stream_usage(job, req.n) if continuous else None
         return sse(CompletionResponse(id=job.rid, created=created, model=model, choices=[choice], usage=usage))
 
-    if req.echo:
+    if req.echo and req.logprobs is None:  # no prompt logprobs to wait for: echo at once
         for i in range(len(job.states)):
+            echo_first[i] = False
+            sent[i] = len(echoes[i // req.n])
             yield chunk(CompletionChoice(index=i, text=echoes[i // req.n]))
     async for batch in job.chunks():
         for i, c in batch:
             meta = c["meta_info"]
             finished = job.states[i].finished
-            lps = None
-            if req.logprobs is not None and meta["output_token_logprobs"]:
-                lps = fmt.completion_logprobs(manager.tokenizer, meta, offsets[i])
-                offsets[i] = lps.text_offset[-1] + len(lps.tokens[-1])
-            if not (c["text"] or finished or lps or (continuous and c["output_ids"])):  # nothing to tell
+            held[i].add(meta)
+            if not (c["text"] or finished or echo_first[i]):  # text held back: wait
                 continue
+            echo = echoes[i // req.n] if echo_first[i] else ""
+            lps = None
+            if req.logprobs is not None:
+                entries, tops = held[i].take()
+                lps = fmt.completion_logprobs(manager.tokenizer, entries, tops, sent[i] + len(echo))
+                if echo:
+                    lps = fmt.join_logprobs(fmt.completion_logprobs(manager.tokenizer, *fmt.prompt_logprobs(meta), 0),
+                                            lps)
             reason, matched = fmt.finish_reason(meta["finish_reason"] if finished else None)
-            yield chunk(CompletionChoice(index=i, text=c["text"], logprobs=lps, finish_reason=reason,
+            echo_first[i] = False
+            sent[i] += len(echo) + len(c["text"])
+            yield chunk(CompletionChoice(index=i, text=echo + c["text"], logprobs=lps, finish_reason=reason,
                                          matched_stop=matched))
     if opts is not None and opts.include_usage:
         yield sse(CompletionResponse(id=job.rid, created=created, model=model, choices=[],
                                      usage=_stream_usage(job, req.n)))
     yield DONE
-

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from specserve.frontend import RequestError
+from specserve.frontend import RequestError, token_text
 from specserve.server.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -40,7 +41,10 @@ def chat_sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def completion_sampling_params(req: CompletionRequest) -> dict[str, Any]:
-    return sampling_params(req, req.max_tokens, req.logprobs is not None, req.logprobs or 0)
+    sp = sampling_params(req, req.max_tokens, req.logprobs is not None, req.logprobs or 0)
+    if req.echo and req.logprobs is not None:
+        sp["logprob_start_len"] = 0  # the echoed prompt's logprobs come first (SGLang, OpenAI)
+    return sp
 
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
@@ -58,8 +62,6 @@ def check_completion_supported(req: CompletionRequest) -> None:
         raise RequestError("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise RequestError("best_of different from n is not supported", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise RequestError("echo with logprobs (prompt logprobs) is not supported", "echo")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -75,13 +77,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Chat messages -> prompt token ids through the tokenizer's chat template (or --chat-template)."""
+def render_chat(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None,
+                continue_final: bool = False) -> list[int]:
+    """Chat messages -> prompt token ids through the tokenizer's chat template (or --chat-template).
+    continue_final: the last message is an assistant turn to continue (no end of turn, no new turn)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; start the server with --chat-template", "messages")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise RequestError("continue_final_message needs the last message to be the assistant's",
+                           "continue_final_message")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
+                                             continue_final_message=continue_final, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. "roles must alternate")
         raise RequestError(f"the chat template failed on these messages: {e}", "messages") from e
     return tokenizer.encode(text, add_special_tokens=False)
@@ -112,34 +119,85 @@ def results_usage(metas: list[dict], n: int) -> Usage:
                  [m["cached_tokens"] for m in firsts])
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins (GPT-2's table: printable Latin-1 bytes map to themselves, the other
+    bytes to code points from 256 on, in byte order) -> the byte each stands for."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
 
 
-def chat_logprobs(tokenizer, meta: dict) -> ChatLogprobs:
-    """meta_info's output_token_logprobs [(logprob, id, None)] (+ output_top_logprobs) -> OpenAI chat form."""
-    tops = meta.get("output_top_logprobs")
+_BYTE_DECODER = _byte_decoder()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """A token's own UTF-8 bytes (OpenAI's logprob "bytes"): exact also for a token holding part of a character,
+    whose text decodes to U+FFFD. Byte-level BPE pieces map through the byte table, sentencepiece byte pieces
+    (<0xE2>) are that byte, "▁" is a space; anything else falls back to its decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+            return [int(m.group(1), 16)]
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if "ByteLevel" in type(decoder).__name__ or "ByteLevel" in repr(decoder):
+            if all(ch in _BYTE_DECODER for ch in piece):
+                return [_BYTE_DECODER[ch] for ch in piece]
+    return list(token_text(tokenizer, token_id).encode())
+
+
+def _top_logprob(tokenizer, logprob: float, token_id: int) -> TopLogprob:
+    return TopLogprob(token=token_text(tokenizer, token_id), logprob=logprob, bytes=token_bytes(tokenizer, token_id))
+
+
+def chat_logprobs(tokenizer, entries: list, tops: list | None) -> ChatLogprobs:
+    """Output logprob entries [(logprob, id, text)] and their top-n rows (meta_info's output_token_logprobs and
+    output_top_logprobs) -> OpenAI's chat form."""
     content = []
-    for i, (lp, tok, _) in enumerate(meta.get("output_token_logprobs", [])):
-        text = token_text(tokenizer, tok)
-        top = [TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=tlp, bytes=list(t.encode()))
-               for tlp, tid, _ in tops[i]] if tops else []
-        content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()), top_logprobs=top))
+    for i, (lp, tok, _) in enumerate(entries):
+        top = [_top_logprob(tokenizer, tlp, tid) for tlp, tid, _ in tops[i]] if tops else []
+        content.append(TokenLogprob(token=token_text(tokenizer, tok), logprob=lp, bytes=token_bytes(tokenizer, tok),
+                                    top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(tokenizer, meta: dict, text_offset: int) -> CompletionLogprobs:
-    """The same in the completions form; text_offset is where the first token's text starts."""
-    out = CompletionLogprobs()
-    tops = meta.get("output_top_logprobs")
-    if tops is not None:
-        out.top_logprobs = []
-    for i, (lp, tok, _) in enumerate(meta.get("output_token_logprobs", [])):
+def completion_logprobs(tokenizer, entries: list, tops: list | None, text_offset: int) -> CompletionLogprobs:
+    """The same in the completions form; text_offset is where the first token's text starts. Entries may be
+    the prompt's (echo), whose first logprob and top row are None."""
+    out = CompletionLogprobs(top_logprobs=[] if tops is not None else None)
+    for i, (lp, tok, _) in enumerate(entries):
         text = token_text(tokenizer, tok)
         out.tokens.append(text)
         out.token_logprobs.append(lp)
         out.text_offset.append(text_offset)
         text_offset += len(text)
         if tops is not None:
-            out.top_logprobs.append({token_text(tokenizer, tid): tlp for tlp, tid, _ in tops[i]})
+            row = tops[i]
+            out.top_logprobs.append(None if row is None else {token_text(tokenizer, tid): tlp for tlp, tid, _ in row})
     return out
+
+
+def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    """second's entries after first's (the prompt's, then the output's)."""
+    tops = None
+    if first.top_logprobs is not None and second.top_logprobs is not None:
+        tops = first.top_logprobs + second.top_logprobs
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=tops, text_offset=first.text_offset + second.text_offset)
+
+
+def output_logprobs(meta: dict) -> tuple[list, list | None]:
+    """(output entries, their top rows or None) of a meta_info."""
+    return meta.get("output_token_logprobs", []), meta.get("output_top_logprobs")
+
+
+def prompt_logprobs(meta: dict) -> tuple[list, list | None]:
+    """(prompt entries, their top rows or None) of a meta_info: echo + logprobs."""
+    return meta.get("input_token_logprobs", []), meta.get("input_top_logprobs")

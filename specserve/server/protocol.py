@@ -9,12 +9,27 @@ extras), unknown fields of the native request are rejected (as SGLang's dataclas
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+
+
+def _only(*allowed: Any, why: str = "is not supported by this server"):
+    """A field SGLang accepts that specserve does not honour (yet): its "off" values pass, anything else is a 400
+    naming the field, so a request never silently loses what it asked for."""
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise ValueError(f"{why} (accepted: {', '.join(repr(a) for a in allowed)})")
+        return value
+    return Annotated[Any, AfterValidator(check)]
+
+
+_Off = _only(None)
+_OffBool = _only(None, False)
+_GRAMMAR = "constrained decoding is not supported yet"
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -54,6 +69,20 @@ class _SamplingFields(_Strict):
     no_stop_trim: bool = False
     stop_token_ids: list[int] | None = None
     rid: str | None = None
+    # SGLang extras specserve does not honour yet: refused unless off
+    regex: _only(None, why=_GRAMMAR) = None
+    ebnf: _only(None, why=_GRAMMAR) = None
+    json_schema: _only(None, why=_GRAMMAR) = None
+    stop_regex: _only(None, why="stop_regex is not supported yet; use stop") = None
+    lora_path: _Off = None
+    custom_logit_processor: _Off = None
+    custom_params: _Off = None
+    return_hidden_states: _OffBool = False
+    return_routed_experts: _OffBool = False
+    session_params: _Off = None
+    priority: _Off = None
+    extra_key: _only(None, "") = None
+    cache_salt: _only(None, "") = None
 
 
 class TextPart(_Strict):
@@ -81,9 +110,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # the last (assistant) message is continued, not answered
+    separate_reasoning: bool = True  # no reasoning parser runs: there is never reasoning to separate
+    stream_reasoning: bool = True
     # accepted by the schema only to be refused with a clear message (no constrained decoding / tools yet)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: _only(None, "none", "auto", why="tool calling is not supported yet") = None
+    parallel_tool_calls: _only(None, True, why="tool calling is not supported yet") = None
+    reasoning_effort: _only(None, why="reasoning controls are not supported") = None
+    input_ids: _only(None, why="use /v1/completions or /generate for token-id prompts") = None
+    return_token_ids: _OffBool = False
+    return_prompt_token_ids: _OffBool = False
+    return_meta_info: _OffBool = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -93,20 +132,59 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    return_token_ids: _OffBool = False
 
 
 class GenerateRequest(BaseModel):
-    """SGLang's native ``/generate`` input."""
+    """SGLang's native ``/generate`` input (``GenerateReqInput``): its fields, with SGLang's defaults; the ones
+    specserve does not honour yet are accepted only at their off value."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | None = None
-    top_logprobs_num: int | None = Field(default=None, ge=0)
     stream: bool = False
     rid: str | list[str] | None = None
+    # logprobs: one value, or a list of one per prompt
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    return_text_in_logprobs: bool = False
+    temp_scaled_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    log_metrics: bool = True
+    # not honoured (yet): off values only
+    input_embeds: _Off = None
+    image_data: _Off = None
+    video_data: _Off = None
+    audio_data: _Off = None
+    modalities: _Off = None
+    lora_path: _Off = None
+    lora_id: _Off = None
+    session_params: _Off = None
+    custom_logit_processor: _Off = None
+    return_hidden_states: _OffBool = False
+    return_routed_experts: _OffBool = False
+    routed_experts_start_len: _only(None, 0) = 0
+    bootstrap_host: _Off = None
+    bootstrap_port: _Off = None
+    bootstrap_room: _Off = None
+    bootstrap_pair_key: _Off = None
+    data_parallel_rank: _only(None, 0) = None
+    routed_dp_rank: _only(None, 0) = None
+    priority: _Off = None
+    extra_key: _only(None, "") = None
+    cache_salt: _only(None, "") = None
+    custom_labels: _Off = None
+
+    def logprob_fields(self) -> dict[str, Any]:
+        """The request-level logprob fields as ``prepare_requests`` takes them (None / False: not given)."""
+        return {"return_logprob": self.return_logprob, "logprob_start_len": self.logprob_start_len,
+                "top_logprobs_num": self.top_logprobs_num, "token_ids_logprob": self.token_ids_logprob,
+                "return_text_in_logprobs": self.return_text_in_logprobs or None,
+                "temp_scaled_logprobs": self.temp_scaled_logprobs or None}
 
 
 class AbortRequest(BaseModel):
@@ -155,8 +233,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: a prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 

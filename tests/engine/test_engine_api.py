@@ -230,7 +230,7 @@ def test_failing_prefill_aborts_its_requests_and_the_engine_keeps_serving(model_
 
 # ---------------------------------------------------------------- errors
 @pytest.mark.parametrize("params,field", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_new_tokens": -1}, "max_new_tokens"),
     ({"top_k": -5}, "top_k"), ({"bogus": 1}, "bogus"), ({"max_new_tokens": 10**6}, "max_new_tokens"),
 ])
 def test_bad_params_raise_value_error_naming_the_field(engine, params, field):

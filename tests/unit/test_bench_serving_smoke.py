@@ -137,13 +137,14 @@ def test_bench_serving_chat_and_failures(server_url, tmp_path):
                  "--out-dir", str(tmp_path / "chat")]) == 0
     (row,) = read_jsonl(str(tmp_path / "chat" / "summary.jsonl"))
     assert row["completed"] == 2 and row["total_output_tokens"] == 16 and row["request_rate"] == 50.0
-    # an unknown model: every request fails (404), counted, the run still completes
-    assert main(["--base-url", server_url, *COMMON, "--model", "no-such-model", "--num-prompts", "2",
+    # requests the server refuses (more new tokens than the context holds): every one fails (400), counted, the
+    # run still completes
+    assert main(["--base-url", server_url, *COMMON, "--max-new-tokens", "100000", "--num-prompts", "2",
                  "--max-concurrency", "1", "--warmup-requests", "0", "--out-dir", str(tmp_path / "bad")]) == 0
     (row,) = read_jsonl(str(tmp_path / "bad" / "summary.jsonl"))
     assert row["completed"] == 0 and row["failed"] == 2 and row["p50_ttft_ms"] is None
     recs = read_jsonl(str(tmp_path / "bad" / "requests.jsonl"))
-    assert all("no-such-model" in r["error"] for r in recs)
+    assert all("context length" in r["error"] for r in recs)
 
 
 @pytest.mark.parametrize("flag,value", [("--max-concurrency", "0,2"), ("--request-rate", "-1"),

@@ -419,7 +419,8 @@ def test_compute_logprobs():
     torch.manual_seed(6)
     logits = torch.randn(3, 10) * 2
     chosen_ids = torch.tensor([4, 0, 9])
-    chosen, tops = compute_logprobs(logits, chosen_ids, [0, 2, 10])
+    chosen, tops, probes = compute_logprobs(logits, chosen_ids, [0, 2, 10])
+    assert probes == [None, None, None]
     ref = torch.log_softmax(logits, dim=-1)
     assert chosen.shape == (3,)
     assert torch.allclose(chosen, ref[torch.arange(3), chosen_ids])
@@ -430,5 +431,17 @@ def test_compute_logprobs():
         assert [t for _, t in top] == order[: len(top)]
         assert [lp for lp, _ in top] == pytest.approx([ref[row, t].item() for t in order[: len(top)]])
         assert all(a[0] >= b[0] for a, b in zip(top, top[1:], strict=False))
-    chosen, tops = compute_logprobs(logits, chosen_ids, [0, 0, 0])
+    chosen, tops, _ = compute_logprobs(logits, chosen_ids, [0, 0, 0])
     assert tops == [[], [], []]
+
+
+def test_compute_logprobs_probes_and_temperature():
+    """token_ids_logprob rows report the asked ids in the asked order; temp_scaled rows use logits / T."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    chosen, tops, probes = compute_logprobs(logits, torch.tensor([3, 0]), [1, 0], [[2, 0], None], [0.5, 1.0])
+    scaled = torch.log_softmax(logits[0] / 0.5, dim=-1)
+    raw = torch.log_softmax(logits[1], dim=-1)
+    assert chosen.tolist() == pytest.approx([scaled[3].item(), raw[0].item()])
+    assert tops[0] == [(pytest.approx(scaled[3].item()), 3)] and tops[1] == []
+    assert probes[0] == [(pytest.approx(scaled[2].item()), 2), (pytest.approx(scaled[0].item()), 0)]
+    assert probes[1] is None

@@ -25,6 +25,10 @@ EXPECTED_DEFAULTS = {
     "logit_bias": None,
     "return_logprob": False,
     "top_logprobs_num": 0,
+    "logprob_start_len": -1,
+    "token_ids_logprob": None,
+    "return_text_in_logprobs": False,
+    "temp_scaled_logprobs": False,
 }
 
 
@@ -82,7 +86,7 @@ def test_from_dict_bad_types(field, value):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_new_tokens", 0),
+        ("max_new_tokens", -1),
         ("min_new_tokens", -1),
         ("min_new_tokens", 200),  # > max_new_tokens (128)
         ("temperature", -1.0),

@@ -87,17 +87,51 @@ class _FakeTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return "".join(self.pieces[i] for i in ids)
 
+    def convert_ids_to_tokens(self, i):
+        return self.pieces[i]
+
 
 def test_completion_logprobs_offsets_and_tops():
     meta = {"output_token_logprobs": [(-0.1, 10, None), (-0.2, 11, None), (-0.3, 12, None)],
             "output_top_logprobs": [[(-0.1, 10, None)], [(-0.2, 11, None)], [(-0.3, 12, None)]]}
-    lp = fmt.completion_logprobs(_FakeTokenizer(), meta, text_offset=4)
+    lp = fmt.completion_logprobs(_FakeTokenizer(), *fmt.output_logprobs(meta), text_offset=4)
     assert lp.tokens == ["ab", "c", "déf"] and lp.token_logprobs == [-0.1, -0.2, -0.3]
     assert lp.text_offset == [4, 6, 7]
     assert lp.top_logprobs == [{"ab": -0.1}, {"c": -0.2}, {"déf": -0.3}]
-    chat = fmt.chat_logprobs(_FakeTokenizer(), meta)
+    chat = fmt.chat_logprobs(_FakeTokenizer(), *fmt.output_logprobs(meta))
     assert [c.token for c in chat.content] == ["ab", "c", "déf"]
     assert chat.content[2].bytes == list("déf".encode())
+    # echo: the prompt's entries first, its first logprob and top row None, offsets from 0
+    meta |= {"input_token_logprobs": [(None, 11, None), (-0.5, 10, None)],
+             "input_top_logprobs": [None, [(-0.4, 12, None)]]}
+    prompt = fmt.completion_logprobs(_FakeTokenizer(), *fmt.prompt_logprobs(meta), text_offset=0)
+    both = fmt.join_logprobs(prompt, fmt.completion_logprobs(_FakeTokenizer(), *fmt.output_logprobs(meta), 3))
+    assert both.tokens == ["c", "ab", "ab", "c", "déf"] and both.token_logprobs == [None, -0.5, -0.1, -0.2, -0.3]
+    assert both.text_offset == [0, 1, 3, 5, 6]
+    assert both.top_logprobs == [None, {"déf": -0.4}, {"ab": -0.1}, {"c": -0.2}, {"déf": -0.3}]
+
+
+def test_token_bytes_of_partial_characters():
+    """A byte-level token holding part of a UTF-8 character decodes to U+FFFD, yet its logprob bytes are its own
+    byte; a whole token's bytes are its text's."""
+    from transformers import AutoTokenizer
+
+    from specserve.demo_models import demo_path
+
+    tok = AutoTokenizer.from_pretrained(demo_path("demo"))
+    partial = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+    assert len(partial) > 100  # the byte alphabet's bytes >= 0x80, and merges of them
+    for i in partial:
+        raw = bytes(fmt.token_bytes(tok, i))
+        assert raw and all(b >= 0x80 for b in raw)
+        with pytest.raises(UnicodeDecodeError):
+            raw.decode()
+    assert len({bytes(fmt.token_bytes(tok, i)) for i in partial}) == len(partial)  # each its own bytes
+    assert fmt.token_bytes(tok, tok.convert_tokens_to_ids("\u00e2")) == [0xE2]  # GPT-2's stand-in for byte 0xE2
+    for i in range(300):
+        text = tok.decode([i])
+        if "\ufffd" not in text:
+            assert bytes(fmt.token_bytes(tok, i)).decode() == text
 
 
 def test_read_chat_template(tmp_path):
