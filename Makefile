@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 SERVE_ARGS ?=
+# SGLang's own benchmark client, run unchanged by tests/compat (the last release whose bench_serving.py is one file)
+SGLANG_CLIENT_PIN := sglang==0.5.9
+SGLANG_CLIENTS := $(VENV)/share/sglang-clients
 
 .PHONY: serve test lint venv clean
 
@@ -13,6 +16,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip download -q --no-deps --only-binary=:all: $(SGLANG_CLIENT_PIN) -d $(SGLANG_CLIENTS)
+	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(SGLANG_CLIENTS)/sglang-*.whl')[0]).extract('sglang/bench_serving.py', '$(SGLANG_CLIENTS)')"
 	touch $@
 
 venv: $(BIN)/.installed
