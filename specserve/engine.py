@@ -23,7 +23,14 @@ import torch
 from transformers import AutoTokenizer
 
 from specserve.config import ConfigError, ServerArgs
-from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, prepare_requests
+from specserve.frontend import (
+    PreparedRequest,
+    RequestError,
+    RequestFactory,
+    RequestState,
+    check_off_args,
+    prepare_requests,
+)
 from specserve.malloc import tune_malloc
 from specserve.models.loader import dtype_name
 from specserve.omp import release_thread_pool
@@ -192,10 +199,12 @@ class Engine:
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool | None = None,
         temp_scaled_logprobs: bool | None = None,
+        **sglang_args: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (-> dict) or a batch / n > 1 (-> list of dicts); stream -> chunk iterator.
         The logprob arguments are SGLang's (``Engine.generate``): one value, or a list of one per prompt."""
         self._check_open()
+        check_off_args(sglang_args)  # SGLang's lora_path, image_data, ...: their off values only
         prepared, single = self._prepare(prompt, sampling_params, input_ids, rid, dict(
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
@@ -238,8 +247,10 @@ class Engine:
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool | None = None,
         temp_scaled_logprobs: bool | None = None,
+        **sglang_args: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_open()
+        check_off_args(sglang_args)  # SGLang's lora_path, image_data, ...: their off values only
         prepared, single = self._prepare(prompt, sampling_params, input_ids, rid, dict(
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,

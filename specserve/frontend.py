@@ -249,6 +249,23 @@ def merge_outputs(outs: list[ReqOutput]) -> ReqOutput:
     )
 
 
+# SGLang Engine.generate arguments specserve does not honour yet: accepted at these off values only
+ENGINE_OFF_ARGS = {"image_data": (None,), "audio_data": (None,), "video_data": (None,), "input_embeds": (None,),
+                   "lora_path": (None,), "custom_logit_processor": (None,), "return_hidden_states": (None, False),
+                   "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
+                   "data_parallel_rank": (None, 0)}
+
+
+def check_off_args(args: dict) -> None:
+    """SGLang's generate() arguments beyond specserve's: TypeError for a name SGLang does not have either,
+    RequestError naming it for one specserve would have to honour."""
+    for name, value in args.items():
+        if name not in ENGINE_OFF_ARGS:
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        if value not in ENGINE_OFF_ARGS[name]:
+            raise RequestError(f"{name} is not supported by specserve (accepted: {ENGINE_OFF_ARGS[name]})", name)
+
+
 # SGLang's request-level fields carried per request in its SamplingParams (scalars, or a list: one per prompt)
 REQUEST_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob",
                           "return_text_in_logprobs", "temp_scaled_logprobs")

@@ -97,6 +97,22 @@ def test_stop_token_ids_and_eos(engine):
     assert engine.generate(PROMPTS[0], greedy(7))["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
+def test_matched_stop_token_text_is_trimmed(engine):
+    """SGLang's rule: a matched stop token stays in output_ids, its text is not in the text (even with
+    skip_special_tokens false, with or without stop strings), unless no_stop_trim."""
+    free = engine.generate(PROMPTS[0], greedy(24))["output_ids"]
+    stop_tok = free[5]
+    first = free.index(stop_tok)
+    tok = engine.tokenizer
+    for extra in ({}, {"stop": ["never-in-this-text"]}):
+        params = greedy(24, stop_token_ids=[stop_tok], skip_special_tokens=False, **extra)
+        out = engine.generate(PROMPTS[0], params)
+        assert out["output_ids"][-1] == stop_tok
+        assert out["text"] == tok.decode(free[:first], skip_special_tokens=False)
+        kept = engine.generate(PROMPTS[0], dict(params, no_stop_trim=True))
+        assert kept["text"] == tok.decode(free[: first + 1], skip_special_tokens=False)
+
+
 def test_stop_string_spanning_tokens_is_trimmed(engine):
     full = engine.generate(PROMPTS[4], greedy(24))
     text = full["text"]
@@ -156,6 +172,24 @@ def test_logprobs_consistent(engine):
     for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
         assert len(top) == 4 and top[0][1] == tok and math.isclose(top[0][0], lp, abs_tol=1e-5)  # greedy = top-1
         assert all(top[i][0] >= top[i + 1][0] for i in range(3)) and lp <= 0
+
+
+def test_sglang_generate_arguments(engine):
+    """SGLang's Engine.generate arguments: the logprob ones work (prompt logprobs, probes, text), the ones
+    specserve does not honour pass at their off value and are refused otherwise; get_server_info has SGLang's
+    internal_states."""
+    out = engine.generate(PROMPTS[0], greedy(4), return_logprob=True, logprob_start_len=0, token_ids_logprob=[3, 5],
+                          return_text_in_logprobs=True, lora_path=None, custom_logit_processor=None)
+    meta = out["meta_info"]
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] and meta["input_token_logprobs"][0][0] is None
+    assert [e[1] for e in meta["output_token_ids_logprobs"][0]] == [3, 5]
+    assert all(text == engine.tokenizer.decode([t]) for _, t, text in meta["output_token_logprobs"])
+    with pytest.raises(ValueError, match="lora_path"):
+        engine.generate(PROMPTS[0], greedy(4), lora_path="adapter")
+    with pytest.raises(TypeError, match="no_such_argument"):
+        engine.generate(PROMPTS[0], greedy(4), no_such_argument=1)
+    info = engine.get_server_info()
+    assert info["internal_states"][0]["max_total_num_tokens"] == info["max_total_num_tokens"] > 0
 
 
 # ---------------------------------------------------------------- abort and leaks

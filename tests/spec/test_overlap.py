@@ -80,6 +80,8 @@ def test_greedy_equals_plain_across_joins_leaves_and_batch_aware_steps(target, d
     assert [o["meta_info"]["completion_tokens"] for o in first] == LENGTHS
     if algorithm in ("EAGLE", "STANDALONE"):  # drafts that mirror the target: accepted
         assert info["avg_spec_accept_length"] > 1.5
+    # where SGLang's tests read it
+    assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"]
 
 
 def test_draft_stop_threshold_shortens_chains_and_keeps_outputs(target, self_head, plain):
