@@ -155,6 +155,8 @@ class GenerateRequest(BaseModel):
     temp_scaled_logprobs: bool = False
     return_prompt_token_ids: bool = False
     log_metrics: bool = True
+    no_logs: bool = False  # specserve logs no request content either way
+    model: str | None = None  # sglang-router sends it; the one served model answers
     # not honoured (yet): off values only
     input_embeds: _Off = None
     image_data: _Off = None
@@ -178,6 +180,9 @@ class GenerateRequest(BaseModel):
     extra_key: _only(None, "") = None
     cache_salt: _only(None, "") = None
     custom_labels: _Off = None
+    background: _OffBool = False
+    return_bytes: _OffBool = False
+    return_entropy: _OffBool = False
 
     def logprob_fields(self) -> dict[str, Any]:
         """The request-level logprob fields as ``prepare_requests`` takes them (None / False: not given)."""
