@@ -11,11 +11,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specserve.engine import server_info
-from specserve.frontend import PreparedRequest, prepare_requests
-from specserve.server.errors import APIError, parse_body
+from specserve.frontend import PreparedRequest, RequestError, prepare_requests
+from specserve.server.errors import APIError, from_request_error, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, Overloaded, RequestManager
-from specserve.server.protocol import AbortRequest, GenerateRequest
+from specserve.server.openai_format import render_chat
+from specserve.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 router = APIRouter()
 
@@ -67,6 +68,48 @@ async def _generate_events(job: Job, single: bool, prompts: list[list[int]] | No
                 out["index"] = i
             yield sse(out)
     yield DONE
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize(request: Request) -> dict:
+    """A prompt -> {"tokens", "count", "max_model_len"} (a list of each for a list of prompts); chat messages
+    are rendered through the chat template first, as /v1/chat/completions does."""
+    manager = _manager(request)
+    req = await parse_body(request, TokenizeRequest)
+    tok = manager.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+
+    def run():
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            return render_chat(tok, messages, None)
+        if isinstance(req.prompt, list):
+            return [tok.encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt]
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    try:
+        ids = await manager.run_in_tokenizer(run)
+    except RequestError as e:
+        raise from_request_error(e) from e
+    count = [len(x) for x in ids] if ids and isinstance(ids[0], list) else len(ids)
+    return {"tokens": ids, "count": count, "max_model_len": manager.context_len}
+
+
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize(request: Request) -> dict:
+    manager = _manager(request)
+    req = await parse_body(request, DetokenizeRequest)
+    vocab = manager.info["vocab_size"]
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+    text = await manager.run_in_tokenizer(
+        lambda: manager.tokenizer.decode(req.tokens, skip_special_tokens=req.skip_special_tokens))
+    return {"text": text}
 
 
 # ---------------------------------------------------------------------------------------------- health

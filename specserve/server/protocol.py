@@ -192,6 +192,22 @@ class GenerateRequest(BaseModel):
                 "temp_scaled_logprobs": self.temp_scaled_logprobs or None}
 
 
+class TokenizeRequest(_Strict):
+    """SGLang's /tokenize (and /v1/tokenize): a prompt (or prompts), or chat messages to render first."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    tools: _only(None, why="tool calling is not supported yet") = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+    skip_special_tokens: bool = True
+
+
 class AbortRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 

@@ -450,3 +450,57 @@ def test_logprob_entries_are_log_probabilities(server):
         assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
         assert sum(math.exp(v) for v in values) <= 1 + 1e-5
         assert all(isinstance(x[2], str) for x in row)
+
+
+# ---------------------------------------------------------------------------------------------- tokenize
+def test_tokenize_various_inputs(server, model_dir):
+    """Ports TestTokenizeDetokenize.test_tokenize_various_inputs: a prompt or a list of prompts, with and without
+    special tokens; counts add up; an empty prompt has 0 tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for prompt, special in [("def f(x): return x", True), ("def f(x): return x", False), ("", False)]:
+        body = server.post("/tokenize", json={"model": "any", "prompt": prompt, "add_special_tokens": special}).json()
+        assert body["tokens"] == tok.encode(prompt, add_special_tokens=special)
+        assert body["count"] == len(body["tokens"])
+    many = server.post("/tokenize", json={"prompt": ["a b", "c d e"]}).json()
+    assert many["tokens"] == [tok.encode("a b"), tok.encode("c d e")]
+    assert many["count"] == [len(x) for x in many["tokens"]] and isinstance(many["max_model_len"], int)
+
+
+def test_tokenize_invalid_type(server):
+    """Ports test_tokenize_invalid_type: a number as the prompt is a 400."""
+    assert_error(server.post("/tokenize", json={"prompt": 12345}), "prompt")
+
+
+def test_openai_tokenize_chat_messages(server, model_dir):
+    """Ports test_openai_tokenize_chat_messages: /v1/tokenize renders messages through the chat template, as
+    the chat endpoint does (tools are refused: tool calling is not supported yet)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    body = server.post("/v1/tokenize", json={"model": "any", "messages": messages}).json()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert body["tokens"] == tok.encode(text, add_special_tokens=False) and body["count"] == len(body["tokens"])
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    assert_error(server.post("/v1/tokenize", json={"messages": messages, "tools": tools}), "tools")
+
+
+def test_detokenize_roundtrip(server):
+    """Ports test_detokenize_roundtrip: tokens from /tokenize (with or without special tokens) come back as the
+    text with skip_special_tokens; an empty list is ""."""
+    text = "def add(a, b):\n    return a + b"
+    for special in (True, False):
+        ids = server.post("/tokenize", json={"prompt": text, "add_special_tokens": special}).json()["tokens"]
+        back = server.post("/detokenize", json={"tokens": ids, "skip_special_tokens": True}).json()
+        assert back["text"] == text
+    assert server.post("/detokenize", json={"tokens": []}).json()["text"] == ""
+
+
+def test_detokenize_invalid_tokens(server, vocab_size):
+    """Ports test_detokenize_invalid_tokens: strings are a 400; an id outside the vocabulary is also a 400 here
+    (SGLang answers 500; specserve never answers 500 to a bad request)."""
+    assert_error(server.post("/detokenize", json={"tokens": ["a", "b"]}), "tokens[0]")
+    assert_error(server.post("/detokenize", json={"tokens": [1, -1, 2]}), "tokens")
+    assert_error(server.post("/detokenize", json={"tokens": [vocab_size]}), "tokens")
