@@ -29,6 +29,9 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+WEIGHT_VERSION = "default"  # SGLang's --weight-version default: the weights never change while serving
+
+
 class RequestError(ValueError):
     """An invalid request (bad prompt, ids, lengths or sampling params): HTTP 400 / ValueError."""
 
@@ -195,6 +198,7 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
             "e2e_latency": time.monotonic() - self.start,
+            "weight_version": WEIGHT_VERSION,
         }
         if self.params.return_logprob:
             meta.update(self._logprob_meta(logprobs_from))

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specserve.engine import server_info
-from specserve.frontend import PreparedRequest, RequestError, prepare_requests
+from specserve.frontend import WEIGHT_VERSION, PreparedRequest, RequestError, prepare_requests
 from specserve.server.errors import APIError, from_request_error, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, Overloaded, RequestManager
@@ -150,7 +150,7 @@ async def get_model_info(request: Request) -> dict:
         "served_model_name": m.served_model_name,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",
+        "weight_version": WEIGHT_VERSION,
         "architectures": [m.info["architecture"]],
         "architecture": m.info["architecture"],
         "context_length": m.context_len,

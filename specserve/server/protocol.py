@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
+from specserve.frontend import WEIGHT_VERSION
+
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 
@@ -279,6 +281,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})  # as SGLang's
 
 
 class DeltaMessage(BaseModel):
@@ -324,6 +327,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})  # as SGLang's
 
 
 class ModelCard(BaseModel):
