@@ -80,8 +80,8 @@ class RequestFactory:
             p.normalize()
             room = self.context_len - prompt_len
             if room <= 0:
-                raise RequestError(
-                    f"the prompt has {prompt_len} tokens; the context length is {self.context_len}", "prompt")
+                raise RequestError(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                                   f"({self.context_len} tokens).", "prompt")  # SGLang's words
             if p.max_new_tokens is None:
                 p.max_new_tokens = room
             p.verify(self.vocab_size)
@@ -92,10 +92,14 @@ class RequestFactory:
         if p.return_logprob and p.logprob_start_len > prompt_len:
             raise RequestError(f"logprob_start_len ({p.logprob_start_len}) is higher than the number of input tokens "
                                f"({prompt_len}); use a smaller logprob_start_len", "logprob_start_len")
+        if p.max_new_tokens > self.context_len:  # SGLang's words (clients match them)
+            raise RequestError(f"max_new_tokens / max_completion_tokens is too large: {p.max_new_tokens}. This model "
+                               f"supports at most {self.context_len} completion tokens.", "max_new_tokens")
         if prompt_len + p.max_new_tokens > self.context_len:
             raise RequestError(
-                f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
-                f"the context length {self.context_len}", "max_new_tokens")
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens: "
+                f"{prompt_len} tokens from the input and {p.max_new_tokens} for the completion (max_new_tokens). "
+                "Reduce the input or max_new_tokens.", "max_new_tokens")
         return p
 
     def build(self, ids: list[int], params: SamplingParams, rid: str | None = None) -> list[PreparedRequest]:

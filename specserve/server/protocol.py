@@ -44,7 +44,20 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class _OffExtras(BaseModel):
+    """SGLang request fields of both APIs that specserve does not honour yet: their off values only."""
+
+    lora_path: _Off = None
+    custom_logit_processor: _Off = None
+    return_hidden_states: _OffBool = False
+    return_routed_experts: _OffBool = False
+    session_params: _Off = None
+    priority: _Off = None
+    extra_key: _only(None, "") = None
+    cache_salt: _only(None, "") = None
+
+
+class _SamplingFields(_Strict, _OffExtras):
     """The sampling fields both OpenAI endpoints share, OpenAI's and SGLang's extras."""
 
     model: str | None = None
@@ -71,20 +84,12 @@ class _SamplingFields(_Strict):
     no_stop_trim: bool = False
     stop_token_ids: list[int] | None = None
     rid: str | None = None
-    # SGLang extras specserve does not honour yet: refused unless off
+    # SGLang extras specserve does not honour yet (and those of _OffExtras): refused unless off
     regex: _only(None, why=_GRAMMAR) = None
     ebnf: _only(None, why=_GRAMMAR) = None
     json_schema: _only(None, why=_GRAMMAR) = None
     stop_regex: _only(None, why="stop_regex is not supported yet; use stop") = None
-    lora_path: _Off = None
-    custom_logit_processor: _Off = None
     custom_params: _Off = None
-    return_hidden_states: _OffBool = False
-    return_routed_experts: _OffBool = False
-    session_params: _Off = None
-    priority: _Off = None
-    extra_key: _only(None, "") = None
-    cache_salt: _only(None, "") = None
 
 
 class TextPart(_Strict):
@@ -137,7 +142,7 @@ class CompletionRequest(_SamplingFields):
     return_token_ids: _OffBool = False
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_OffExtras):
     """SGLang's native ``/generate`` input (``GenerateReqInput``): its fields, with SGLang's defaults; the ones
     specserve does not honour yet are accepted only at their off value."""
 
@@ -159,18 +164,13 @@ class GenerateRequest(BaseModel):
     log_metrics: bool = True
     no_logs: bool = False  # specserve logs no request content either way
     model: str | None = None  # sglang-router sends it; the one served model answers
-    # not honoured (yet): off values only
+    # not honoured (yet): off values only (and those of _OffExtras)
     input_embeds: _Off = None
     image_data: _Off = None
     video_data: _Off = None
     audio_data: _Off = None
     modalities: _Off = None
-    lora_path: _Off = None
     lora_id: _Off = None
-    session_params: _Off = None
-    custom_logit_processor: _Off = None
-    return_hidden_states: _OffBool = False
-    return_routed_experts: _OffBool = False
     routed_experts_start_len: _only(None, 0) = 0
     bootstrap_host: _Off = None
     bootstrap_port: _Off = None
@@ -178,9 +178,6 @@ class GenerateRequest(BaseModel):
     bootstrap_pair_key: _Off = None
     data_parallel_rank: _only(None, 0) = None
     routed_dp_rank: _only(None, 0) = None
-    priority: _Off = None
-    extra_key: _only(None, "") = None
-    cache_salt: _only(None, "") = None
     custom_labels: _Off = None
     background: _OffBool = False
     return_bytes: _OffBool = False
