@@ -18,9 +18,10 @@ import typing
 from specserve.config import ConfigError, ServerArgs, flag_name
 from specserve.train.cli import COMMANDS as TRAIN_COMMANDS
 
+# SGLang's aliases. (--mem-fraction, as the SGLang docs write it, is a prefix of --mem-fraction-static, so argparse
+# takes it, and --mem-frac, as SGLang's tests write it, unambiguously: no alias may start with the same letters.)
 ALIASES = {
     "model_path": ["--model"],
-    "mem_fraction_static": ["--mem-fraction"],
     "speculative_draft_model_path": ["--speculative-draft-model"],
 }
 
@@ -41,6 +42,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         t = _field_type(f)
         if t is bool:
             group.add_argument(*names, dest=f.name, action="store_true", default=f.default, help=help_text)
+        elif typing.get_origin(t) is list:
+            (item,) = typing.get_args(t)
+            group.add_argument(*names, dest=f.name, type=item, nargs="+", default=f.default,
+                               help=f"{help_text} (default: {f.default})")
         else:
             group.add_argument(*names, dest=f.name, type=t, default=f.default,
                                help=f"{help_text} (default: {f.default})")

@@ -22,6 +22,11 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+# SGLang's --attention-backend values. specserve has one attention implementation (PyTorch SDPA, SGLang's
+# "torch_native"); the GPU kernel libraries are SGLang's and are not here.
+OWN_ATTENTION_BACKENDS = ("torch_native", "sdpa")
+SGLANG_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "flashmla", "cutlass_mla", "trtllm_mla",
+                             "trtllm_mha", "aiter", "wave", "ascend", "intel_amx", "intel_xpu", "dual_chunk_flash_attn")
 #: --speculative-draft-score-temperature upper bound: far above 1 every candidate scores alike (no use)
 MAX_SCORE_TEMPERATURE = 10.0
 # Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
@@ -114,7 +119,20 @@ class ServerArgs:
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
         "help": "Batches above this run without CUDA graphs (default 32 with speculation, else 128)."})
+    cuda_graph_bs: list[int] | None = field(default=None, metadata={
+        "help": "SGLang's list of captured batch sizes: specserve captures lazily up to the largest of them (it sets "
+                "--cuda-graph-max-bs)."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Turn off CUDA graphs."})
+    attention_backend: str | None = field(default=None, metadata={
+        "help": "torch_native (PyTorch SDPA, the one specserve has). SGLang's GPU kernel backends (fa3, flashinfer, "
+                "triton, ...) are accepted with a warning and run on SDPA: the outputs are the same, not the speed."})
+    page_size: int = field(default=1, metadata={
+        "help": "Tokens per KV page. specserve's KV cache is token-granular (page size 1); a larger value is "
+                "accepted with a warning and the cache stays token-granular (prefix reuse is then finer than asked)."})
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "Turn the overlap scheduler off even when SGLANG_ENABLE_SPEC_V2 / SPECSERVE_ENABLE_SPEC_V2 is set."})
+    skip_server_warmup: bool = field(default=False, metadata={
+        "help": "Accepted for SGLang's scripts: specserve sends no warm-up request at start either way."})
     disable_cpu_weight_packing: bool = field(
         default=False, metadata={"help": "Keep plain bf16/fp16 linears on CPU (no oneDNN pre-packing)."}
     )
@@ -190,6 +208,7 @@ class ServerArgs:
         _positive(self, "max_prefill_tokens")
         _positive(self, "torch_compile_max_bs")
         _positive(self, "cuda_graph_max_bs", allow_none=True)
+        self._validate_sglang_only()
         _positive(self, "num_threads", allow_none=True)
         _positive(self, "stream_interval")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
@@ -208,8 +227,31 @@ class ServerArgs:
             self.enable_mixed_chunk = False
         return self
 
+    def _validate_sglang_only(self) -> None:
+        """Flags SGLang's launch commands pass whose GPU machinery specserve does not have: checked, then mapped onto
+        what specserve does, with a warning wherever the request cannot be met as asked."""
+        _positive(self, "page_size")
+        if self.page_size != 1:
+            logger.warning("--page-size %d: specserve's KV cache is token-granular (page size 1); using that",
+                           self.page_size)
+        if self.cuda_graph_bs is not None:
+            if not self.cuda_graph_bs or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_bs):
+                raise ConfigError(f"--cuda-graph-bs must be positive integers, got {self.cuda_graph_bs}")
+            if self.cuda_graph_max_bs is None:
+                self.cuda_graph_max_bs = max(self.cuda_graph_bs)
+        backend = self.attention_backend
+        if backend is not None and backend not in OWN_ATTENTION_BACKENDS:
+            if backend not in SGLANG_ATTENTION_BACKENDS:
+                raise ConfigError(f"--attention-backend must be one of {', '.join(OWN_ATTENTION_BACKENDS)} (or an "
+                                  f"SGLang GPU backend, which runs as torch_native here); got {backend!r}")
+            logger.warning("--attention-backend %s: SGLang's kernel library is not part of specserve; attention runs "
+                           "on PyTorch SDPA (torch_native)", backend)
+
     def _validate_spec_v2(self) -> None:
         """The overlap scheduler: on by flag or environment; topk 1 only (an explicit topk > 1 fails)."""
+        if self.disable_overlap_schedule:
+            self.enable_spec_v2 = False
+            return
         if not self.enable_spec_v2:
             self.enable_spec_v2 = env_flag(SPEC_V2_ENV)
         if not self.enable_spec_v2:

@@ -155,3 +155,26 @@ def test_mixed_chunk_flag_and_speculation(caplog):
         args = parse(SPEC + ["--enable-mixed-chunk"])
     assert args.enable_mixed_chunk is False  # as in SGLang: speculative steps take no prefill chunk
     assert "--enable-mixed-chunk" in caplog.text
+
+
+def test_sglang_launch_flags_of_its_own_tests(monkeypatch, caplog):
+    """Flags SGLang's docs and test launchers pass: abbreviations of --mem-fraction-static, the CUDA-graph batch list,
+    GPU attention backends and page sizes (mapped, with a warning), the overlap switch, the warm-up switch."""
+    base = ["--model-path", "m"]
+    assert parse(base + ["--mem-fraction", "0.6"]).mem_fraction_static == 0.6  # the docs page's spelling
+    assert parse(base + ["--mem-frac", "0.7"]).mem_fraction_static == 0.7  # SGLang's MTP test's
+    assert parse(base + ["--cuda-graph-bs", "1", "2", "8"]).effective_cuda_graph_max_bs == 8
+    assert parse(base + ["--cuda-graph-bs", "1", "2", "--cuda-graph-max-bs", "4"]).effective_cuda_graph_max_bs == 4
+    with caplog.at_level("WARNING", logger="specserve.config"):
+        args = parse(base + ["--attention-backend", "triton", "--page-size", "64", "--skip-server-warmup"])
+    assert args.attention_backend == "triton" and args.page_size == 64 and args.skip_server_warmup
+    assert "--attention-backend triton" in caplog.text and "--page-size 64" in caplog.text
+    assert parse(base + ["--attention-backend", "torch_native"]).attention_backend == "torch_native"
+    for argv, flag in [(["--attention-backend", "cuda-magic"], "--attention-backend"), (["--page-size", "0"],
+                       "--page-size"), (["--cuda-graph-bs", "0"], "--cuda-graph-bs")]:
+        with pytest.raises(ConfigError, match=flag):
+            parse(base + argv)
+    monkeypatch.setenv("SGLANG_ENABLE_SPEC_V2", "True")
+    spec = base + SPEC[2:] + ["--speculative-algorithm", "STANDALONE"]
+    assert parse(spec).enable_spec_v2
+    assert not parse(spec + ["--disable-overlap-schedule"]).enable_spec_v2
