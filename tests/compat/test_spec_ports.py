@@ -8,9 +8,10 @@ SpecLogprobKit, SpecPenaltyKit, SpecFeatureKit), ``kits/logprob_kit.py`` (Logpro
 ``test_ngram_speculative_decoding.py`` and the MTP tests (MiMo's documented EAGLE 1/1/2 launch).
 
 Every algorithm gets its own real server (``python -m specserve.launch_server``), launched with the flags SGLang's
-test passes (where specserve accepts them; ``--cuda-graph-max-bs`` and ``--mem-fraction-static`` are no-ops on
-CPU) plus ``--dtype float32 --device cpu`` (``popen_launch_server`` appends ``--device``; float32 so logprobs can
-be compared tightly) and ``--num-threads 1`` (as tests/server/conftest.py's start_server, on a shared 2-core box):
+test passes (``--cuda-graph-max-bs`` / ``--cuda-graph-bs`` are no-ops on CPU, ``--mem-fraction-static`` sizes the
+KV cache from the CPU budget, ``--attention-backend`` runs on SDPA) plus ``--dtype float32 --device cpu``
+(``popen_launch_server`` appends ``--device``; float32 so logprobs can be compared tightly) and
+``--num-threads 1`` (as tests/server/conftest.py's start_server, on a shared 2-core box):
 
 - EAGLE: EagleServerBase (steps 5, topk 8, 64 draft tokens: a topk>1 tree) + TestEAGLEServerBasic's extras.
 - EAGLE3: TestEagle3ServerBase of test_eagle_infer_beta (steps 5, topk 1, 6 tokens, the short alias
@@ -35,11 +36,12 @@ engine), plus a drafting guard: verify steps ran (spec_verify_ct > 0) and drafte
 Token lengths, prompts' token ids and probe ids are scaled to the tiny models (vocabulary 512, context 1024).
 
 Not ported (no CPU meaning here):
-- GPU kernels and backends: every ``--attention-backend`` fa3 / triton / flashinfer / flashinfer-MLA variant
-  (collapsed into the one CPU path), cuda-graph batch lists (``--cuda-graph-bs``, not accepted), torch-compile
+- GPU kernels and backends: the ``--attention-backend`` fa3 / triton / flashinfer / flashinfer-MLA variants are one
+  CPU path (the flag is accepted and runs on SDPA, as the EAGLE and EAGLE3 servers here show), torch-compile
   variants, ``test_eagle_sampling_filters`` / tree-building kernel unit tests (sgl_kernel), ROCm / XPU / FP4.
-- ``--page-size`` variants (TestEAGLEServerPageSize*, TestEagle3ServerPage, NGRAM Paged, TestEAGLERadixCache's
-  page configs): specserve has no ``--page-size`` flag (its page size is 1, SGLang's default).
+- ``--page-size`` > 1 variants (TestEAGLEServerPageSize*, TestEagle3ServerPage, NGRAM Paged, TestEAGLERadixCache's
+  page configs): specserve's KV cache is token-granular; the flag is accepted (page size 1 is SGLang's default,
+  as the EAGLE3 server passes) and a larger page runs token-granular, so those variants repeat the same test.
 - TP / DP / EP and multi-GPU: DP-attention spec tests, DeepSeek-V3 MTP with ``--tp 8``, PP.
 - Hidden states (SpecHiddenStatesKit, ``--enable-return-hidden-states``), constrained decoding
   (test_constrained_decoding, SpecGrammarKit, test_eagle_constrained_decoding): not implemented in specserve.
@@ -128,12 +130,14 @@ def _case(name: str, m: dict) -> tuple[str, list[str], dict]:
         return m["mirror"], ["--speculative-algorithm=EAGLE", f"--speculative-draft-model-path={m['eagle']}",
                              "--speculative-num-steps=5", "--speculative-eagle-topk=8",
                              "--speculative-num-draft-tokens=64", "--mem-fraction-static=0.7",
-                             "--chunked-prefill-size", "128", "--max-running-requests", "8"], {}
+                             "--chunked-prefill-size", "128", "--max-running-requests", "8", "--attention-backend",
+                             "fa3"], {}
     if name == "EAGLE3":  # test_eagle_infer_beta TestEagle3ServerBase (older versions: SGLANG_ENABLE_SPEC_V2=1)
         return m["bigram"], ["--trust-remote-code", "--chunked-prefill-size", "1024", "--speculative-algorithm",
                              "EAGLE3", "--speculative-draft-model", m["eagle3"], "--speculative-num-steps", "5",
                              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6",
-                             "--mem-fraction-static", "0.75", "--max-running-requests", "64"], \
+                             "--mem-fraction-static", "0.75", "--max-running-requests", "64", "--page-size", "1",
+                             "--attention-backend", "triton", "--cuda-graph-bs", *map(str, range(1, 9))], \
             {"SGLANG_ENABLE_SPEC_V2": "1"}
     if name in ("STANDALONE", "STANDALONE_V2"):  # test_standalone_speculative_decoding DEFAULT_SERVER_ARGS / V2
         topk, tokens = ("2", "7") if name == "STANDALONE" else ("1", "5")
