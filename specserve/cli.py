@@ -18,10 +18,11 @@ import typing
 from specserve.config import ConfigError, ServerArgs, flag_name
 from specserve.train.cli import COMMANDS as TRAIN_COMMANDS
 
-# SGLang's aliases. (--mem-fraction, as the SGLang docs write it, is a prefix of --mem-fraction-static, so argparse
-# takes it, and --mem-frac, as SGLang's tests write it, unambiguously: no alias may start with the same letters.)
+# SGLang's spellings: its argparse takes any unambiguous prefix of --mem-fraction-static, and its docs and tests write
+# --mem-fraction and --mem-frac; here both are aliases (as prefixes of two option strings they would be ambiguous).
 ALIASES = {
     "model_path": ["--model"],
+    "mem_fraction_static": ["--mem-fraction", "--mem-frac"],
     "speculative_draft_model_path": ["--speculative-draft-model"],
 }
 

@@ -144,7 +144,7 @@ def test_bench_serving_chat_and_failures(server_url, tmp_path):
     (row,) = read_jsonl(str(tmp_path / "bad" / "summary.jsonl"))
     assert row["completed"] == 0 and row["failed"] == 2 and row["p50_ttft_ms"] is None
     recs = read_jsonl(str(tmp_path / "bad" / "requests.jsonl"))
-    assert all("context length" in r["error"] for r in recs)
+    assert all("max_completion_tokens is too large" in r["error"] for r in recs)
 
 
 @pytest.mark.parametrize("flag,value", [("--max-concurrency", "0,2"), ("--request-rate", "-1"),
