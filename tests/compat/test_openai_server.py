@@ -74,6 +74,12 @@ GRID = [pytest.param(echo, logprobs, use_list, n, token_input,
         in itertools.product([False, True], [None, 5], [True, False], [1, 2], [False, True])]
 
 
+def assert_usage_chunk(chunk) -> None:
+    """include_usage's last chunk: no choices, every count positive (SGLang's streaming tests)."""
+    assert not chunk.choices
+    assert chunk.usage.prompt_tokens > 0 and chunk.usage.completion_tokens > 0 and chunk.usage.total_tokens > 0
+
+
 def completion_prompt(tokenizer, use_list: bool, token_input: bool):
     """-> (the prompt argument, number of prompts, expected usage.prompt_tokens)."""
     one = tokenizer.encode(PROMPT) if token_input else PROMPT
@@ -128,9 +134,7 @@ def test_completion_stream(client, server, tokenizer, echo, logprobs, use_list, 
     for chunk in stream:
         if chunk.usage is not None:
             usage_chunks += 1
-            assert chunk.usage.prompt_tokens > 0
-            assert chunk.usage.completion_tokens > 0
-            assert chunk.usage.total_tokens > 0
+            assert_usage_chunk(chunk)
             continue
         choice = chunk.choices[0]
         first = choice.index not in seen
@@ -189,9 +193,7 @@ def test_chat_completion_stream(client, server, logprobs, n):
     for chunk in stream:
         if chunk.usage is not None:
             usage_chunks += 1
-            assert chunk.usage.prompt_tokens > 0
-            assert chunk.usage.completion_tokens > 0
-            assert chunk.usage.total_tokens > 0
+            assert_usage_chunk(chunk)
             continue
         assert chunk.id
         assert chunk.created
