@@ -81,6 +81,8 @@ def use_demo(ns: argparse.Namespace) -> None:
               "whose text is gibberish", file=sys.stderr)
         return
     ns.model_path = demo_path("demo")
+    if ns.served_model_name is None:
+        ns.served_model_name = "demo"  # what /v1/models shows, as `--model-path demo` would
     if ns.speculative_algorithm is None:
         ns.speculative_algorithm = "EAGLE3"
         ns.speculative_draft_model_path = demo_path("demo-eagle3")

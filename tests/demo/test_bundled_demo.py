@@ -150,6 +150,7 @@ def test_serve_without_model_path_serves_the_demo_with_eagle3(tmp_path):
         wait_for_server(url, timeout=120, process=proc)
         client = openai.Client(base_url=url + "/v1", api_key="None")
         model = client.models.list().data[0].id
+        assert model == "demo"
         resp = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=32, temperature=0)
         assert resp.usage.completion_tokens > 0 and resp.choices[0].text
         info = requests.get(url + "/get_server_info", timeout=10).json()
