@@ -150,7 +150,7 @@ def cmd_build_token_map(argv: list[str]) -> int:
     p.add_argument("--no-eos", action="store_true", help="do not force the target's EOS ids into the map")
     ns = p.parse_args(argv)
     from specserve.models.loader import ModelLoadError
-    from specserve.spec.token_map import build_token_map, save_token_map
+    from specserve.speculative.token_map import build_token_map, save_token_map
 
     out = ns.out or f"freq_{ns.size}.pt"
     missing = [f for f in ns.corpus if not os.path.isfile(f)]

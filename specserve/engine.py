@@ -37,7 +37,7 @@ from specserve.omp import release_thread_pool
 from specserve.scheduler.model_runner import resolve_device
 from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
-from specserve.spec.accept_stats import position_rates
+from specserve.speculative.accept_stats import position_rates
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ The target is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, 
       little more than the price of one.
   (c) ``simulated``: decode tokens/s of EAGLE speculation (an EAGLE-1 head, one Llama layer of the target's width,
       also with dummy weights; topk 1, a chain of ``--steps`` drafts) with the accept length SIMULATED at
-      2..6 tokens per verify step (``SPECSERVE_SIMULATE_ACC_LEN``, ``specserve.spec.simulate``), vs plain (a).
+      2..6 tokens per verify step (``SPECSERVE_SIMULATE_ACC_LEN``, ``specserve.speculative.simulate``), vs plain (a).
       EAGLE rather than STANDALONE: it is what production 8B setups use, and its draft cost (one layer) is what
       the throughput ceiling should include.
 
@@ -296,7 +296,7 @@ def run_simulated(ns, target: str, head: str, prompt: list[int], device: torch.d
     """One engine (its simulator is created from the env at start-up); the mean is then changed between runs on
     the scheduler thread, which is what restarting with another SPECSERVE_SIMULATE_ACC_LEN would do."""
     from specserve import Engine
-    from specserve.spec.simulate import AcceptSimulator, simulated_acc_len
+    from specserve.speculative.simulate import AcceptSimulator, simulated_acc_len
 
     with simulated_acc_len(ns.accept_lens[0]):
         engine = Engine(**engine_kwargs(ns, target, head))

@@ -1,4 +1,4 @@
-"""Per-call cost of the NGRAM draft cache (``specserve.spec.ngram_cache``) at realistic sizes, CPU only.
+"""Per-call cost of the NGRAM draft cache (``specserve.speculative.ngram_cache``) at realistic sizes, CPU only.
 
 Synthetic text: token ids from a Zipf-like distribution over ``--vocab`` ids; a prompt is fresh runs of
 tokens, half of them followed by a copy of an earlier span of the same prompt. The cache is first filled to
@@ -25,7 +25,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-from specserve.spec.ngram_cache import NgramCache
+from specserve.speculative.ngram_cache import NgramCache
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

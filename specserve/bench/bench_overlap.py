@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     from specserve.demo_models import resolve_demo
-    from specserve.spec.simulate import simulated_acc_len
+    from specserve.speculative.simulate import simulated_acc_len
     from specserve.train.corpus import held_out_prompts
 
     args.model_path = resolve_demo(args.model_path)

@@ -26,7 +26,7 @@ import time
 import torch
 
 from specserve.bench.bench_core import flush_prefix_cache, measure_pair
-from specserve.spec.accept_stats import accept_length
+from specserve.speculative.accept_stats import accept_length
 from specserve.testing.tiny import (
     build_tokenizer,
     make_eagle3_head_dir,

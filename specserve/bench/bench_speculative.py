@@ -51,8 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import ConfigError, ServerArgs
-from specserve.spec.accept_stats import accept_length
-from specserve.spec.simulate import ACC_LEN_ENV, simulate_env_value
+from specserve.speculative.accept_stats import accept_length
+from specserve.speculative.simulate import ACC_LEN_ENV, simulate_env_value
 
 COMMAND = "bench-speculative"
 SIMULATE_ENV = ACC_LEN_ENV  # the simulation variables a run records (SPECSERVE_ first)

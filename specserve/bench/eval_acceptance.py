@@ -8,7 +8,7 @@ The same prompts go through a plain Engine first (the same server flags with eve
 its default), then through the speculative one; each engine is warmed up on a fixed short prompt, its prefix
 cache flushed, and timed over all prompts, ``--batch-size`` prompts per ``generate`` call. Printed: accept length
 (generated tokens / verify steps), the acceptance rate per draft position (verify steps that accepted at least k
-drafted tokens / verify steps; see ``specserve.spec.accept_stats``), tokens/s of both engines (completion tokens
+drafted tokens / verify steps; see ``specserve.speculative.accept_stats``), tokens/s of both engines (completion tokens
 / wall time of the generate calls, prefill included), their ratio, and at temperature 0 how many prompts got
 the same text as plain decoding (all of them, for a lossless engine).
 
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 from specserve.config import ConfigError, ServerArgs
-from specserve.spec.accept_stats import accept_length, position_rates, sum_counts
+from specserve.speculative.accept_stats import accept_length, position_rates, sum_counts
 
 HELD_OUT = "held-out"
 DEFAULT_HELD_OUT_PROMPTS = 16

@@ -21,7 +21,7 @@ from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
-from specserve.spec.base import draft_memory
+from specserve.speculative.base import draft_memory
 
 logger = logging.getLogger(__name__)
 

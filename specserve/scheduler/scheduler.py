@@ -45,7 +45,7 @@ from specserve.sampling.sampler import (
 from specserve.scheduler.model_runner import ModelRunner
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.scheduler.spec_decode import SpecDecoder
-from specserve.spec.base import PrefillChunk, create_proposer
+from specserve.speculative.base import PrefillChunk, create_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class SchedulerStats:
     spec_plain_steps: int = 0  # decode steps batch-aware speculation ran without speculation
     spec_shrunk_steps: int = 0  # speculative steps with a tree smaller than the configured one
     spec_trimmed_finishes: int = 0  # overlap scheduler: stop strings found after the next forward part had run
-    # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.spec.accept_stats)
+    # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.speculative.accept_stats)
     spec_accepted_per_position: list[int] = field(default_factory=list)
 
     @property

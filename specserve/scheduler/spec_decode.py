@@ -6,7 +6,7 @@ For B running requests with roots at positions P_b (= seq_len - 1, the root's KV
      columns: they are rewritten at commit); one TARGET_VERIFY forward at positions P_b + depth with the tree
      mask gives logits at every node;
   3. verification: greedy walk (argmax of the processed logits) for greedy rows, lossless tree sampling for the
-     others (``specserve.spec.verify``; at the default thresholds with the plain sampler's position coins, so a
+     others (``specserve.speculative.verify``; at the default thresholds with the plain sampler's position coins, so a
      seeded request emits the tokens plain decoding would); the target distributions at each node are processed
      exactly as plain decoding would at that point (penalties and min_new_tokens see the drafted path as already
      generated);
@@ -41,12 +41,12 @@ from specserve.sampling.sampler import (
 )
 from specserve.scheduler.req import Req, ReqOutput
 from specserve.scheduler.spec_overlap import OverlapPipeline
-from specserve.spec.accept_stats import add_step
-from specserve.spec.base import Proposer, VerifiedStep
-from specserve.spec.batch_policy import BatchPolicy, TreeShape
-from specserve.spec.simulate import AcceptSimulator
-from specserve.spec.tree import DraftTree
-from specserve.spec.verify import (
+from specserve.speculative.accept_stats import add_step
+from specserve.speculative.base import Proposer, VerifiedStep
+from specserve.speculative.batch_policy import BatchPolicy, TreeShape
+from specserve.speculative.simulate import AcceptSimulator
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.verify import (
     VerifyResult,
     simulate_accept,
     verify_greedy,

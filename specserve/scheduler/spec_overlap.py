@@ -39,7 +39,7 @@ from specserve.omp import release_thread_pool
 if TYPE_CHECKING:
     from specserve.scheduler.req import Req, ReqOutput
     from specserve.scheduler.spec_decode import SpecDecoder, StepRecord
-    from specserve.spec.batch_policy import TreeShape
+    from specserve.speculative.batch_policy import TreeShape
 
 
 class OverlapPipeline:

@@ -3,7 +3,7 @@
 The demo family trains on the ``.py`` files of the interpreter's standard library (present on every machine,
 no download). The modules in ``HELD_OUT`` are never trained on; ``held_out_prompts`` cuts evaluation prompts
 from them. User data for the trainers is plain text (any extension) or JSONL chat/ShareGPT/``text`` records,
-rendered with the target's chat template (``specserve.spec.token_map.corpus_texts``).
+rendered with the target's chat template (``specserve.speculative.token_map.corpus_texts``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def tokenize_files(files: Sequence[str], tokenizer, eos_id: int, progress: bool 
     """One flat int32 token stream [N]: each file's (or JSONL record's) tokens followed by EOS."""
     from tqdm import tqdm
 
-    from specserve.spec.token_map import corpus_texts
+    from specserve.speculative.token_map import corpus_texts
 
     chunks: list[torch.Tensor] = []
     for path in tqdm(files, desc="Tokenizing", unit="file", disable=not progress):

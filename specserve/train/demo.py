@@ -127,7 +127,7 @@ def stage_eagle(b: Build, algorithm: str) -> None:
 
 
 def stage_token_map(b: Build) -> None:
-    from specserve.spec.token_map import build_token_map, save_token_map
+    from specserve.speculative.token_map import build_token_map, save_token_map
 
     ids = build_token_map(b.folder("demo"), b.files, TOKEN_MAP_SIZE, progress=b.common["progress"])
     save_token_map(ids, os.path.join(b.folder("demo"), os.path.basename(TOKEN_MAP)))

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.training import StepKV, train_batch
-from specserve.spec.eagle3 import eagle3_capture_layers
-from specserve.spec.heads.eagle import EagleHead
-from specserve.spec.heads.eagle3 import Eagle3Head
+from specserve.speculative.eagle3 import eagle3_capture_layers
+from specserve.speculative.heads.eagle import EagleHead
+from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.train.corpus import sample_windows
 from specserve.train.export import checkpoint_tensors, save_folder
 from specserve.train.lm import default_work_dir, soft_cross_entropy
@@ -67,7 +67,7 @@ def head_config(target_cfg: dict, opts: EagleOptions, num_layers: int, draft_voc
 
 def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent ids of the token stream [N] (ids in `always` forced in), ascending [size]."""
-    from specserve.spec.token_map import select_hot_ids
+    from specserve.speculative.token_map import select_hot_ids
 
     counts = torch.bincount(tokens.long(), minlength=vocab_size)[:vocab_size]
     return select_hot_ids(counts, size, always).sort().values
@@ -184,7 +184,7 @@ def train_eagle(target_path: str, tokens: torch.Tensor, opts: EagleOptions, cfg:
     from transformers import AutoTokenizer
 
     from specserve.models.loader import load_model, read_config
-    from specserve.spec.token_map import target_vocab_and_eos
+    from specserve.speculative.token_map import target_vocab_and_eos
 
     target, _spec, target_dir = load_model(target_path, dtype="float32", device=cfg.device)
     tok = AutoTokenizer.from_pretrained(target_dir)

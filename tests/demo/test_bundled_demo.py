@@ -12,8 +12,8 @@ import torch
 from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.demo_models import DEMO_NAMES, DEMO_ROOT, TOKEN_MAP, demo_available, demo_path
-from specserve.spec.accept_stats import accept_length
-from specserve.spec.tree import EagleCandidates
+from specserve.speculative.accept_stats import accept_length
+from specserve.speculative.tree import EagleCandidates
 from specserve.train.corpus import held_out_prompts
 
 GREEDY = {"max_new_tokens": 32, "temperature": 0}

@@ -14,7 +14,7 @@ from specserve.config import ConfigError, ServerArgs
 from specserve.models.loader import ModelLoadError, load_model
 from specserve.testing.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, greedy
-from tests.spec.helpers import spec_kwargs
+from tests.speculative.helpers import spec_kwargs
 
 
 def _without_weights(src: str, dst) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
-from specserve.spec.accept_stats import sum_counts
+from specserve.speculative.accept_stats import sum_counts
 from specserve.utils import terminate_process
 from tests.server.conftest import start_server
 from tests.server.helpers import GREEDY, metric, sse_json

@@ -10,11 +10,11 @@ import torch
 
 from specserve import Engine
 from specserve.cli import main as cli_main
-from specserve.spec.accept_stats import accept_length
+from specserve.speculative.accept_stats import accept_length
 from specserve.testing.tiny import corpus_text, make_mimo_dir, make_model_dir
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
 from specserve.train.loop import TrainConfig
-from tests.spec.helpers import assert_drafting_happened, spec_kwargs
+from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 PROMPTS = ["def mean(data):", "import os\nclass Path:", "    return self._", "for i in range(10):"]
 GREEDY = {"max_new_tokens": 24, "temperature": 0}

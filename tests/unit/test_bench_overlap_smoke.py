@@ -6,7 +6,7 @@ import os
 import pytest
 
 from specserve.bench.bench_overlap import main
-from specserve.spec.simulate import simulated_acc_len
+from specserve.speculative.simulate import simulated_acc_len
 from specserve.testing.tiny import make_eagle3_head_dir
 
 

@@ -1,0 +1,35 @@
+"""Speculative decoding: draft trees (tree.py) and their verification (verify.py), as pure tensor functions."""
+
+from specserve.speculative.tree import (
+    DraftTree,
+    EagleCandidates,
+    LevelExpansion,
+    build_chain,
+    build_tree,
+    drafting_can_stop,
+    expand_level,
+    select_eagle_tree,
+)
+from specserve.speculative.verify import (
+    VerifyResult,
+    verify_greedy,
+    verify_sampling,
+    verify_sampling_by_position,
+    verify_sampling_with_coins,
+)
+
+__all__ = [
+    "DraftTree",
+    "EagleCandidates",
+    "LevelExpansion",
+    "VerifyResult",
+    "build_chain",
+    "build_tree",
+    "drafting_can_stop",
+    "expand_level",
+    "select_eagle_tree",
+    "verify_greedy",
+    "verify_sampling",
+    "verify_sampling_by_position",
+    "verify_sampling_with_coins",
+]

@@ -1,0 +1,165 @@
+"""The proposer interface every speculative algorithm implements, and the registry that picks one.
+
+One speculative decode step (driven by ``specserve.scheduler.spec_decode.SpecDecoder``):
+
+    propose(reqs) -> DraftTree            the drafter's candidate tree per request (node 0 = the root token)
+    target verify forward over the tree   one forward, tree attention mask, logits at every node
+    verify -> accepted path + bonus token commit the accepted nodes' KV slots, free the rest
+    after_verify(...)                     the drafter catches up on the accepted tokens (draft extend)
+
+and after each prefill forward ``after_prefill(...)`` seeds the drafter. The scheduler never branches on the
+algorithm's name: everything algorithm-specific sits behind this interface, one file per algorithm.
+
+KV invariant between steps, for every running request: the target's KV holds positions ``0 .. seq_len - 2``;
+the root (the last token, ``req.last_token`` at position ``seq_len - 1``) is the first input of the next
+verify forward. A drafter with its own KV cache uses the SAME slot indices as the target (``req_to_token``),
+so committing or freeing slots after verification is one operation for both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from specserve.models.llama import ModelOutput
+    from specserve.scheduler.req import Req
+    from specserve.speculative.batch_policy import TreeShape
+    from specserve.speculative.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """Memory a drafter allocates beside the target: its weights and its KV cache per token slot, and the dtype a
+    separate draft model is loaded in (sized here, so the drafter loads it in that dtype; None: no such model)."""
+
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    dtype: torch.dtype | None = None
+
+
+@dataclass
+class PrefillChunk:
+    """One request's rows in a prefill forward: positions [start, start + length) were computed."""
+
+    req: Req
+    start: int
+    length: int
+    row_offset: int  # first row of this request in the forward's flattened [T] token rows
+    completed: bool  # the prompt is fully prefilled (and a first token was sampled) in this forward
+
+
+@dataclass
+class VerifiedStep:
+    """What one verify step did for one request (input to ``Proposer.after_verify``)."""
+
+    req: Req
+    root_pos: int  # position of the root (its KV was computed by the verify forward)
+    accepted_nodes: list[int]  # tree node ids of the accepted path, root first (accepted draft count + 1)
+    new_tokens: list[int]  # tokens appended after this step (may be trimmed by a finish)
+    row_offset: int  # first row of this request's nodes in the verify forward's [B*N] rows
+
+
+class Proposer(ABC):
+    """Drafts candidate trees for a batch of requests. Subclasses live one per file in ``specserve/spec``."""
+
+    #: nodes verified per request per step, root included (``--speculative-num-draft-tokens``)
+    num_draft_tokens: int
+    #: residual-stream layers the target must capture in prefill and verify forwards (EAGLE-3)
+    capture_layers: tuple[int, ...] = ()
+    #: verify sampled requests by argmax too (NGRAM's documented lossy switch); False = lossless
+    force_greedy_verify: bool = False
+    #: trees drafted with draft-model levels beyond the first (EAGLE family), and those levels' forwards: up to
+    #: steps - 1 per tree, fewer where drafting stopped early; both stay 0 for drafters without levels (NGRAM)
+    draft_trees: int = 0
+    draft_forwards: int = 0
+
+    @classmethod
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+        """What this drafter will allocate beside the target, known before it is built (the target's KV capacity
+        is sized from what is left): none by default."""
+        return DraftMemory()
+
+    def draft_slots_per_request(self) -> int:
+        """Scratch KV slots per request the drafting phase needs (freed before the verify forward)."""
+        return 0
+
+    def max_positions_ahead(self) -> int:
+        """How far past a request's root position drafting and verification write (for RoPE/table sizes)."""
+        return self.num_draft_tokens
+
+    def after_prefill(self, chunks: list[PrefillChunk], out: ModelOutput) -> None:  # noqa: B027 - optional hook
+        """Seed drafting state from a prefill forward (called after its tokens were sampled and appended)."""
+
+    @abstractmethod
+    def propose(self, reqs: list[Req], shape: TreeShape | None = None) -> DraftTree:
+        """-> DraftTree with B = len(reqs) rows; tokens[:, 0] must be each request's root (last token).
+
+        shape: the tree size for this step (batch-aware speculation shrinks it as the batch grows; never larger
+        than the configured steps / topk / num_draft_tokens); None = the configured size."""
+
+    def after_verify(self, steps: list[VerifiedStep], out: ModelOutput) -> None:  # noqa: B027 - optional hook
+        """Catch up on the accepted tokens of the requests that keep running."""
+
+    def release(self, req: Req) -> None:  # noqa: B027 - optional hook
+        """Drop any per-request state (the request finished, was aborted or retracted)."""
+
+    def draft_modules(self) -> list:
+        """The draft networks whose ``forward(fb, *tensors)`` may be compiled (``--enable-torch-compile``) and graphed
+        (CUDA graphs)."""
+        return []
+
+
+PROPOSERS: dict[str, type] = {}
+
+
+def register_proposer(algorithm: str):
+    def deco(cls):
+        PROPOSERS[algorithm] = cls
+        return cls
+
+    return deco
+
+
+def create_proposer(args, runner, alloc) -> Proposer:
+    """args.speculative_algorithm -> a Proposer bound to the target runner.
+
+    alloc(n) -> n free KV slot indices (evicting from the prefix cache when needed) or None.
+    """
+    return proposer_class(args, runner.spec)(args, runner, alloc)
+
+
+def proposer_class(args, target_spec) -> type[Proposer]:
+    """The Proposer class --speculative-algorithm selects for this target (EAGLE without a draft path: MTP)."""
+    from specserve.config import ConfigError
+    from specserve.speculative import eagle, eagle3, mtp, ngram, standalone  # noqa: F401 - registration side effects
+
+    algo = args.speculative_algorithm
+    if algo == "EAGLE" and not args.speculative_draft_model_path:
+        algo = _builtin_draft_algorithm(target_spec)
+    cls = PROPOSERS.get(algo)
+    if cls is None:
+        raise ConfigError(f"--speculative-algorithm {algo} is not available in this build yet")
+    return cls
+
+
+def draft_memory(args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+    """What speculative decoding will allocate beside the target (nothing without it)."""
+    if args.speculative_algorithm is None:
+        return DraftMemory()
+    return proposer_class(args, target_spec).memory_cost(args, target_spec, target_dtype, device)
+
+
+def _builtin_draft_algorithm(spec) -> str:
+    """EAGLE (or NEXTN) without a draft path: the target must draft with its own MTP layers."""
+    from specserve.config import ConfigError
+
+    if int(spec.raw.get("num_nextn_predict_layers") or 0) > 0:
+        return "MTP"
+    raise ConfigError(
+        "--speculative-draft-model-path is required with --speculative-algorithm EAGLE: the target "
+        f"({spec.architecture}) has no built-in MTP layers (num_nextn_predict_layers) to draft with"
+    )

@@ -1,0 +1,386 @@
+"""EAGLE-2 proposer: a draft head fed the target's hidden states drafts a dynamic tree (``--speculative-algorithm
+EAGLE``, alias NEXTN).
+
+Draft KV layout (the EAGLE shift): the draft's KV at position i is computed from the target's hidden state at i
+and the token at i + 1. So after the target has produced its hidden states for positions [a, b) and the token at
+b is known, one draft *extend* over [a, b) brings the draft up to date; its output at the last position gives the
+draft distribution for the token after the root, i.e. the first level of the next tree (kept per request in a
+``DraftState``).
+
+Drafting one tree (``propose``), with S = num_steps, K = topk, N = num_draft_tokens:
+  level 0: the stored top-K tokens (children of the root) with their probabilities;
+  level j = 1 .. S-1: one draft forward over the K live branches of every request (tree attention over scratch
+  KV slots: a branch sees the prefix and its own ancestors), top-K children each, the best K of the K*K by
+  cumulative probability stay live (``EagleCandidates``);
+  drafting stops before level S-1 once deeper levels cannot change the selected tree, or (with
+  --speculative-draft-stop-threshold) once every best live path is less likely than the threshold
+  (``drafting_can_stop``);
+  then the best N-1 candidates + the root form the verify tree (``select_eagle_tree``).
+After verification, ``after_verify`` runs the draft extend over the accepted tokens with the target's hidden
+states at the accepted nodes (the draft-tree KV written while drafting is scratch and is dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
+from specserve.cache.kv_pool import KVPool
+from specserve.config import ConfigError
+from specserve.models.cpu_packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
+from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
+from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.speculative.batch_policy import TreeShape
+from specserve.speculative.heads.eagle import EAGLE_HEADS
+from specserve.speculative.token_map import HotVocabHead
+from specserve.speculative.tree import DraftTree, EagleCandidates
+
+logger = logging.getLogger(__name__)
+
+#: ``--speculative-draft-dtype auto`` runs a draft of at most this many parameters in float32 on CPU under a
+#: bf16/fp16 target. Its float32 weights (32 MiB at most) stay in a server CPU's caches, so its forwards are bound
+#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: at batch 1
+#: the demo drafts give STANDALONE 9% and EAGLE-3 1.5-3% more tokens/s). Larger drafts stream their weights, half
+#: as many bytes in bf16, so they keep the target's dtype.
+CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
+
+
+def _mixed_linears(args, device: torch.device, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+    """A float32 draft under a half-precision target on CPU gets MixedLinears (packed bf16 for large calls)."""
+    return (device.type == "cpu" and not args.disable_cpu_weight_packing and draft_dtype == torch.float32
+            and target_dtype in (torch.bfloat16, torch.float16))
+
+
+#: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more than FP32_MAX_ROWS
+#: tokens in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the bytes and its prompt
+#: catch-up runs on half-size activations (docs/benchmarks.md); batch-1 tree levels and extends stay float32.
+HALF_DRAFT_DTYPE = torch.bfloat16
+
+
+def resolve_draft_dtype(flag: str, target_dtype: torch.dtype, device_type: str, num_params: int) -> torch.dtype:
+    """``--speculative-draft-dtype`` -> the dtype the draft model is loaded and run in."""
+    if flag != "auto":
+        return DTYPE_NAMES[flag]
+    half = target_dtype in (torch.bfloat16, torch.float16)
+    if device_type == "cpu" and half and num_params <= CPU_FP32_DRAFT_MAX_PARAMS:
+        return torch.float32
+    return target_dtype
+
+
+@dataclass
+class DraftState:
+    """Per-request drafting state between steps (the draft's view just after the root token)."""
+
+    topk_p: torch.Tensor  # [K] float32 draft probabilities of the root's best children
+    topk_ids: torch.Tensor  # [K] int64 their target token ids
+    hidden: torch.Tensor  # [h] draft hidden to feed with those children at the next draft level
+    root_slot: torch.Tensor | None = None  # [1] a drafter's own KV slot for the root (STANDALONE), else None
+
+
+@register_proposer("EAGLE")
+class EagleProposer(Proposer):
+    head_registry = EAGLE_HEADS
+    #: the draft's top-k ids map to target ids injectively (the target's own vocabulary, or a token map with no
+    #: repeats), so the children of a drafted node carry distinct tokens and select() need not merge duplicates
+    distinct_ids = True
+    #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
+    #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
+    root_offset = 0
+    #: a float32 draft with MixedLinears keeps its KV in HALF_DRAFT_DTYPE and runs its large forwards in it
+    half_precision_calls = True
+
+    def __init__(self, args, runner, alloc) -> None:
+        self.args, self.runner, self.alloc = args, runner, alloc
+        self.target = runner.model
+        self.device = runner.device
+        self.steps = args.speculative_num_steps
+        self.topk = args.speculative_eagle_topk
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.stop_threshold = args.speculative_draft_stop_threshold
+        self.score_temperature = args.speculative_draft_score_temperature  # greedy requests' (see _score_scale)
+        self.head, self.head_spec = self._load_head(args)
+        # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
+        self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
+        kv_dtype = self.kv_dtype(args, self.device, self.draft_dtype, runner.dtype)
+        self.half_dtype = None  # the dtype of large forwards when it is not the draft's (compute_dtype)
+        if _mixed_linears(args, self.device, self.draft_dtype, runner.dtype):
+            for module in (self.head, self.hot_head):
+                if module is not None:
+                    mix_linears_for_cpu(module)
+            all_mixed = not any(isinstance(m, torch.nn.Linear) for m in self.head.modules())
+            if kv_dtype != self.draft_dtype and all_mixed:  # every matmul has its packed bf16 copy
+                self.half_dtype = kv_dtype
+        self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
+        spec = self.head_spec
+        self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
+            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim, kv_dtype, self.device,
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def _load_head(self, args):
+        if not args.speculative_draft_model_path:
+            raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
+        path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
+        self.draft_dtype = self.runner.draft_memory.dtype  # resolved once, by memory_cost, for the KV capacity
+        head, spec, self.head_dir = load_model(
+            path, dtype_name(self.draft_dtype), self.device, revision, registry=self.head_registry,
+            load_format=args.load_format, seed=args.random_seed + 1,
+        )
+        if self.draft_dtype != self.runner.dtype:
+            logger.info("draft model runs in %s (target: %s)", dtype_name(self.draft_dtype),
+                        dtype_name(self.runner.dtype))
+        self._check_head(head, spec)
+        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
+            pack_linears_for_cpu(head)
+        return head, spec
+
+    def _make_hot_head(self, path: str) -> HotVocabHead:
+        """FR-Spec: the LM head the drafts are scored with, restricted to the hot ids (EAGLE: the target's)."""
+        return HotVocabHead.for_target(path, self.runner, self.topk, dtype=self.draft_dtype)
+
+    @classmethod
+    def kv_layers(cls, draft_spec) -> int:
+        """Attention layers of the draft's KV pool (a draft model of this spec)."""
+        return 1  # EAGLE heads have one attention layer
+
+    @classmethod
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+        """The draft model's weights and KV pool, from its config and the dtype it will run in
+        (``resolve_draft_dtype``, which the proposer then loads it in). A float32 draft's MixedLinears also hold bf16
+        copies: counted as 2 bytes per parameter more (an upper bound)."""
+        path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
+        params = count_parameters(path, revision, cls.head_registry)
+        dtype = resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
+        spec = model_spec(path, revision, cls.head_registry)
+        bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
+        kv_dtype = cls.kv_dtype(args, device, dtype, target_dtype)
+        return DraftMemory(params * dtype.itemsize + bf16_copies,
+                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, kv_dtype),
+                           dtype)
+
+    @classmethod
+    def kv_dtype(cls, args, device: torch.device, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
+        """The draft KV's dtype: HALF_DRAFT_DTYPE for a float32 draft with MixedLinears whose large calls run in
+        it, else the draft's own."""
+        if cls.half_precision_calls and _mixed_linears(args, device, draft_dtype, target_dtype):
+            return HALF_DRAFT_DTYPE
+        return draft_dtype
+
+    def _check_head(self, head, spec) -> None:
+        if spec.hidden_size != self.runner.spec.hidden_size:
+            raise ConfigError(
+                f"--speculative-draft-model-path: the draft head's hidden_size {spec.hidden_size} does not fit the "
+                f"target's hidden_size {self.runner.spec.hidden_size}"
+            )
+
+    def draft_slots_per_request(self) -> int:
+        return self.topk * (self.steps - 1)
+
+    def max_positions_ahead(self) -> int:
+        return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset
+
+    # ------------------------------------------------------------------ the draft network
+    def compute_dtype(self, rows: int) -> torch.dtype:
+        """The dtype a draft forward over `rows` tokens runs in: a float32 draft with MixedLinears runs calls of more
+        than FP32_MAX_ROWS tokens (prompt catch-ups, catch-ups and tree levels at a large batch) in half_dtype, where
+        its matmuls run packed bf16 anyway, so the activations between them stay half-size and unconverted; smaller
+        calls (batch-1 tree levels and catch-ups) keep float32's lower per-op cost."""
+        if self.half_dtype is not None and rows > FP32_MAX_ROWS:
+            return self.half_dtype
+        return self.draft_dtype
+
+    def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h] (draft dtype)."""
+        embeds = self.target.embed(fb.input_ids).to(self.compute_dtype(fb.input_ids.shape[0]))
+        return self.head(fb, embeds, hidden).to(self.draft_dtype)
+
+    def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
+        draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
+        if self.hot_head is not None:
+            return self.hot_head(draft_hidden)
+        return self.target.compute_logits(draft_hidden.to(self.runner.dtype)), None
+
+    def _topk(self, draft_hidden: torch.Tensor, k: int | None = None,
+              scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
+        to the configured topk (what the per-request state keeps). scale (``_score_scale``): logits are multiplied
+        by it before the softmax; the top-k ids are the same either way, only their probabilities (the scores the
+        tree is ranked by) change."""
+        logits, to_target = self._draft_logits(draft_hidden)
+        if scale is not None:
+            logits = logits * scale
+        p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
+        return p, (ids if to_target is None else to_target[ids])
+
+    def _score_scale(self, reqs, rows_per_req: int) -> float | torch.Tensor | None:
+        """The factor each draft row's logits are scaled by before scoring: 1 / --speculative-draft-score-temperature
+        for greedy requests, 1 for sampled ones. -> None (every row 1), a float (every row alike) or a
+        [B * rows_per_req, 1] tensor (rows request-major).
+
+        Why greedy only: a greedy request accepts a draft token when it is the target's argmax, which a good draft's
+        top token is more often than the draft's probability of it says, so sharpened scores rank candidates closer
+        to their chance of acceptance (deeper trees). A sampled request accepts by the target's probabilities, which
+        the draft's own approximate (docs/benchmarks.md: sharpening lowered its accept length)."""
+        if self.score_temperature == 1.0:
+            return None
+        greedy = [r.params.is_greedy for r in reqs]
+        if not any(greedy):
+            return None
+        inv = 1.0 / self.score_temperature
+        if all(greedy):
+            return inv
+        per_req = torch.tensor([inv if g else 1.0 for g in greedy], device=self.device)  # [B]
+        return per_req.repeat_interleave(rows_per_req).unsqueeze(1)  # [B * rows_per_req, 1]
+
+    def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:
+        """The target hidden states the head consumes, at flattened forward rows [R] -> [R, h]."""
+        return out.hidden.index_select(0, rows)
+
+    # ------------------------------------------------------------------ extend (catch up)
+    def _extend(self, reqs, starts: list[int], tokens: list[list[int]], hidden: torch.Tensor,
+                may_split: bool = False) -> torch.Tensor:
+        """Draft extend: request b's positions [starts[b], starts[b] + len(tokens[b])) with those input tokens
+        and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
+        may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
+        -> draft hidden at each request's last position [B, h]."""
+        fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.runner.req_to_token_pool.req_to_token,
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
+        with torch.inference_mode():
+            h = self._forward(fb, hidden)  # [T, h]
+        return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
+
+    def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
+        with torch.inference_mode():
+            p, ids = self._topk(last_hidden, scale=self._score_scale(reqs, 1))  # [B, K] each
+        for req, p_i, ids_i, h_i in zip(reqs, p.unbind(0), ids.unbind(0), last_hidden.unbind(0), strict=True):
+            req.spec_state = DraftState(p_i, ids_i, h_i)
+
+    def after_prefill(self, chunks: list[PrefillChunk], out) -> None:
+        chunks = [c for c in chunks if not c.req.finished]
+        if not chunks:
+            return
+        reqs = [c.req for c in chunks]
+        tokens = [c.req.fill_ids[c.start + 1 : c.start + c.length + 1] for c in chunks]
+        rows = torch.cat([torch.arange(c.row_offset, c.row_offset + c.length) for c in chunks]).to(self.device)
+        last = self._extend(reqs, [c.start for c in chunks], tokens, self._target_hidden(out, rows), may_split=True)
+        done = [i for i, c in enumerate(chunks) if c.completed]
+        if done:
+            self._store_states([reqs[i] for i in done], last[done])
+
+    def after_verify(self, steps: list[VerifiedStep], out) -> None:
+        if not steps:
+            return
+        rows = torch.cat([
+            torch.tensor(s.accepted_nodes[: len(s.new_tokens)]) + s.row_offset for s in steps
+        ]).to(self.device)
+        reqs = [s.req for s in steps]
+        last = self._extend(reqs, [s.root_pos for s in steps], [s.new_tokens for s in steps],
+                            self._target_hidden(out, rows))
+        self._store_states(reqs, last)
+
+    def release(self, req) -> None:
+        req.spec_state = None
+
+    def draft_modules(self) -> list:
+        return [self.head]
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, reqs, shape: TreeShape | None = None) -> DraftTree:
+        """shape: a tree no larger than the configured one (batch-aware shrinking); None = the configured one."""
+        S, K, N = (self.steps, self.topk, self.num_draft_tokens) if shape is None else \
+            (shape.steps, shape.topk, shape.num_draft_tokens)
+        dev, B = self.device, len(reqs)
+        states = [r.spec_state for r in reqs]
+        roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
+        cands = EagleCandidates(torch.stack([s.topk_p for s in states])[:, :K],
+                                torch.stack([s.topk_ids for s in states])[:, :K])  # stored top-K are sorted
+        if S > 1:
+            hidden = torch.stack([s.hidden for s in states])  # [B, h]
+            live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
+            live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
+            self.draft_trees += 1
+            with torch.inference_mode():
+                self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1)
+        return cands.select(roots, N, distinct=self.distinct_ids)
+
+    def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int,
+                      keep: int) -> int:
+        """Levels 1 .. S-1: one draft forward each over the K live branches of every request, until the kept set
+        of `keep` candidates can no longer change (or is confident enough: ``drafting_can_stop``).
+        -> the number of draft forwards run."""
+        dev, B = self.device, len(reqs)
+        h_dim = live_hidden.shape[-1]
+        scratch = self.alloc(B * K * (S - 1))
+        if scratch is None:
+            raise RuntimeError("no KV slots for drafting (the scheduler should have reserved them)")
+        scratch = scratch.view(B, S - 1, K)
+        base = [r.seq_len - 1 + self.root_offset for r in reqs]  # [B] draft position of level 1
+        keys = TreeKeys.build(self.runner.req_to_token_pool.req_to_token, [r.req_pool_idx for r in reqs], base,
+                              scratch.view(B, -1))
+        positions = torch.tensor(base, device=dev).repeat_interleave(K)  # [B*K] level-1 positions
+        ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
+        eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
+        scale = self._score_scale(reqs, K)
+        try:
+            for j in range(1, S):
+                if cands.can_stop(keep, self.stop_threshold):
+                    return j - 1
+                mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K] over the levels' scratch slots
+                fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
+                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
+                out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
+                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale)  # [B*K, K] each
+                best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
+                if j == S - 1:
+                    return j
+                branch = best // K  # [B, K] live branch each new live candidate extends
+                live_tokens = child_ids.view(B, K * K).gather(1, best)
+                live_hidden = out_hidden.gather(1, branch.unsqueeze(-1).expand(B, K, h_dim))
+                ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
+        finally:
+            self.runner.allocator.free(scratch.reshape(-1))
+
+
+@dataclass
+class TreeKeys:
+    """The keys a draft tree's levels attend to, laid out once per tree.
+
+    Request b's keys are its prefix (req_to_token columns [0, base[b])) followed by the scratch slots of the
+    levels drafted so far: level j's K branches sit at columns base[b] + (j-1)*K .. base[b] + j*K - 1. All
+    levels' scratch slots are written into req_to_token up front (columns past a request's tokens are scratch
+    anyway: the verify step rewrites them), so each level only needs its mask.
+    """
+
+    kv_slots: torch.Tensor  # [B, Wmax] slot of each key column, Wmax = max(base) + all levels' columns
+    base: list[int]  # [B] prefix keys per request
+    rel: torch.Tensor | None  # [B, Wmax] column - base[b] (None when every base is equal: the usual batch 1)
+
+    @classmethod
+    def build(cls, table: torch.Tensor, rows: list[int], base: list[int], scratch: torch.Tensor) -> TreeKeys:
+        """table: req_to_token; rows [B] its rows; base [B]; scratch [B, L] every level's slots, level-major."""
+        B, L = scratch.shape
+        dev = table.device
+        rows_t = torch.tensor(rows, device=dev).view(B, 1)
+        base_t = torch.tensor(base, device=dev).view(B, 1)
+        table[rows_t, base_t + torch.arange(L, device=dev).view(1, L)] = scratch
+        width = max(base) + L
+        rel = None if min(base) == max(base) else torch.arange(width, device=dev).view(1, width) - base_t
+        return cls(table[rows_t.view(B), :width], base, rel)
+
+    def level(self, mask: torch.Tensor) -> AttnMetadata:
+        """mask [B, K, t] bool over each request's first t scratch columns (a level's branches see their
+        ancestors and themselves) -> the level's attention metadata: the prefix is visible, later columns not."""
+        B, K, t = mask.shape
+        width = max(self.base) + t
+        if self.rel is None:  # equal prefixes: [prefix | tree] side by side
+            full = prefix_visible(mask, width)  # [B, K, width]
+        else:
+            rel = self.rel[:, :width].unsqueeze(1)  # [B, 1, width]
+            in_tree = (rel >= 0) & (rel < t)
+            tree = mask.gather(2, rel.clamp(0, t - 1).expand(B, K, width))  # [B, K, width]
+            full = (rel < 0) | (in_tree & tree)
+        return AttnMetadata(B, K, self.kv_slots[:, :width], full.unsqueeze(1), False, None, None)

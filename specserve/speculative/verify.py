@@ -1,0 +1,283 @@
+"""Verification of a draft tree against the target model: greedy walk and lossless tree sampling. Pure functions.
+
+Three rules, all walking the tree from the root:
+  - verify_greedy: argmax at every node;
+  - verify_sampling_by_position (what the scheduler uses for sampled requests at the default thresholds): the
+    token at each node is sampled with the coin of its OUTPUT POSITION, by inverse CDF in token-id order,
+    exactly as the plain sampler does (``specserve.sampling.sampler.position_coin``); a child carrying that
+    token is accepted. A seeded request therefore emits the very tokens of plain decoding with its seed,
+    whatever the draft (so whatever its batch mates, even when drafts come from a shared n-gram cache);
+  - verify_sampling: SGLang's rule (a coin per level compared with the children's running probability sum,
+    then a residual draw), which also supports the lossy accept thresholds.
+
+All walks start at the root and descend one level at a time: at the current node, a child may be accepted;
+the walk stops at the first node where none is, and the target then supplies one extra BONUS token at that last
+accepted node. A request therefore gains accept_len + 1 tokens per step (accepted draft tokens, then the bonus).
+Padding nodes (see specserve.speculative.tree) are never children of anything and never accepted.
+
+All functions are batched over B requests and keep the device of their inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specserve.sampling.sampler import sample_inverse_cdf
+from specserve.speculative.tree import DraftTree
+
+
+@dataclass
+class VerifyResult:
+    accept_len: Tensor  # [B] int64: accepted DRAFT nodes (root excluded), 0..max depth
+    accepted_nodes: Tensor  # [B, D+1] int64: accepted path's node indices starting with the root 0, then -1
+    bonus_tokens: Tensor  # [B] int64: the target's token at the last accepted node
+    last_nodes: Tensor  # [B] int64: node index of the last accepted node (where the bonus token was produced)
+    new_tokens: Tensor  # [B, D+1] int64: accepted draft tokens followed by the bonus token, then -1
+
+    def token_lists(self) -> list[list[int]]:
+        """New tokens per request (accept_len + 1 each) as Python lists; one device transfer."""
+        rows, lens = self.new_tokens.tolist(), self.accept_len.tolist()
+        return [row[: n + 1] for row, n in zip(rows, lens, strict=True)]
+
+
+def _walk(tree: DraftTree, ok: Tensor, depth_levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Descend from the root accepting, at each level, the first child (index order) of the current node whose
+    ok[b, child] is True. ok [B, N] bool must be False for the root and padding nodes.
+
+    Returns accept_len [B], accepted_nodes [B, D+1] (-1 padded) and last_nodes [B]."""
+    B = tree.batch_size
+    dev = tree.tokens.device
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)  # [B]
+    active = torch.ones(B, dtype=torch.bool, device=dev)  # [B]
+    path = torch.full((B, depth_levels + 1), -1, dtype=torch.int64, device=dev)  # [B, D+1]
+    path[:, 0] = 0
+    for d in range(depth_levels):
+        cand = (tree.parents == cur.unsqueeze(1)) & ok  # [B, N]: accepted children of the current node
+        nxt = cand.to(torch.uint8).argmax(dim=1)  # [B]: first one (argmax returns the first maximum)
+        active = active & cand.any(dim=1)
+        cur = torch.where(active, nxt, cur)
+        path[:, d + 1] = torch.where(active, cur, -1)
+    accept_len = (path[:, 1:] >= 0).sum(dim=1)  # [B]
+    return accept_len, path, cur
+
+
+def _chain_walk(tree: DraftTree, ok: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``_walk`` for ok sets where at most one child of any node is ok (greedy: siblings carry distinct tokens, a
+    DraftTree invariant, and only the one equal to the target's token can match; simulation: first children only).
+    The accepted nodes are then exactly the nodes whose path from the root is ok all the way, one per depth, so
+    they come from the ancestor mask in a few ops instead of a loop over levels. Same results as ``_walk``."""
+    B, N = ok.shape
+    dev = ok.device
+    blocked = ~ok
+    blocked[:, 0] = False  # the root is always accepted
+    reached = ~(tree.mask & blocked.unsqueeze(1)).any(dim=2)  # [B, N]: node and all its ancestors ok
+    accept_len = reached.sum(dim=1) - 1  # [B]
+    D = tree.max_depth
+    at_depth = reached.unsqueeze(1) & (tree.depth.unsqueeze(1) == torch.arange(D + 1, device=dev).view(1, -1, 1))
+    path = torch.where(at_depth.any(dim=2), at_depth.to(torch.uint8).argmax(dim=2), -1)  # [B, D+1]
+    last = path.gather(1, accept_len.view(-1, 1)).view(-1)  # [B]: the deepest accepted node
+    return accept_len, path, last
+
+
+def _result(tree: DraftTree, accept_len: Tensor, path: Tensor, last: Tensor, bonus: Tensor) -> VerifyResult:
+    tokens = tree.tokens.gather(1, path[:, 1:].clamp(min=0))  # [B, D]: accepted draft tokens (junk past the end)
+    pos = torch.arange(path.shape[1] - 1, device=path.device).view(1, -1)  # [1, D]
+    tokens = torch.where(pos < accept_len.view(-1, 1), tokens, -1)  # [B, D]
+    new_tokens = torch.cat([tokens, torch.full_like(bonus.view(-1, 1), -1)], dim=1)  # [B, D+1]
+    new_tokens.scatter_(1, accept_len.view(-1, 1), bonus.view(-1, 1))
+    return VerifyResult(accept_len, path, bonus, last, new_tokens)
+
+
+def _parent_values(tree: DraftTree, per_node: Tensor) -> Tensor:
+    """per_node [B, N] -> the same value at each node's parent [B, N] (the root's own for parent -1)."""
+    return per_node.gather(1, tree.parents.clamp(min=0))
+
+
+def _child_nodes(tree: DraftTree) -> Tensor:
+    """[B, N] bool: real non-root nodes (the only nodes that can ever be accepted)."""
+    nodes = torch.arange(tree.width, device=tree.tokens.device).view(1, -1)  # [1, N]
+    return tree.valid & (nodes > 0)
+
+
+def verify_greedy(tree: DraftTree, target_ids: Tensor) -> VerifyResult:
+    """target_ids [B, N] int64: the target's argmax at each node (its prediction of the token after the node).
+
+    Accept, level by level, the child of the current node whose token equals target_ids at the current node;
+    stop where none does; the bonus token is target_ids at the last accepted node."""
+    ok = _child_nodes(tree) & (tree.tokens == _parent_values(tree, target_ids))  # [B, N]
+    accept_len, path, last = _chain_walk(tree, ok)
+    bonus = target_ids.gather(1, last.view(-1, 1)).view(-1)  # [B]
+    return _result(tree, accept_len, path, last, bonus)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _draw_coins(tree: DraftTree, generators: list[torch.Generator | None], device: torch.device) -> Tensor:
+    """Uniform coins in (0, 1], [B, D+1]: columns 0..D-1 one per tree level, column D for the bonus token.
+
+    A row with its own generator draws exactly (its own max depth + 1) values from it, so its coins and the
+    generator's later state depend on nothing but its own tree. Rows with None share one draw from the global
+    RNG. Unused level columns hold 1.0."""
+    B = tree.batch_size
+    if len(generators) != B:
+        raise ValueError(f"{len(generators)} generators for {B} requests")
+    row_depth = tree.depth.masked_fill(~tree.valid, 0).amax(dim=1)  # [B]
+    D = int(row_depth.max().item())
+    coins = torch.ones(B, D + 1, dtype=torch.float64, device=device)  # [B, D+1]
+    unseeded = [b for b, g in enumerate(generators) if g is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, dtype=torch.int64, device=device)  # [U]
+        coins[rows] = 1.0 - torch.rand(len(unseeded), D + 1, dtype=torch.float64, device=device)
+    for b, (g, depth_b) in enumerate(zip(generators, row_depth.tolist(), strict=True)):
+        if g is not None:
+            r = (1.0 - torch.rand(depth_b + 1, dtype=torch.float64, generator=g, device=g.device)).to(device)
+            coins[b, :depth_b] = r[:depth_b]
+            coins[b, D] = r[depth_b]
+    return coins
+
+
+def _accept_mask(tree: DraftTree, target_probs: Tensor, level_coins: Tensor,
+                 threshold_single: float, threshold_acc: float) -> Tensor:
+    """ok [B, N] bool: node i would be accepted if the walk reaches its parent.
+
+    p_i = target prob of node i's token at its parent; cum_i = sum of p over i's real siblings with index <= i
+    (i included); u = the coin of the parent's level. Lossless (thresholds 1): ok_i = u <= cum_i and p_i > 0,
+    so the FIRST ok sibling is the one with cum_{i-1} < u <= cum_i: it is chosen with probability p_i."""
+    B, N, V = target_probs.shape
+    if level_coins.shape[1] == 0:  # no node below the root anywhere in the batch
+        return torch.zeros(B, N, dtype=torch.bool, device=target_probs.device)
+    flat = tree.parents.clamp(min=0) * V + tree.tokens  # [B, N]: (parent node, own token) in [B, N*V]
+    p = target_probs.reshape(B, N * V).gather(1, flat).to(torch.float64)  # [B, N]
+    real = _child_nodes(tree)  # [B, N]
+    p = p.masked_fill(~real, 0.0)
+    upto = torch.ones(N, N, dtype=torch.bool, device=p.device).tril()  # [N, N]: j <= i
+    siblings = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & upto  # [B, N, N]
+    cum = (siblings.to(torch.float64) @ p.unsqueeze(2)).squeeze(2)  # [B, N]
+    u = level_coins.gather(1, (tree.depth - 1).clamp(min=0))  # [B, N]: coin of the parent's level
+    return real & (p > 0) & ((u * threshold_acc <= cum) | (p >= threshold_single))
+
+
+def _residual_probs(tree: DraftTree, target_probs: Tensor, last: Tensor) -> Tensor:
+    """Target distribution at the last accepted node with its children's tokens zeroed (all of them were tried
+    and rejected, or it is a leaf and has none) -> [B, V] float64, unnormalised."""
+    B, N, V = target_probs.shape
+    probs = target_probs.gather(1, last.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(torch.float64)  # [B, V]
+    tried = (tree.parents == last.view(B, 1)) & tree.valid  # [B, N]
+    hits = torch.zeros(B, V, dtype=torch.int64, device=probs.device).scatter_add_(1, tree.tokens, tried.long())
+    residual = probs.masked_fill(hits > 0, 0.0)  # [B, V]
+    # Zero remaining mass only happens when rounding put the coin just above the children's total (exactly,
+    # the children cover the whole distribution): fall back to the unmodified target distribution there.
+    empty = residual.sum(dim=1, keepdim=True) <= 0  # [B, 1]
+    return torch.where(empty, probs, residual)
+
+
+def verify_sampling_with_coins(tree: DraftTree, target_probs: Tensor, coins: Tensor,
+                               threshold_single: float = 1.0, threshold_acc: float = 1.0) -> VerifyResult:
+    """verify_sampling with given coins [B, D+1] in (0, 1] (D = tree.max_depth; column d = level d, column D =
+    the bonus token): deterministic, for tests and for callers that draw their own coins."""
+    accept_len, path, last = _walk(tree, _accept_mask(tree, target_probs, coins[:, :-1], threshold_single,
+                                                      threshold_acc), coins.shape[1] - 1)
+    bonus = sample_inverse_cdf(_residual_probs(tree, target_probs, last), coins[:, -1])  # [B]
+    return _result(tree, accept_len, path, last, bonus)
+
+
+def verify_sampling_by_position(tree: DraftTree, target_probs: Tensor, coins: Tensor) -> VerifyResult:
+    """Lossless tree sampling that emits exactly what plain sampling with the same coins would.
+
+    target_probs [B, N, V]: the processed target distribution at each node (as for verify_sampling).
+    coins [B, D+1] float in (0, 1], D = tree.max_depth: column d is the coin of the step's d-th new token, i.e.
+    of output position (tokens generated so far) + d; the scheduler passes ``position_coins``.
+
+    Level d: the token after the current node is x = the inverse-CDF sample (token-id order) of the current
+    node's distribution at coin d. If a child of the current node carries x (siblings are distinct), it is
+    accepted and the walk goes on from it; otherwise x is the bonus token and the step ends (at a leaf, always).
+    Every emitted token is thus the plain sampler's token for its position given the tokens before it, so the
+    output is distributed exactly as the target's (lossless), and with position-keyed coins it is the same
+    sequence as plain decoding: the draft only decides how many of those tokens one step yields. A child is
+    accepted with probability = its token's target probability, as with verify_sampling; greedy (one-hot)
+    rows take the argmax path whatever their coins.
+
+    Cost: one [B, V] inverse CDF per level (D + 1 levels), never over all N nodes at once."""
+    B, D = tree.batch_size, coins.shape[1] - 1
+    dev = tree.tokens.device
+    rows = torch.arange(B, device=dev)  # [B]
+    child = _child_nodes(tree)  # [B, N]
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)  # [B] current node
+    active = torch.ones(B, dtype=torch.bool, device=dev)  # [B] still walking
+    bonus = torch.zeros(B, dtype=torch.int64, device=dev)  # [B]
+    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # [B, D+1]
+    path[:, 0] = 0
+    for d in range(D + 1):
+        x = sample_inverse_cdf(target_probs[rows, cur], coins[:, d].to(dev))  # [B]: the token after `cur`
+        match = child & (tree.parents == cur.unsqueeze(1)) & (tree.tokens == x.unsqueeze(1))  # [B, N]
+        step = active & match.any(dim=1)  # [B]
+        bonus = torch.where(active & ~step, x, bonus)
+        cur = torch.where(step, match.to(torch.uint8).argmax(dim=1), cur)
+        if d < D:
+            path[:, d + 1] = torch.where(step, cur, -1)
+        active = step
+    accept_len = (path[:, 1:] >= 0).sum(dim=1)  # [B]
+    return _result(tree, accept_len, path, cur, bonus)
+
+
+def verify_sampling(
+    tree: DraftTree,
+    target_probs: Tensor,
+    generators: list[torch.Generator | None],
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> VerifyResult:
+    """Target-only tree sampling. target_probs [B, N, V] float: the target's processed distribution at each node
+    (temperature, top-k/p, min-p, penalties and logit bias already applied by the caller).
+
+    Lossless with both thresholds at 1.0 (the default): at each level one coin u ~ U(0, 1] is drawn from the
+    request's generator; the current node's children are walked in index order accumulating their target
+    probabilities (at the current node); child j is accepted iff sum_{i<j} p_i < u <= sum_{i<=j} p_i, i.e. with
+    probability p_j. If none is, the bonus token is sampled from the current node's distribution with the tried
+    children's tokens removed and renormalised, so each other token x comes with probability
+    (1 - sum_i p_i) * p_x / (1 - sum_i p_i) = p_x; at an accepted leaf it is sampled from that leaf's
+    distribution. By induction over the levels the emitted tokens are distributed exactly as plain sampling from
+    the target. Zero-probability tokens are never emitted: a child with p = 0 is never accepted and the bonus
+    draw only lands on tokens of positive probability.
+
+    Thresholds below 1.0 (SGLang's --speculative-accept-threshold-single / -acc) are LOSSY: they accept more
+    eagerly, and the output is then NOT distributed as the target. As in SGLang, a child is also accepted when
+    u <= cum / threshold_acc (its siblings' accumulated mass, itself included, scaled up) or when its own
+    probability p >= threshold_single; rejected children are still removed from the bonus distribution. Unlike
+    SGLang, a child of probability 0 is never accepted, even with threshold_single = 0.
+
+    generators: one per request; a seeded request's draws come only from its own generator (reproducible
+    whatever its batch mates); None rows use the global RNG. Generators live on their own device.
+    """
+    if not (0.0 <= threshold_single <= 1.0 and 0.0 <= threshold_acc <= 1.0):
+        raise ValueError(f"thresholds must be in [0, 1], got single={threshold_single}, acc={threshold_acc}")
+    coins = _draw_coins(tree, generators, target_probs.device)  # [B, D+1]
+    return verify_sampling_with_coins(tree, target_probs, coins, threshold_single, threshold_acc)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Simulated acceptance (benchmarking only; see specserve.speculative.simulate)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def simulate_accept(tree: DraftTree, target_ids: Tensor, accept_lens: Tensor) -> VerifyResult:
+    """LOSSY, for benchmarks: accept a prescribed number of drafted tokens whatever the target says.
+
+    accept_lens [B] int64 >= 1: tokens the step should yield per request, the bonus token included (SGLang's
+    ``SGLANG_SIMULATE_ACC_LEN`` convention), so accept_lens[b] - 1 drafted nodes are accepted: the first child
+    (index order) at each level, from the root down; fewer where that path ends sooner (a leaf, or a root-only
+    tree). target_ids [B, N] int64: the target's argmax per node; the bonus token is its value at the last
+    accepted node, as with verify_greedy."""
+    is_first_child = tree.first_child.gather(1, tree.parents.clamp(min=0)) == torch.arange(
+        tree.width, device=tree.tokens.device).view(1, -1)  # [B, N]
+    wanted = tree.depth <= (accept_lens.to(tree.depth.device) - 1).view(-1, 1)  # [B, N]: within the prescribed depth
+    ok = _child_nodes(tree) & is_first_child & wanted  # [B, N]
+    accept_len, path, last = _chain_walk(tree, ok)
+    bonus = target_ids.gather(1, last.view(-1, 1)).view(-1)  # [B]
+    return _result(tree, accept_len, path, last, bonus)

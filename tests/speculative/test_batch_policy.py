@@ -1,0 +1,133 @@
+"""Batch-aware speculation: the pure tree schedule and the measuring policy on hand-checked inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.speculative.batch_policy import (
+    SPEC_MARGIN,
+    TRY_STEPS,
+    WARMUP_STEPS,
+    BatchPolicy,
+    TreeShape,
+    bucket_of,
+    shape_for_batch,
+)
+
+FULL = TreeShape(5, 4, 8)
+
+
+@pytest.mark.parametrize("batch,want", [
+    (1, FULL), (8, FULL),  # 8 x 8 = 64 fits the budget
+    (9, TreeShape(5, 1, 6)),  # 64 // 9 = 7 nodes, capped at the full depth 5 + 1
+    (16, TreeShape(3, 1, 4)),  # 64 // 16 = 4 nodes: a chain of 3 drafts
+    (32, TreeShape(1, 1, 2)),  # 2 nodes: one draft
+    (33, None),  # fewer than 2 nodes per request: no speculation
+])
+def test_tree_shrinks_to_a_chain_then_turns_off(batch, want):
+    assert shape_for_batch(batch, FULL, 64, None) == want
+
+
+def test_disable_batch_size_and_no_budget():
+    assert shape_for_batch(4, FULL, 64, disable_batch_size=3) is None
+    assert shape_for_batch(3, FULL, 64, disable_batch_size=3) == FULL
+    assert shape_for_batch(1000, FULL, 0, None) == FULL  # budget 0: never shrink
+
+
+def test_buckets():
+    assert [bucket_of(b) for b in (1, 5, 8, 9, 16, 17, 33)] == [1, 5, 8, 16, 16, 32, 64]
+
+
+def _run(p: BatchPolicy, steps: int, spec_rate: float, plain_rate: float, batch: int = 1) -> list[bool]:
+    """Drive the policy for `steps` steps where speculative / plain steps produce these tokens per second;
+    -> which steps speculated."""
+    out = []
+    for _ in range(steps):
+        speculative = p.choose(batch) is not None
+        p.record(batch, speculative, 1.0, int(spec_rate if speculative else plain_rate))
+        out.append(speculative)
+    return out
+
+
+def _policy(**kw) -> BatchPolicy:
+    """A policy without warm-up steps (they have their own test), so schedules count measured steps only."""
+    return BatchPolicy(FULL, warmup_steps=0, **kw)
+
+
+def test_policy_measures_both_then_runs_the_faster():
+    p = _policy(explore_every=100)
+    # TRY_STEPS = 4 speculative steps, 4 plain steps, then the faster (plain here) until the next try
+    assert _run(p, 12, spec_rate=100, plain_rate=200) == [True] * 4 + [False] * 8
+    assert p.summary()["1"] == {"spec_tok_s": pytest.approx(100.0), "plain_tok_s": pytest.approx(200.0),
+                                "steps": 12, "winner": "plain"}
+    p = _policy(explore_every=100)
+    assert _run(p, 12, spec_rate=300, plain_rate=200) == [True] * 4 + [False] * 4 + [True] * 4
+
+
+def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculation_off():
+    p = BatchPolicy(FULL, explore_every=1000)  # the default warm-up
+    flags = []
+    # the first speculative steps are 10x slower (cold), then speculation runs at 300 vs plain's 200 tok/s
+    for i in range(2 * (WARMUP_STEPS + TRY_STEPS) + 4):
+        speculative = p.choose(1) is not None
+        cold = speculative and i < WARMUP_STEPS
+        p.record(1, speculative, 10.0 if cold else 1.0, 300 if speculative else 200)
+        flags.append(speculative)
+    n = WARMUP_STEPS + TRY_STEPS
+    assert flags == [True] * n + [False] * n + [True] * 4
+    assert p.rates[1].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
+
+
+def test_steps_that_built_compiled_graphs_are_not_measured():
+    """--enable-torch-compile builds graphs for new shapes after the warm-up: such a step (here 20 s) is run but
+    not measured, and its try gets one more step, so a try still measures TRY_STEPS steady steps."""
+    p = _policy(explore_every=1000)
+    flags = []
+    compiling = {1, 5}  # a speculative step of the first try, a plain step of the second
+    for i in range(2 * TRY_STEPS + len(compiling) + 4):
+        speculative = p.choose(1) is not None
+        p.record(1, speculative, 20.0 if i in compiling else 1.0, 300 if speculative else 200,
+                 compiled=i in compiling)
+        flags.append(speculative)
+    assert flags == [True] * (TRY_STEPS + 1) + [False] * (TRY_STEPS + 1) + [True] * 4
+    assert p.rates[1].spec.rate == pytest.approx(300.0) and p.rates[1].plain.rate == pytest.approx(200.0)
+    p.record(1, True, 50.0, 1, compiled=True)  # outside a try: not measured either
+    assert p.rates[1].spec.rate == pytest.approx(300.0) and p.choose(1) == FULL
+
+
+def test_plain_must_win_by_the_margin():
+    p = _policy(explore_every=1000)
+    slower = 100 * (1 - SPEC_MARGIN / 2)  # speculation a little slower than plain: within the margin
+    assert _run(p, 12, spec_rate=slower, plain_rate=100)[8:] == [True] * 4
+    p = _policy(explore_every=1000)
+    assert _run(p, 12, spec_rate=100 * (1 - 2 * SPEC_MARGIN), plain_rate=100)[8:] == [False] * 4
+
+
+def test_exploration_backs_off_while_the_loser_keeps_losing():
+    p = _policy(explore_every=10)
+    flags = _run(p, 120, spec_rate=100, plain_rate=200)
+    tries = [i + 1 for i, f in enumerate(flags) if f and i >= 4]  # speculative steps after the first measurement
+    # both measured by step 8; tries of 4 steps 10 steps later (18), then 20 (41) and 40 (84) steps after the
+    # previous try: the interval doubles each time the try loses
+    assert tries == [18, 19, 20, 21, 41, 42, 43, 44, 84, 85, 86, 87]
+    assert p.rates[1].interval == 80
+
+
+def test_a_try_measures_afresh_so_speculation_comes_back_when_it_pays_again():
+    p = _policy(explore_every=10)
+    assert _run(p, 17, spec_rate=100, plain_rate=200)[8:] == [False] * 9  # plain wins for now
+    assert _run(p, 8, spec_rate=400, plain_rate=200) == [True] * 8  # the try at step 18 finds 400 > 200
+    assert p.rates[1].interval == 10 and p.summary()["1"]["winner"] == "spec"
+
+
+def test_policy_without_auto_off_follows_the_schedule_only():
+    p = BatchPolicy(FULL, token_budget=64, auto_off=False)
+    _run(p, 20, spec_rate=1, plain_rate=1000)
+    assert p.choose(1) == FULL and p.choose(16) == TreeShape(3, 1, 4) and p.choose(40) is None
+    assert p.rates == {}  # nothing measured
+
+
+def test_buckets_are_measured_separately():
+    p = _policy(explore_every=100)
+    _run(p, 10, spec_rate=100, plain_rate=200, batch=1)
+    assert p.choose(2) == FULL  # bucket 2 has no estimate yet: speculation is measured first

@@ -1,0 +1,143 @@
+"""``--speculative-draft-dtype``: a separate draft model may run in another dtype than the target (auto: float32
+for a small draft under a bf16/fp16 target on CPU). The draft only proposes, so greedy output stays plain
+decoding's: the lossless gate with its vacuity guard for each kind of draft, both ways round, and the auto rule on
+hand-picked cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.models.cpu_packing import MixedLinear, PackedLinear
+from specserve.models.loader import count_parameters, load_model
+from specserve.speculative.eagle import CPU_FP32_DRAFT_MAX_PARAMS, resolve_draft_dtype
+from specserve.speculative.heads.eagle3 import Eagle3Head
+from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+LIMIT = CPU_FP32_DRAFT_MAX_PARAMS
+
+
+@pytest.mark.parametrize("flag,target,device,params,want", [
+    ("auto", BF16, "cpu", 2_000_000, F32),  # a small draft under a bf16 target on CPU: float32
+    ("auto", F16, "cpu", LIMIT, F32),  # the limit itself is still small
+    ("auto", BF16, "cpu", LIMIT + 1, BF16),  # a larger draft streams its weights: half the bytes in bf16
+    ("auto", BF16, "cuda", 1000, BF16),  # GPUs run half precision natively
+    ("auto", F32, "cpu", 1000, F32),  # never below the target's precision
+    ("bfloat16", F32, "cpu", 1000, BF16),  # an explicit dtype is taken as given
+    ("float32", BF16, "cuda", 10**9, F32),
+])
+def test_resolve_draft_dtype(flag, target, device, params, want):
+    assert resolve_draft_dtype(flag, target, device, params) == want
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_count_parameters_matches_the_loaded_model(model_factory, tmp_path, tied):
+    path = model_factory("llama", tie_word_embeddings=tied)
+    model, _, _ = load_model(path)
+    assert count_parameters(path) == sum(p.numel() for p in model.parameters())
+    head_dir = make_eagle3_head_dir(str(tmp_path / "h3"), path, kind="random", draft_vocab=list(range(64)))
+    head, _, _ = load_model(head_dir, registry={"LlamaForCausalLMEagle3": Eagle3Head})
+    assert count_parameters(head_dir, registry={"LlamaForCausalLMEagle3": Eagle3Head}) == \
+        sum(p.numel() for p in head.parameters())
+
+
+def _gate(target: str, kw: dict, want_dtype: torch.dtype, min_accept_length: float, kv_dtype=None,
+          **target_kw) -> None:
+    """Greedy output with the draft in want_dtype (its KV in kv_dtype, default the same) == plain decoding's, drafts
+    accepted, no KV leak."""
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
+        proposer = e.scheduler.spec.proposer
+        assert proposer.draft_dtype == want_dtype
+        assert {p.dtype for p in proposer.head.parameters()} == {want_dtype}
+        assert proposer.kv_pool.dtype == (kv_dtype or want_dtype)
+        assert e.get_server_info()["speculative_draft_dtype"] == str(want_dtype).removeprefix("torch.")
+        outs = e.generate(PROMPTS, greedy(24))
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, min_accept_length)
+        assert_no_kv_leak(e)
+
+
+@pytest.fixture(scope="module")
+def bigram_target(model_factory):
+    """The target an EAGLE-3 "self" head mirrors (make_eagle3_head_dir)."""
+    return model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "STANDALONE"])
+def test_bf16_draft_under_a_float32_target_is_lossless(target, self_head, bigram_target, tmp_path, algo):
+    if algo == "EAGLE3":
+        target = bigram_target
+        draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
+    else:
+        draft = self_head if algo == "EAGLE" else target  # STANDALONE: the target drafts for itself
+    kw = spec_kwargs(algo, draft, 4, 3, 8, speculative_draft_dtype="bfloat16")
+    _gate(target, kw, BF16, min_accept_length=1.2)
+
+
+def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
+    """bf16 target on CPU, auto: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's LM head
+    rows, a MixedLinear like the head's linears) run in float32, the head's KV in bf16; the target's own LM head
+    stays packed bf16."""
+    from specserve.speculative.token_map import save_token_map
+
+    path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
+    head = make_eagle_head_dir(str(tmp_path / "head"), path, kind="self")
+    save_token_map(torch.arange(64), str(tmp_path / "map.pt"))
+    kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
+    _gate(path, kw, F32, min_accept_length=1.2, kv_dtype=BF16)
+    with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
+        assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
+        hot = e.scheduler.spec.proposer.hot_head.proj
+        assert isinstance(hot, MixedLinear) and hot.weight.dtype == F32
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory, compiled):
+    """The float32 draft's linears are MixedLinear (float32 up to FP32_MAX_ROWS rows, packed bf16 beyond): a
+    batch of 8 drafts 24 rows per level, a lone request 3; both paths, eager and compiled (compared with compiled
+    plain decoding: in bf16 a compiled forward may round differently from an eager one)."""
+    path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
+    target_kw = {"enable_torch_compile": compiled}
+    kw = spec_kwargs("STANDALONE", path, 4, 3, 8)
+    _gate(path, kw, F32, min_accept_length=1.5, **target_kw)
+    with Engine(model_path=path, max_total_tokens=4096, **target_kw) as e:
+        want = e.generate(PROMPTS[0], greedy(24))["output_ids"]
+    with Engine(model_path=path, max_total_tokens=4096, **target_kw, **kw) as e:
+        assert any(isinstance(m, MixedLinear) for m in e.scheduler.spec.proposer.head.modules())
+        out = e.generate(PROMPTS[0], greedy(24))
+    assert out["output_ids"] == want
+    assert_drafting_happened([out], min_accept_length=1.5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_path, compiled):
+    """A float32 EAGLE-3 head under a bf16 target (auto) keeps its KV in bf16 and runs forwards of more than
+    FP32_MAX_ROWS tokens in bf16 (prompt catch-ups; at batch 8 the tree levels of 8 x 3 rows and the catch-ups after
+    verification), smaller ones (a lone request's levels of 3 rows) in float32. Both kinds must have run, and the
+    greedy output is plain decoding's at batch 8 and for a lone request, eager and compiled."""
+    target = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True, dtype=BF16)
+    head = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
+    target_kw = {"enable_torch_compile": compiled}
+    kw = spec_kwargs("EAGLE3", head, 4, 3, 8)
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+        lone = e.generate(PROMPTS[0], greedy(24))["output_ids"]
+    with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
+        proposer = e.scheduler.spec.proposer
+        assert proposer.draft_dtype == F32 and proposer.kv_pool.dtype == BF16 and proposer.half_dtype == BF16
+        seen = []
+        pick = proposer.compute_dtype
+        proposer.compute_dtype = lambda rows: seen.append(pick(rows)) or seen[-1]
+        outs = e.generate(PROMPTS, greedy(24))
+        one = e.generate(PROMPTS[0], greedy(24))
+        assert [o["output_ids"] for o in outs] == plain and one["output_ids"] == lone
+        assert_drafting_happened(outs, min_accept_length=1.5)
+        assert_drafting_happened([one], min_accept_length=1.5)
+        assert {F32, BF16} <= set(seen)
+        assert_no_kv_leak(e)

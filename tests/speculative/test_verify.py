@@ -1,0 +1,396 @@
+"""Greedy and sampling verification of draft trees: hand-checked walks, a statistical test of both lossless tree
+sampling rules (with mutants it must catch), thresholds and seeded reproducibility."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from specserve.sampling.sampler import position_coins, sample_inverse_cdf
+from specserve.speculative import (
+    build_tree,
+    verify_greedy,
+    verify_sampling,
+    verify_sampling_by_position,
+    verify_sampling_with_coins,
+)
+from specserve.speculative import verify as verify_mod
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.int64)
+
+
+# The hand-drawn tree (node: token):
+#
+#            0:10
+#        /    |    \
+#      1:11  2:12  3:13
+#      /  \    |
+#    4:14 5:15 6:16
+#     |
+#    7:17
+TOKENS = [11, 12, 13, 14, 15, 16, 17]
+PARENTS = [0, 0, 0, 1, 1, 2, 4]
+
+
+def greedy_tree(rows, num_nodes=None):
+    return build_tree(t([10] * rows), t([TOKENS] * rows), t([PARENTS] * rows),
+                      None if num_nodes is None else t(num_nodes))
+
+
+def targets(**at_node):
+    """target_ids for one row of the hand-drawn tree: at_node = {"n0": token, ...}; other nodes predict 99."""
+    row = [99] * 8
+    for k, v in at_node.items():
+        row[int(k[1:])] = v
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Greedy
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_greedy_full_accept():
+    res = verify_greedy(greedy_tree(1), t([targets(n0=11, n1=14, n4=17, n7=42)]))
+    assert res.accept_len.tolist() == [3]
+    assert res.accepted_nodes.tolist() == [[0, 1, 4, 7]]
+    assert res.bonus_tokens.tolist() == [42]
+    assert res.last_nodes.tolist() == [7]
+    assert res.token_lists() == [[11, 14, 17, 42]]
+
+
+def test_greedy_partial_accept_down_a_second_branch():
+    res = verify_greedy(greedy_tree(1), t([targets(n0=12, n2=16, n6=55)]))  # node 6 is a leaf
+    assert res.accept_len.tolist() == [2]
+    assert res.accepted_nodes.tolist() == [[0, 2, 6, -1]]
+    assert res.token_lists() == [[12, 16, 55]]
+    res = verify_greedy(greedy_tree(1), t([targets(n0=11, n1=15, n4=17)]))  # second child of node 1
+    assert res.accepted_nodes.tolist() == [[0, 1, 5, -1]]
+    assert res.token_lists() == [[11, 15, 99]]
+
+
+def test_greedy_zero_accept():
+    res = verify_greedy(greedy_tree(1), t([targets(n0=14, n1=14)]))  # 14 is a grandchild, not a child
+    assert res.accept_len.tolist() == [0]
+    assert res.accepted_nodes.tolist() == [[0, -1, -1, -1]]
+    assert res.token_lists() == [[14]]
+
+
+def test_greedy_batch_with_different_lengths_and_padding():
+    # Row 3 keeps only nodes 0..3: its dropped candidates (node 4 = token 14 under node 1) would match its
+    # targets, as would a padding node's token 0 at the root and at node 1, but padding is never accepted.
+    ids = t([targets(n0=11, n1=14, n4=17, n7=5), targets(n0=13, n3=6), targets(n0=7),
+             targets(n0=11, n1=14), targets(n0=0, n1=0)])
+    res = verify_greedy(greedy_tree(5, num_nodes=[8, 8, 8, 4, 4]), ids)
+    assert res.accept_len.tolist() == [3, 1, 0, 1, 0]
+    assert res.accepted_nodes.tolist() == [[0, 1, 4, 7], [0, 3, -1, -1], [0, -1, -1, -1], [0, 1, -1, -1],
+                                           [0, -1, -1, -1]]
+    assert res.bonus_tokens.tolist() == [5, 6, 7, 14, 0]
+    assert res.token_lists() == [[11, 14, 17, 5], [13, 6], [7], [11, 14], [0]]
+    assert res.new_tokens.tolist()[1] == [13, 6, -1, -1]
+
+
+def test_root_only_tree_yields_just_the_bonus_token():
+    tree = build_tree(t([0, 1]), torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.int64))
+    assert verify_greedy(tree, t([[7], [8]])).token_lists() == [[7], [8]]
+    probs = torch.tensor([[[0.0, 1.0, 0.0]], [[0.0, 0.0, 1.0]]])
+    res = verify_sampling(tree, probs, [gen(0), None])
+    assert res.token_lists() == [[1], [2]]
+    assert res.accepted_nodes.tolist() == [[0], [0]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling: the tree and distributions of the statistical test
+#
+#          0  (root)
+#       /  |  \
+#     1:1 2:2  3:5        token 1 has probability 0 at the root
+#        /  \
+#      4:4  5:6
+# ----------------------------------------------------------------------------------------------------------------
+
+V = 8
+S_TOKENS, S_PARENTS = [1, 2, 5, 4, 6], [0, 0, 0, 2, 2]
+S_PROBS = torch.tensor([
+    [0.25, 0.0, 0.125, 0.0625, 0.0, 0.375, 0.1875, 0.0],  # root: children 1 (p 0), 2 (.125), 5 (.375)
+    [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5],  # node 1 (never accepted)
+    [0.1, 0.2, 0.0, 0.0, 0.3, 0.15, 0.25, 0.0],  # node 2: children 4 (.3), 6 (.25)
+    [0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0],  # node 3 (leaf)
+    [0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5],  # node 4 (leaf)
+    [0.0, 0.0, 0.7, 0.0, 0.0, 0.0, 0.3, 0.0],  # node 5 (leaf)
+])
+
+
+def sampling_tree(rows):
+    return build_tree(t([3] * rows), t([S_TOKENS] * rows), t([S_PARENTS] * rows))
+
+
+def with_coins(coins, threshold_single=1.0, threshold_acc=1.0):
+    rows = len(coins)
+    return verify_sampling_with_coins(sampling_tree(rows), S_PROBS.expand(rows, -1, -1),
+                                      torch.tensor(coins, dtype=torch.float64), threshold_single, threshold_acc)
+
+
+def test_sampling_walk_by_hand():
+    # level-0 coins against the root's children (cumulative .0, .125, .5), level-1 coins against node 2's
+    # children (cumulative .3, .55), final coin for the bonus token
+    res = with_coins([
+        [1e-9, 0.9, 0.5],  # node 1 has p 0: skipped; node 2; then none of 4/6 -> bonus from node 2 minus {4, 6}
+        [0.125, 0.3, 0.5],  # boundaries are inclusive: node 2, then node 4 (leaf): bonus from node 4
+        [0.126, 0.3, 1.0],  # node 3 (leaf): bonus from node 3
+        [0.6, 0.1, 0.5],  # none at the root: bonus from the root minus {1, 2, 5}: [.25, 0, 0, .0625, 0, 0, .1875, 0]
+        [0.6, 0.1, 0.51],
+        [0.6, 0.1, 1.0],
+    ])
+    assert res.accept_len.tolist() == [1, 2, 1, 0, 0, 0]
+    assert res.accepted_nodes.tolist() == [[0, 2, -1], [0, 2, 4], [0, 3, -1], [0, -1, -1], [0, -1, -1], [0, -1, -1]]
+    # row 0: node 2 minus {4, 6} = [.1, .2, 0, 0, 0, .15, 0, 0] (total .45): u*.45 = .225 -> token 1
+    # row 1: node 4 = [.5, 0, ..., .5]: u = .5 -> token 0 (inclusive); row 2: node 3, u = 1 -> token 3 (last positive)
+    # rows 3-5: total .5: .25 -> token 0 (inclusive), .255 -> token 3, .5 -> token 6 (not the zero tail)
+    assert res.token_lists() == [[2, 1], [2, 4, 0], [5, 3], [0], [3], [6]]
+
+
+def by_position(coins):
+    rows = len(coins)
+    return verify_sampling_by_position(sampling_tree(rows), S_PROBS.expand(rows, -1, -1),
+                                       torch.tensor(coins, dtype=torch.float64))
+
+
+def test_by_position_walk_by_hand():
+    # The token after a node is the first token (id order) whose cumulative probability reaches the coin.
+    # root cumulative: tok0 .25, tok2 .375, tok3 .4375, tok5 .8125, tok6 1 (children: 1 -> node 1, 2 -> node 2,
+    # 5 -> node 3); node 2: tok0 .1, tok1 .3, tok4 .6, tok5 .75, tok6 1 (children: 4 -> node 4, 6 -> node 5);
+    # node 3: tok1 .5, tok3 1; node 4: tok0 .5, tok7 1; node 5: tok2 .7, tok6 1
+    res = by_position([
+        [0.3, 0.5, 0.9],  # root -> 2 (node 2), node 2 -> 4 (node 4, a leaf), node 4 -> 7: the bonus
+        [0.1, 0.5, 0.9],  # root -> 0: no child carries it, so it is the bonus
+        [0.5, 0.2, 0.3],  # root -> 5 (node 3, a leaf), node 3 -> 1
+        [0.3, 0.05, 1.0],  # root -> 2 (node 2), node 2 -> 0: not a child, the bonus
+        [0.3, 0.8, 0.71],  # root -> 2, node 2 -> 6 (node 5), node 5 -> 6
+        [0.375, 0.5, 0.5],  # boundaries are inclusive: root -> 2, node 2 -> 4, node 4 -> 0
+    ])
+    assert res.token_lists() == [[2, 4, 7], [0], [5, 1], [2, 0], [2, 6, 6], [2, 4, 0]]
+    assert res.accept_len.tolist() == [2, 0, 1, 1, 2, 2]
+    assert res.accepted_nodes.tolist() == [[0, 2, 4], [0, -1, -1], [0, 3, -1], [0, 2, -1], [0, 2, 5], [0, 2, 4]]
+    assert res.last_nodes.tolist() == [4, 0, 3, 2, 5, 4]
+
+
+def test_by_position_emits_what_plain_sampling_with_the_same_coins_emits():
+    # Plain sampling, written out: token k of the step is sample_inverse_cdf(distribution after the tokens so
+    # far, coin k), here following the tree while the tokens stay on it (the target's distributions are only
+    # known on the tree). For random coins the walk must give exactly that sequence.
+    children = {}
+    for node, (tok, par) in enumerate(zip(S_TOKENS, S_PARENTS, strict=True), start=1):
+        children.setdefault(par, {})[tok] = node
+    coins = 1.0 - torch.rand(200, 3, dtype=torch.float64, generator=gen(7))
+    res = by_position(coins.tolist())
+    for row, got in zip(coins, res.token_lists(), strict=True):
+        node, want = 0, []
+        for k in range(3):
+            tok = sample_inverse_cdf(S_PROBS[node].view(1, -1), row[k].view(1)).item()
+            want.append(tok)
+            if tok not in children.get(node, {}):
+                break
+            node = children[node][tok]
+        assert got == want
+
+
+def test_by_position_rows_do_not_depend_on_batch_mates_or_the_draft():
+    # A row's tokens are fixed by its distributions and its coins: another batch (other trees, other coins) or
+    # a root-only tree (no draft: one token per step) gives the same tokens, position by position.
+    coins = 1.0 - torch.rand(1, 3, dtype=torch.float64, generator=gen(3))
+    alone = verify_sampling_by_position(sampling_tree(1), S_PROBS.unsqueeze(0), coins)
+    probs_b = torch.rand(2, 8, V, generator=gen(99))
+    probs_b = probs_b / probs_b.sum(-1, keepdim=True)
+    probs_b[1, :6] = S_PROBS
+    tree_b = build_tree(t([3, 3]), t([[1, 2, 3, 4, 5, 6, 7], [*S_TOKENS, 0, 0]]),
+                        t([[0, 1, 2, 3, 4, 5, 6], [*S_PARENTS, 0, 0]]), num_nodes=t([8, 6]))
+    coins_b = 1.0 - torch.rand(2, 8, dtype=torch.float64)  # tree_b is 7 deep: 8 coins per row
+    coins_b[1, :3] = coins[0]
+    mixed = verify_sampling_by_position(tree_b, probs_b, coins_b)
+    assert mixed.token_lists()[1] == alone.token_lists()[0]
+    first = alone.token_lists()[0][0]
+    root_only = build_tree(t([3]), torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64))
+    assert verify_sampling_by_position(root_only, S_PROBS[:1].unsqueeze(0), coins[:, :1]).token_lists() == [[first]]
+
+
+def test_by_position_greedy_rows_take_the_argmax_path():
+    one_hot = torch.zeros(1, 6, V)
+    one_hot[0, torch.arange(6), S_PROBS.argmax(-1)] = 1.0  # argmax: root 5 (node 3), node 3 -> 1
+    res = verify_sampling_by_position(sampling_tree(1), one_hot, torch.tensor([[0.99, 0.01, 0.5]]))
+    assert res.token_lists() == [[5, 1]]
+
+
+def test_sampling_thresholds_below_one_accept_more_eagerly():
+    # coin .9 rejects every root child losslessly
+    assert with_coins([[0.9, 0.9, 0.5]]).accept_len.tolist() == [0]
+    # threshold_single .3: node 3 (p .375 >= .3) is accepted whatever the coin
+    assert with_coins([[0.9, 0.9, 0.5]], threshold_single=0.3).accepted_nodes.tolist() == [[0, 3, -1]]
+    # threshold_acc .5: accept when u * .5 <= cumulative mass: .45 <= .5 at node 3
+    assert with_coins([[0.9, 0.9, 0.5]], threshold_acc=0.5).accepted_nodes.tolist() == [[0, 3, -1]]
+    # threshold_single 0: the first child with positive probability, never the zero-probability node 1
+    res = with_coins([[0.9, 0.9, 0.5]], threshold_single=0.0)
+    assert res.accepted_nodes.tolist() == [[0, 2, 4]]
+    with pytest.raises(ValueError):
+        verify_sampling(sampling_tree(1), S_PROBS.unsqueeze(0), [None], threshold_single=1.5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Statistical test
+# ----------------------------------------------------------------------------------------------------------------
+
+DRAWS = 100_000
+
+
+def exact_outcomes():
+    """Probability of every token sequence one step can emit: plain sampling from the target, continued
+    into the tree while the sampled token is a child's token (written from the definition, not the code)."""
+    children = {}
+    for node, (tok, par) in enumerate(zip(S_TOKENS, S_PARENTS, strict=True), start=1):
+        children.setdefault(par, {})[tok] = node
+    out = {}
+
+    def visit(node, prefix, prob):
+        for tok, p in enumerate(S_PROBS[node].tolist()):
+            if p == 0:
+                continue
+            if tok in children.get(node, {}):
+                visit(children[node][tok], prefix + (tok,), prob * p)
+            else:
+                out[prefix + (tok,)] = prob * p
+
+    visit(0, (), 1.0)
+    return out
+
+
+def marginal(dist, length):
+    m = Counter()
+    for seq, p in dist.items():
+        m[seq[:length]] += p
+    return m
+
+
+def check_counts(counts, expected, n):
+    """Failures: an outcome outside the support, or a count more than 6 sigma from its expectation."""
+    failures = [f"{k}: drawn {c} times but has probability 0" for k, c in counts.items() if k not in expected]
+    for k, p in expected.items():
+        sigma = math.sqrt(n * p * (1 - p))
+        if abs(counts.get(k, 0) - n * p) > 6 * sigma:
+            failures.append(f"{k}: {counts.get(k, 0)} drawn, {n * p:.0f} +- {sigma:.0f} expected")
+    return failures
+
+
+def by_position_with_random_coins(tree, probs, generators):
+    """verify_sampling_by_position with fresh uniform coins (the rows have no seed)."""
+    return verify_sampling_by_position(tree, probs, position_coins(generators, [0] * len(generators),
+                                                                   tree.max_depth + 1, "cpu"))
+
+
+def statistical_failures(seed=0, verify=verify_sampling):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        res = verify(sampling_tree(DRAWS), S_PROBS.expand(DRAWS, -1, -1), [None] * DRAWS)
+    seqs = [tuple(s) for s in res.token_lists()]
+    exact = exact_outcomes()
+    failures = []
+    for length in (1, 2, 3):  # first token, (first, second), whole step
+        counts = Counter(s[:length] for s in seqs)
+        failures += check_counts(counts, marginal(exact, length), DRAWS)
+    return failures
+
+
+def test_exact_outcomes_fixture_is_consistent():
+    exact = exact_outcomes()
+    assert math.isclose(sum(exact.values()), 1.0, abs_tol=1e-6)  # S_PROBS is float32
+    first = marginal(exact, 1)
+    for tok in range(V):  # the first token is distributed as the root's distribution
+        assert math.isclose(first.get((tok,), 0.0), S_PROBS[0, tok].item(), abs_tol=1e-6)
+    assert exact[(2, 4, 7)] == pytest.approx(0.125 * 0.3 * 0.5)
+
+
+@pytest.mark.parametrize("verify", [verify_sampling, by_position_with_random_coins])
+def test_sampling_matches_the_target_distribution(verify):
+    assert statistical_failures(verify=verify) == []
+
+
+def test_statistical_check_catches_a_by_position_mutant():
+    """Wrong: one coin for the whole step (the level coins must be independent)."""
+    def one_coin(tree, probs, generators):
+        coins = position_coins(generators, [0] * len(generators), 1, "cpu")  # [B, 1]
+        return verify_sampling_by_position(tree, probs, coins.expand(-1, tree.max_depth + 1))
+
+    assert statistical_failures(verify=one_coin) != []
+
+
+def mutant_keeps_tried_children(tree, target_probs, last):
+    """Wrong: samples the bonus token from the full distribution, tried children included."""
+    B, _, V = target_probs.shape
+    return target_probs.gather(1, last.view(B, 1, 1).expand(B, 1, V)).squeeze(1).to(torch.float64)
+
+
+def mutant_non_cumulative(tree, target_probs, level_coins, threshold_single, threshold_acc):
+    """Wrong: accepts child j when u <= p_j instead of comparing u with the siblings' running sum."""
+    B, N, V = target_probs.shape
+    p = target_probs.reshape(B, N * V).gather(1, tree.parents.clamp(min=0) * V + tree.tokens).to(torch.float64)
+    u = level_coins.gather(1, (tree.depth - 1).clamp(min=0))
+    real = tree.valid & (torch.arange(N).view(1, N) > 0)
+    return real & (p > 0) & (u <= p)
+
+
+@pytest.mark.parametrize("name, mutant", [("_residual_probs", mutant_keeps_tried_children),
+                                          ("_accept_mask", mutant_non_cumulative)])
+def test_statistical_check_catches_mutants(monkeypatch, name, mutant):
+    monkeypatch.setattr(verify_mod, name, mutant)
+    assert statistical_failures() != []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reproducibility
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_seeded_rows_do_not_depend_on_batch_mates():
+    # Batch A: the sampling tree alone. Batch B: a deeper tree first (row 0, its own generator), then the
+    # sampling tree padded to B's width (row 1), then an unseeded row.
+    probs_b = torch.rand(3, 8, V, generator=gen(99))
+    probs_b = probs_b / probs_b.sum(-1, keepdim=True)
+    probs_b[1, :6] = S_PROBS
+    tree_b = build_tree(t([3, 3, 3]), t([[1, 2, 3, 4, 5, 6, 7], [*S_TOKENS, 0, 0], [1, 2, 3, 4, 5, 6, 7]]),
+                        t([[0, 1, 2, 3, 4, 5, 6], [*S_PARENTS, 0, 0], [0, 0, 0, 0, 0, 0, 0]]), num_nodes=t([8, 6, 8]))
+    outcomes = set()
+    for seed in range(20):
+        ga, gb = gen(seed), gen(seed)
+        alone = verify_sampling(sampling_tree(1), S_PROBS.unsqueeze(0), [ga])
+        mixed = verify_sampling(tree_b, probs_b, [gen(1000 + seed), gb, None])
+        again = verify_sampling(sampling_tree(1), S_PROBS.unsqueeze(0), [gen(seed)])
+        assert mixed.token_lists()[1] == alone.token_lists()[0] == again.token_lists()[0]
+        assert torch.equal(ga.get_state(), gb.get_state())  # the same number of draws was taken
+        outcomes.add(tuple(alone.token_lists()[0]))
+    assert len(outcomes) > 3  # the seeds do matter: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chain_walk_equals_the_level_walk(seed):
+    """_chain_walk (greedy, simulation) gives _walk's results whenever at most one child of a node is ok."""
+    g = torch.Generator().manual_seed(seed)
+    B, M = 6, 14
+    parents = torch.stack([torch.randint(0, m + 1, (B,), generator=g) for m in range(M)], dim=1)  # parent <= m
+    tokens = torch.randint(0, 5, (B, M), generator=g)  # few values: duplicate siblings get merged
+    tree = build_tree(t([1] * B), tokens, parents, torch.randint(1, M + 2, (B,), generator=g))
+    child = verify_mod._child_nodes(tree)
+    rank = torch.where(child, torch.rand(B, tree.width, generator=g), -1.0)  # ok: the best-ranked child of a node
+    parent_of = tree.parents.clamp(min=0)
+    best_rank = torch.full((B, tree.width), -1.0).scatter_reduce(1, parent_of, rank, "amax")
+    ok = child & (rank == best_rank.gather(1, parent_of)) & (rank > 0.1)
+    want = verify_mod._walk(tree, ok, tree.max_depth)
+    assert want[0].max() >= 2  # some walks go deep
+    got = verify_mod._chain_walk(tree, ok)
+    for w, x in zip(want, got, strict=True):
+        assert torch.equal(w, x)
