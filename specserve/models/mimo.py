@@ -1,7 +1,7 @@
 """MiMo (``MiMoForCausalLM``): a Qwen2 network plus ``num_nextn_predict_layers`` multi-token-prediction layers.
 
 The target forward is plain Qwen2 and never runs the MTP layers; they are loaded with the model (their tensors
-``model.mtp_layers.{i}.*`` are part of the checkpoint, see ``specserve.speculative.heads.mtp``) and kept for the MTP
+``model.mtp_layers.{i}.*`` are part of the checkpoint, see ``specserve.models.mtp_layer``) and kept for the MTP
 proposer (``--speculative-algorithm EAGLE`` without a draft path). A checkpoint whose config announces MTP layers
 but ships none of their tensors still loads as a plain target (the MTP layers are dropped, with a warning); one
 that ships only part of them fails to load, like any checkpoint missing weights.
@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from specserve.models.mtp_layer import MtpLayer
 from specserve.models.qwen2 import Qwen2ForCausalLM
 from specserve.models.spec import ModelSpec
-from specserve.speculative.heads.mtp import MtpLayer
 
 logger = logging.getLogger(__name__)
 
