@@ -182,7 +182,8 @@ class Engine:
         self._closed = False
 
     # ------------------------------------------------------------------ request preparation
-    def _prepare(self, prompt, sampling_params, input_ids, rid, logprob_fields: dict):
+    def _prepare(self, prompt, sampling_params, input_ids, rid, logprob_fields: dict, sglang_args: dict):
+        check_off_args(sglang_args)  # SGLang's lora_path, image_data, ...: their off values only
         return prepare_requests(self.factory, prompt, sampling_params, input_ids, rid, **logprob_fields)
 
     # ------------------------------------------------------------------ sync API
@@ -204,11 +205,10 @@ class Engine:
         """Generate for one prompt (-> dict) or a batch / n > 1 (-> list of dicts); stream -> chunk iterator.
         The logprob arguments are SGLang's (``Engine.generate``): one value, or a list of one per prompt."""
         self._check_open()
-        check_off_args(sglang_args)  # SGLang's lora_path, image_data, ...: their off values only
         prepared, single = self._prepare(prompt, sampling_params, input_ids, rid, dict(
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            temp_scaled_logprobs=temp_scaled_logprobs))
+            temp_scaled_logprobs=temp_scaled_logprobs), sglang_args)
         if stream:
             if not single:
                 raise RequestError("stream=True takes a single prompt with n=1", "stream")
@@ -250,11 +250,10 @@ class Engine:
         **sglang_args: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         self._check_open()
-        check_off_args(sglang_args)  # SGLang's lora_path, image_data, ...: their off values only
         prepared, single = self._prepare(prompt, sampling_params, input_ids, rid, dict(
             return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, return_text_in_logprobs=return_text_in_logprobs,
-            temp_scaled_logprobs=temp_scaled_logprobs))
+            temp_scaled_logprobs=temp_scaled_logprobs), sglang_args)
         loop = asyncio.get_running_loop()
         for p in prepared:
             p.state.queue = asyncio.Queue()

@@ -68,7 +68,7 @@ async def chat_completions(request: Request):
         return prepare_requests(manager.factory, None, fmt.chat_sampling_params(req), ids, rid=rid)[0]
 
     job = await submit_job(manager, build, rid, req.stream, openai_names=True)
-    model = manager.served_model_name  # any requested name is served by the one model (as SGLang does)
+    model = manager.served_model_name  # any name is accepted (SGLang's rule); the answer names the model
     if req.stream:
         return stream_response(request, manager, job, _chat_events(manager, req, job, model))
     results = await wait_results(request, manager, job)
@@ -141,7 +141,7 @@ async def completions(request: Request):
         return prepare_requests(manager.factory, texts, fmt.completion_sampling_params(req), ids, rid=rid)[0]
 
     job = await submit_job(manager, build, rid, req.stream, openai_names=True)
-    model = manager.served_model_name  # any requested name is served by the one model (as SGLang does)
+    model = manager.served_model_name  # any name is accepted (SGLang's rule); the answer names the model
     echoes = _echo_texts(manager, req, texts, ids)
     if req.stream:
         return stream_response(request, manager, job, _completion_events(manager, req, job, model, echoes))
