@@ -2,9 +2,9 @@
 
 from specserve.config import ServerArgs
 from specserve.sampling.params import SamplingParams
+from specserve.version import __version__
 
-__all__ = ["Engine", "SamplingParams", "ServerArgs"]
-__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
 
 
 def __getattr__(name: str):

@@ -32,12 +32,10 @@ from specserve.frontend import (
     prepare_requests,
 )
 from specserve.malloc import tune_malloc
-from specserve.models.loader import dtype_name
 from specserve.omp import release_thread_pool
+from specserve.request import ReqOutput
 from specserve.scheduler.model_runner import resolve_device
-from specserve.scheduler.req import ReqOutput
 from specserve.scheduler.scheduler import Scheduler
-from specserve.speculative.accept_stats import position_rates
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +346,7 @@ SECRET_FIELDS = ("api_key",)
 
 def server_info(args: ServerArgs, state: dict) -> dict:
     """/server_info and Engine.get_server_info(): arguments (secrets hidden), then the runtime state."""
-    from specserve import __version__
+    from specserve.version import __version__
 
     shown = dataclasses.asdict(args)
     for name in SECRET_FIELDS:
@@ -358,62 +356,4 @@ def server_info(args: ServerArgs, state: dict) -> dict:
 
 
 def _server_info(s: Scheduler) -> dict:
-    info = {
-        "status": "ready",
-        "max_total_tokens": s.runner.max_total_tokens,
-        "max_total_num_tokens": s.runner.max_total_tokens,  # SGLang's name
-        "max_req_input_len": s.context_len - 1,
-        "page_size": 1,  # the KV cache holds one token per slot
-        "context_length": s.context_len,
-        "max_running_requests": s.runner.max_running_requests,
-        "num_running_reqs": len(s.running),
-        "num_waiting_reqs": len(s.waiting),
-        "kv_usage": s.kv_usage(),
-        "free_slots": s.allocator.available_size(),
-        "radix_cached_tokens": s.tree.total_size(),
-        "num_retractions": s.stats.num_retractions,
-        "generated_tokens": s.stats.generated_tokens,
-        "num_prefill_steps": s.stats.num_prefill_steps,
-        "num_decode_steps": s.stats.num_decode_steps,
-        "num_mixed_steps": s.stats.num_mixed_steps,
-    }
-    cs = s.runner.compile_stats
-    if cs is not None:
-        info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
-                    torch_compile_calls=cs.compiled_calls)
-    graphs = s.runner.cuda_graphs
-    if graphs is not None:
-        info.update(cuda_graph=graphs.backend, cuda_graph_max_bs=graphs.max_bs, cuda_graph_graphs=graphs.stats.graphs,
-                    cuda_graph_capture_seconds=graphs.stats.capture_seconds, cuda_graph_replays=graphs.stats.replays,
-                    cuda_graph_eager_calls=graphs.stats.eager_calls,
-                    cuda_graph_capture_failures=graphs.stats.capture_failures)
-    if s.spec is not None:
-        st = s.stats
-        info.update(
-            speculative_algorithm=s.args.speculative_algorithm,
-            speculative_num_steps=s.args.speculative_num_steps,  # as resolved at load (defaults filled in)
-            speculative_eagle_topk=s.args.speculative_eagle_topk,
-            speculative_num_draft_tokens=s.args.speculative_num_draft_tokens,
-            avg_spec_accept_length=st.avg_spec_accept_length,
-            spec_verify_ct=st.spec_verify_ct,
-            spec_accept_rate=st.spec_accepted_drafts / st.spec_drafted if st.spec_drafted else 0.0,
-            spec_accepted_per_position=list(st.spec_accepted_per_position),
-            spec_accept_rate_per_position=position_rates(st.spec_accepted_per_position, st.spec_verify_ct),
-            spec_plain_steps=st.spec_plain_steps,
-            spec_shrunk_steps=st.spec_shrunk_steps,
-            spec_batch_policy=s.spec.policy.summary(),
-            spec_overlap=s.spec.overlap is not None,  # the overlap scheduler (Spec V2)
-            spec_overlapped_steps=s.spec.overlap.overlapped_steps if s.spec.overlap is not None else 0,
-            spec_trimmed_finishes=st.spec_trimmed_finishes,
-            speculative_draft_stop_threshold=s.args.speculative_draft_stop_threshold,
-            speculative_draft_score_temperature=s.args.speculative_draft_score_temperature,
-            speculative_draft_dtype=_draft_dtype_name(s.spec.proposer),  # as resolved (None: no draft model)
-            spec_draft_trees=s.spec.proposer.draft_trees,  # see Proposer.draft_trees / draft_forwards
-            spec_draft_forwards=s.spec.proposer.draft_forwards,
-        )
-    return info
-
-
-def _draft_dtype_name(proposer) -> str | None:
-    dtype = getattr(proposer, "draft_dtype", None)
-    return None if dtype is None else dtype_name(dtype)
+    return {"status": "ready", **s.server_info()}

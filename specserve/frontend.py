@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from specserve.request import InputLogprobs, Req, ReqOutput
 from specserve.sampling.detokenizer import IncrementalDetokenizer, StopChecker
 from specserve.sampling.params import SamplingParams
-from specserve.scheduler.req import InputLogprobs, Req, ReqOutput
 
 
 def token_text(tokenizer, token_id: int) -> str:

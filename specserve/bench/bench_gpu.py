@@ -218,7 +218,7 @@ def measure_verify(sched, ns: argparse.Namespace, device: torch.device) -> list[
     from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
 
     runner, C = sched.runner, ns.context
-    slots = sched._alloc(C + max(ns.verify_sizes))  # [C + Nmax]
+    slots = sched.kv.alloc(C + max(ns.verify_sizes))  # [C + Nmax]
     if slots is None:
         raise RuntimeError("no KV slots free for the verify measurement")
     gen = torch.Generator().manual_seed(ns.seed)
@@ -244,7 +244,7 @@ def measure_verify(sched, ns: argparse.Namespace, device: torch.device) -> list[
                 rows.append({"part": "verify", "num_tokens": n, "context": C, "forward_ms": t * 1e3,
                              "decode_ms": decode_s * 1e3, "relative_to_decode": t / decode_s})
     finally:
-        sched.allocator.free(slots)
+        sched.kv.free(slots)
     return rows
 
 
@@ -303,7 +303,7 @@ def run_simulated(ns, target: str, head: str, prompt: list[int], device: torch.d
     rows = []
     try:
         for acc in ns.accept_lens:
-            engine.loop.call(lambda s, a=acc: setattr(s.spec, "simulator", AcceptSimulator(a, seed=ns.seed)))
+            engine.loop.call(lambda s, a=acc: setattr(s.decoder, "simulator", AcceptSimulator(a, seed=ns.seed)))
             r = measure_decode(engine, prompt, ns, device, f"simulated {acc:g}")
             r.update(part="simulated", mode=f"EAGLE topk 1, {ns.steps} steps", simulated_accept_length=acc,
                      speedup=r["tokens_per_s"] / plain_tps if plain_tps else None)

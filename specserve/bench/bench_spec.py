@@ -87,9 +87,9 @@ class StepClock:
         self.times: dict[str, list[float]] = {}
         sched = engine.scheduler
         self._wrap(sched.runner, "forward", lambda fb: fb.mode.value)
-        if sched.spec is not None:
+        if getattr(sched.decoder, "proposer", None) is not None:
             for hook in ("propose", "after_verify"):
-                self._wrap(sched.spec.proposer, hook, lambda *a, h=hook: h)
+                self._wrap(sched.decoder.proposer, hook, lambda *a, h=hook: h)
 
     def _wrap(self, obj, name: str, key) -> None:
         orig = getattr(obj, name)

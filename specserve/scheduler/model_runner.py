@@ -108,6 +108,21 @@ class ModelRunner:
             )
         return ctx
 
+    def info(self) -> dict:
+        """The forward speed-ups' counters (torch.compile, CUDA graphs) for the server info; empty when off."""
+        info = {}
+        cs = self.compile_stats
+        if cs is not None:
+            info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
+                        torch_compile_calls=cs.compiled_calls)
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            st = graphs.stats
+            info.update(cuda_graph=graphs.backend, cuda_graph_max_bs=graphs.max_bs, cuda_graph_graphs=st.graphs,
+                        cuda_graph_capture_seconds=st.capture_seconds, cuda_graph_replays=st.replays,
+                        cuda_graph_eager_calls=st.eager_calls, cuda_graph_capture_failures=st.capture_failures)
+        return info
+
     def weight_bytes(self) -> int:
         return self._weight_bytes
 

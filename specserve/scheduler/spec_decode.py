@@ -10,9 +10,9 @@ For B running requests with roots at positions P_b (= seq_len - 1, the root's KV
      seeded request emits the tokens plain decoding would); the target distributions at each node are processed
      exactly as plain decoding would at that point (penalties and min_new_tokens see the drafted path as already
      generated);
-  4. the new tokens (accepted drafts, then the bonus token) are appended one by one through the scheduler's own
-     finish checks, so EOS / stop ids / stop strings / max_new_tokens / context length end the request exactly
-     where plain decoding would; tokens past a finish are never emitted or counted;
+  4. the new tokens (accepted drafts, then the bonus token) are appended one by one through the output processor's
+     finish checks (plain decoding's own), so EOS / stop ids / stop strings / max_new_tokens / context length end
+     the request exactly where plain decoding would; tokens past a finish are never emitted or counted;
   5. commit: the accepted nodes' slots become positions P_b .. P_b + keep - 1 of the request; all other slots
      are freed (target and draft KV share slot indices, so this is one operation for both);
   6. ``proposer.after_verify`` lets the drafter catch up on the accepted tokens of the requests still running.
@@ -24,12 +24,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode, attended_slots, build_attn_metadata
 from specserve.models.llama import ModelOutput
+from specserve.models.loader import dtype_name
+from specserve.request import Req, ReqOutput
 from specserve.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties_and_bias,
@@ -39,10 +40,10 @@ from specserve.sampling.sampler import (
     probs_from_logits,
     request_logprobs,
 )
-from specserve.scheduler.req import Req, ReqOutput
+from specserve.scheduler.decode_step import DecodeContext, DecodeStep, PlainDecode
 from specserve.scheduler.spec_overlap import OverlapPipeline
-from specserve.speculative.accept_stats import add_step
-from specserve.speculative.base import Proposer, VerifiedStep
+from specserve.speculative.accept_stats import add_step, position_rates
+from specserve.speculative.base import PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import BatchPolicy, TreeShape
 from specserve.speculative.simulate import AcceptSimulator
 from specserve.speculative.tree import DraftTree
@@ -53,10 +54,6 @@ from specserve.speculative.verify import (
     verify_sampling,
     verify_sampling_by_position,
 )
-
-if TYPE_CHECKING:
-    from specserve.scheduler.scheduler import Scheduler
-
 
 BACKLOG_WINDOW = 32  # plain-decoded tokens a request keeps for its drafter (the most recent ones)
 
@@ -84,6 +81,26 @@ class Backlog:
 
 
 @dataclass
+class SpecStats:
+    """Counters of speculative decoding since start (all requests)."""
+
+    verify_ct: int = 0  # per request per verify step
+    accepted_drafts: int = 0
+    drafted: int = 0
+    tokens: int = 0  # tokens produced by verify steps (accepted drafts + bonus, after finish trimming)
+    plain_steps: int = 0  # decode steps batch-aware speculation ran without speculation
+    shrunk_steps: int = 0  # speculative steps with a tree smaller than the configured one
+    trimmed_finishes: int = 0  # overlap scheduler: stop strings found after the next forward part had run
+    # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.speculative.accept_stats)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def avg_accept_length(self) -> float:
+        """Tokens per request per verify step since start (1.0 = no gain)."""
+        return self.tokens / self.verify_ct if self.verify_ct else 0.0
+
+
+@dataclass
 class StepRecord:
     """What a speculative step's forward part leaves for its output part (``SpecDecoder.process``)."""
 
@@ -104,12 +121,17 @@ class StepRecord:
         return sum(self.taken)
 
 
-class SpecDecoder:
-    def __init__(self, sched: Scheduler, proposer: Proposer) -> None:
-        self.sched, self.proposer = sched, proposer
-        self.runner = sched.runner
-        self.device = sched.device
-        args = sched.args
+class SpecDecoder(DecodeStep):
+    def __init__(self, ctx: DecodeContext, proposer: Proposer) -> None:
+        super().__init__(ctx)
+        self.proposer = proposer
+        self.runner, self.kv, self.outputs = ctx.runner, ctx.kv, ctx.outputs
+        self.outputs.reports_spec_meta = True
+        self.device = ctx.runner.device
+        self.capture_layers = proposer.capture_layers
+        self.stats = SpecStats()
+        self.plain = PlainDecode(ctx)  # batch-aware speculation's plain steps
+        args = ctx.args
         self.threshold_single = args.speculative_accept_threshold_single
         self.threshold_acc = args.speculative_accept_threshold_acc
         # SPECSERVE_SIMULATE_ACC_LEN (benchmarking only, lossy): None = normal verification
@@ -132,6 +154,47 @@ class SpecDecoder:
         """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
         return self.proposer.num_draft_tokens + self.proposer.draft_slots_per_request()
 
+    def reserve_per_request(self) -> int:
+        return self.slots_per_request()
+
+    def after_prefill(self, chunks: list[PrefillChunk], out: ModelOutput) -> None:
+        self.proposer.after_prefill(chunks, out)
+
+    def has_pending(self) -> bool:
+        return self.overlap is not None and self.overlap.pending is not None
+
+    def drain(self) -> list[ReqOutput]:
+        return self.overlap.drain() if self.overlap is not None else []
+
+    def accept_counts(self) -> tuple[int, int]:
+        return self.stats.tokens, self.stats.verify_ct
+
+    def info(self) -> dict:
+        st, args = self.stats, self.ctx.args
+        draft_dtype = getattr(self.proposer, "draft_dtype", None)
+        return dict(
+            speculative_algorithm=args.speculative_algorithm,
+            speculative_num_steps=args.speculative_num_steps,  # as resolved at load (defaults filled in)
+            speculative_eagle_topk=args.speculative_eagle_topk,
+            speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+            avg_spec_accept_length=st.avg_accept_length,
+            spec_verify_ct=st.verify_ct,
+            spec_accept_rate=st.accepted_drafts / st.drafted if st.drafted else 0.0,
+            spec_accepted_per_position=list(st.accepted_per_position),
+            spec_accept_rate_per_position=position_rates(st.accepted_per_position, st.verify_ct),
+            spec_plain_steps=st.plain_steps,
+            spec_shrunk_steps=st.shrunk_steps,
+            spec_batch_policy=self.policy.summary(),
+            spec_overlap=self.overlap is not None,  # the overlap scheduler (Spec V2)
+            spec_overlapped_steps=self.overlap.overlapped_steps if self.overlap is not None else 0,
+            spec_trimmed_finishes=st.trimmed_finishes,
+            speculative_draft_stop_threshold=args.speculative_draft_stop_threshold,
+            speculative_draft_score_temperature=args.speculative_draft_score_temperature,
+            speculative_draft_dtype=None if draft_dtype is None else dtype_name(draft_dtype),  # None: no draft model
+            spec_draft_trees=self.proposer.draft_trees,  # see Proposer.draft_trees / draft_forwards
+            spec_draft_forwards=self.proposer.draft_forwards,
+        )
+
     # ------------------------------------------------------------------ the step
     def run(self, reqs: list[Req]) -> list[ReqOutput]:
         """One decode step for the running batch: speculative with the tree the batch policy picks, or plain.
@@ -141,7 +204,7 @@ class SpecDecoder:
         shape = self.policy.choose(len(reqs))
         if shape is None:
             return self.timed_plain_step(reqs)
-        self._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
+        self.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
         started = self.step_start()
         record = self.forward_step(reqs, shape)
         outputs, done = self.process(record)
@@ -177,9 +240,9 @@ class SpecDecoder:
     def _plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
         """A plain decode step (what plain decoding does); each request still running records the token and the
         target's hidden states in its backlog, which the drafter replays before the next speculative step."""
-        self.sched.stats.spec_plain_steps += 1
+        self.stats.plain_steps += 1
         root_pos = [r.seq_len - 1 for r in reqs]
-        outputs, out = self.sched.plain_decode(reqs, self.proposer.capture_layers)
+        outputs, out = self.plain.forward(reqs, self.proposer.capture_layers)
         for b, req in enumerate(reqs):
             req.spec_plain_tokens += 1
             if req.finished:  # released: its state is gone
@@ -189,7 +252,7 @@ class SpecDecoder:
             req.spec_backlog.add(req.output_ids[-1], out.hidden[b], [a[b] for a in out.aux_hidden])
         return outputs
 
-    def _flush_backlog(self, reqs: list[Req]) -> None:
+    def flush_backlog(self, reqs: list[Req]) -> None:
         """Replay the backlogs of `reqs` through ``proposer.after_verify`` as one multi-token step each."""
         pending = [r for r in reqs if r.spec_backlog is not None]
         if not pending:
@@ -213,7 +276,7 @@ class SpecDecoder:
         here: tokens after it are not appended and it takes no further step (``req.spec_stopped``). A stop string
         is found later by ``process``, which then drops the tokens after it (``release_done`` trims them)."""
         if shape != self.policy.full:
-            self.sched.stats.spec_shrunk_steps += 1
+            self.stats.shrunk_steps += 1
         tree = self.proposer.propose(reqs, shape)
         n_nodes = tree.num_nodes.tolist()
         root_pos = [r.seq_len - 1 for r in reqs]
@@ -243,7 +306,7 @@ class SpecDecoder:
     def _forward_take(self, req: Req, tokens: list[int], n_out: int) -> int:
         """How many of the verified `tokens` req takes: up to the first that ends it without detokenization."""
         for k, tok in enumerate(tokens):
-            if self.sched.ends_without_text(req, tok, n_out + k + 1):
+            if self.outputs.ends_without_text(req, tok, n_out + k + 1):
                 req.spec_stopped = True
                 return k + 1
         return len(tokens)
@@ -251,20 +314,11 @@ class SpecDecoder:
     def _verify_slots(self, reqs: list[Req], root_pos: list[int], n_nodes: list[int]) -> torch.Tensor:
         """A fresh KV slot per real tree node, written into req_to_token at columns P_b .. P_b + n_b - 1
         -> slots [T] (request-major, node order: the verify forward's rows)."""
-        flat = self.sched._alloc(sum(n_nodes))
+        flat = self.kv.alloc(sum(n_nodes))
         if flat is None:
             raise RuntimeError("no KV slots for verification (the scheduler should have reserved them)")
-        rows, cols = self._table_cells(reqs, root_pos, n_nodes)
-        self.sched.req_pool.req_to_token[rows, cols] = flat
+        self.kv.write(*self.kv.cells(reqs, root_pos, n_nodes), flat)
         return flat
-
-    def _table_cells(self, reqs: list[Req], root_pos: list[int],
-                     counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """req_to_token cells (rows [n], columns [n]) of counts[b] consecutive positions from root_pos[b] per
-        request, request-major; built on the host and copied once (one op for the whole batch)."""
-        rows = [r.req_pool_idx for r, n in zip(reqs, counts, strict=True) for _ in range(n)]
-        cols = [p + i for p, n in zip(root_pos, counts, strict=True) for i in range(n)]
-        return torch.tensor([rows, cols], dtype=torch.int64, device=self.device).unbind(0)
 
     def _verify_forward(self, reqs, tree: DraftTree, root_pos, n_nodes, slots):
         dev = self.device
@@ -276,7 +330,7 @@ class SpecDecoder:
         masks = [tree.mask[b, :n, :n] for b, n in enumerate(n_nodes)]
         fb = ForwardBatch(
             ForwardMode.TARGET_VERIFY, ids, positions, slots,
-            build_attn_metadata(attended_slots(self.sched.req_pool.req_to_token, rows, kv_lens), kv_lens, n_nodes,
+            build_attn_metadata(attended_slots(self.kv.table, rows, kv_lens), kv_lens, n_nodes,
                                 custom_masks=masks),
             self.runner.kv_pool, capture_layers=self.proposer.capture_layers,
         )
@@ -334,13 +388,14 @@ class SpecDecoder:
                 prompts.append(r.origin_input_ids)
                 outputs.append(r.output_ids + paths[b][i])
                 stops.append(r.stop_ids)
-        info = SamplingBatchInfo.from_params(params, gens, prompts, outputs, stops, self.sched.vocab_size, self.device)
+        info = SamplingBatchInfo.from_params(params, gens, prompts, outputs, stops, self.runner.spec.vocab_size,
+                                             self.device)
         processed = apply_penalties_and_bias(logits.view(B * N, V), info)
         return info, processed.view(B, N, V)
 
     # ------------------------------------------------------------------ speculative steps: the output part
     def process(self, record: StepRecord) -> tuple[list[ReqOutput], list[tuple[Req, int]]]:
-        """The step's tokens through the scheduler's finish checks in order (stop strings included), logprobs,
+        """The step's tokens through the output processor's finish checks in order (stop strings included), logprobs,
         counters and outputs. -> (outputs, [(finished request, its output length)] for ``release_done``).
 
         Touches only output-side request state (stop checker, text, logprobs, counters, finish reason), so the
@@ -357,7 +412,7 @@ class SpecDecoder:
                     req.top_logprobs.append(lp[b][1][k])
                     req.ids_logprobs.append(lp[b][2][k])
                 emitted += 1
-                self.sched._check_finish(req, tok, record.n_out[b] + k + 1)
+                self.outputs.check_finish(req, tok, record.n_out[b] + k + 1)
                 if req.finished:
                     break
             if record.stopped[b] and not req.finished:
@@ -366,7 +421,7 @@ class SpecDecoder:
             completion = record.n_out[b] + emitted
             if req.finished:
                 done.append((req, completion))
-            if (out := self.sched._step_output(req, completion)) is not None:
+            if (out := self.outputs.step_output(req, completion)) is not None:
                 outputs.append(out)
         return outputs, done
 
@@ -375,13 +430,10 @@ class SpecDecoder:
         past their finish (a stop string is found one step late with the overlap scheduler)."""
         for req, completion in done:
             if len(req.output_ids) > completion:
-                self.sched.stats.spec_trimmed_finishes += 1
+                self.stats.trimmed_finishes += 1
             del req.output_ids[completion:]
-            if req.kv_len > req.seq_len:  # KV past the trimmed end: free it
-                row = req.req_pool_idx
-                self.sched.allocator.free(self.sched.req_pool.req_to_token[row, req.seq_len : req.kv_len].clone())
-                req.kv_len = req.seq_len
-            self.sched._release(req)
+            self.kv.trim(req)  # KV past the trimmed end
+            self.outputs.release(req)
 
     def _commit_slots(self, reqs: list[Req], root_pos: list[int], slots: torch.Tensor, n_nodes: list[int],
                       kept: list[list[int]]) -> None:
@@ -390,24 +442,23 @@ class SpecDecoder:
         offsets = [0, *accumulate(n_nodes)][:-1]  # [B] first row of each request
         flat_kept = torch.tensor([off + node for off, nodes in zip(offsets, kept, strict=True) for node in nodes],
                                  dtype=torch.int64, device=slots.device)  # [kept total] rows of slots
-        rows, cols = self._table_cells(reqs, root_pos, [len(nodes) for nodes in kept])
-        self.sched.req_pool.req_to_token[rows, cols] = slots[flat_kept]
+        self.kv.write(*self.kv.cells(reqs, root_pos, [len(nodes) for nodes in kept]), slots[flat_kept])
         dropped = torch.ones(len(slots), dtype=torch.bool, device=slots.device)
         dropped[flat_kept] = False
-        self.sched.allocator.free(slots[dropped])
+        self.kv.free(slots[dropped])
         for req, pos, nodes in zip(reqs, root_pos, kept, strict=True):
             req.kv_len = pos + len(nodes)
 
     def _count(self, req: Req, accepted_drafts: int, appended: int, drafted: int, depth: int) -> None:
         """Counters of one request's verify step; `depth` = its tree's deepest drafted node."""
-        stats = self.sched.stats
-        add_step(stats.spec_accepted_per_position, accepted_drafts, depth)
+        stats = self.stats
+        add_step(stats.accepted_per_position, accepted_drafts, depth)
         add_step(req.spec_accept_per_position, accepted_drafts, depth)
-        stats.spec_verify_ct += 1
-        stats.spec_accepted_drafts += accepted_drafts
-        stats.spec_drafted += drafted
-        stats.generated_tokens += appended
-        stats.spec_tokens += appended
+        stats.verify_ct += 1
+        stats.accepted_drafts += accepted_drafts
+        stats.drafted += drafted
+        stats.tokens += appended
+        self.outputs.generated_tokens += appended
         req.spec_verify_ct += 1
         req.spec_accepted_drafts += accepted_drafts
         req.spec_drafted += drafted

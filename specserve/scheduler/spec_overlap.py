@@ -37,7 +37,7 @@ import torch
 from specserve.omp import release_thread_pool
 
 if TYPE_CHECKING:
-    from specserve.scheduler.req import Req, ReqOutput
+    from specserve.request import Req, ReqOutput
     from specserve.scheduler.spec_decode import SpecDecoder, StepRecord
     from specserve.speculative.batch_policy import TreeShape
 
@@ -87,7 +87,7 @@ class OverlapPipeline:
 
     def _forward(self, reqs: list[Req], shape: TreeShape) -> StepRecord:
         with torch.inference_mode():  # per thread, like the scheduler thread's
-            self.spec._flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens
+            self.spec.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens
             return self.spec.forward_step(reqs, shape)
 
 

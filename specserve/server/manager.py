@@ -28,7 +28,7 @@ from specserve.config import ConfigError, ServerArgs
 from specserve.engine import load_tokenizer
 from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, merge_outputs
 from specserve.models.loader import ModelLoadError, resolve_model_path
-from specserve.scheduler.req import ReqOutput
+from specserve.request import ReqOutput
 from specserve.server.metrics import ServerMetrics
 from specserve.server.worker import ReqSpec
 from specserve.server.worker_client import WorkerProcess

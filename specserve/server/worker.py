@@ -38,9 +38,9 @@ import torch
 from specserve.config import ServerArgs
 from specserve.engine import SchedulerLoop, _server_info, load_tokenizer
 from specserve.models.loader import dtype_name
+from specserve.request import Req, ReqOutput
 from specserve.sampling.detokenizer import StopChecker
 from specserve.sampling.params import SamplingParams
-from specserve.scheduler.req import Req, ReqOutput
 from specserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -73,14 +73,8 @@ class ReqSpec:
 
 
 def runtime_state(s: Scheduler) -> dict:
-    """What /get_server_info and /metrics report: the Engine's server info plus KV-lock details."""
-    return {
-        **_server_info(s),
-        "kv_locked_tokens": s.tree.protected_size(),
-        "num_chunked_reqs": int(s.chunked is not None),
-        "free_req_rows": s.req_pool.available_size(),
-        "worker_pid": os.getpid(),
-    }
+    """What /get_server_info and /metrics report: the Engine's server info and the worker's pid."""
+    return {**_server_info(s), "worker_pid": os.getpid()}
 
 
 CALLS = {

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from specserve.models.llama import ModelOutput
-    from specserve.scheduler.req import Req
+    from specserve.request import Req
     from specserve.speculative.batch_policy import TreeShape
     from specserve.speculative.tree import DraftTree
 
@@ -124,12 +124,13 @@ def register_proposer(algorithm: str):
     return deco
 
 
-def create_proposer(args, runner, alloc) -> Proposer:
+def create_proposer(args, runner, kv) -> Proposer:
     """args.speculative_algorithm -> a Proposer bound to the target runner.
 
-    alloc(n) -> n free KV slot indices (evicting from the prefix cache when needed) or None.
+    kv: the ``KVManager`` (``kv.alloc(n)`` -> n free slots or None, ``kv.free``, ``kv.table``); a drafter with its own
+    KV pool indexes it by the same slots.
     """
-    return proposer_class(args, runner.spec)(args, runner, alloc)
+    return proposer_class(args, runner.spec)(args, runner, kv)
 
 
 def proposer_class(args, target_spec) -> type[Proposer]:

@@ -92,8 +92,8 @@ class EagleProposer(Proposer):
     #: a float32 draft with MixedLinears keeps its KV in HALF_DRAFT_DTYPE and runs its large forwards in it
     half_precision_calls = True
 
-    def __init__(self, args, runner, alloc) -> None:
-        self.args, self.runner, self.alloc = args, runner, alloc
+    def __init__(self, args, runner, kv) -> None:
+        self.args, self.runner, self.kv = args, runner, kv
         self.target = runner.model
         self.device = runner.device
         self.steps = args.speculative_num_steps
@@ -247,7 +247,7 @@ class EagleProposer(Proposer):
         and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
         may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
-        fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.runner.req_to_token_pool.req_to_token,
+        fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.kv.table,
                           [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h]
@@ -314,12 +314,12 @@ class EagleProposer(Proposer):
         -> the number of draft forwards run."""
         dev, B = self.device, len(reqs)
         h_dim = live_hidden.shape[-1]
-        scratch = self.alloc(B * K * (S - 1))
+        scratch = self.kv.alloc(B * K * (S - 1))
         if scratch is None:
             raise RuntimeError("no KV slots for drafting (the scheduler should have reserved them)")
         scratch = scratch.view(B, S - 1, K)
         base = [r.seq_len - 1 + self.root_offset for r in reqs]  # [B] draft position of level 1
-        keys = TreeKeys.build(self.runner.req_to_token_pool.req_to_token, [r.req_pool_idx for r in reqs], base,
+        keys = TreeKeys.build(self.kv.table, [r.req_pool_idx for r in reqs], base,
                               scratch.view(B, -1))
         positions = torch.tensor(base, device=dev).repeat_interleave(K)  # [B*K] level-1 positions
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
@@ -342,7 +342,7 @@ class EagleProposer(Proposer):
                 live_hidden = out_hidden.gather(1, branch.unsqueeze(-1).expand(B, K, h_dim))
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:
-            self.runner.allocator.free(scratch.reshape(-1))
+            self.kv.free(scratch.reshape(-1))
 
 
 @dataclass

@@ -39,8 +39,8 @@ def eagle3_capture_layers(num_layers: int, aux_layer_ids: list[int] | None) -> t
 class Eagle3Proposer(EagleProposer):
     head_registry = {"LlamaForCausalLMEagle3": Eagle3Head}
 
-    def __init__(self, args, runner, alloc) -> None:
-        super().__init__(args, runner, alloc)
+    def __init__(self, args, runner, kv) -> None:
+        super().__init__(args, runner, kv)
         self.capture_layers = eagle3_capture_layers(runner.spec.num_layers, self.head.aux_layer_ids())
         head_vocab = self.head.draft_vocab_size
         self.d2t_ids = None  # [Vd] target id of each draft id; None = the identity (no gather per draft level)

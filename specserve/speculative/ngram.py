@@ -36,7 +36,7 @@ def force_greedy_verify_from_env() -> bool:
 
 @register_proposer("NGRAM")
 class NgramProposer(Proposer):
-    def __init__(self, args, runner, alloc) -> None:
+    def __init__(self, args, runner, kv) -> None:
         self.device = runner.device
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.cache = NgramCache.from_server_args(args, self.num_draft_tokens)

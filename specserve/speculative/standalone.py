@@ -91,10 +91,10 @@ class StandaloneProposer(EagleProposer):
         """Extend over tokens[b] from position starts[b]; where with_root[b], the last token is the root and its KV
         goes to a freshly held slot; those requests get a new DraftState."""
         rooted = [r for r, w in zip(reqs, with_root, strict=True) if w]
-        held = self.alloc(len(rooted)) if rooted else None
+        held = self.kv.alloc(len(rooted)) if rooted else None
         if rooted and held is None:
             raise RuntimeError("no KV slot for the draft's root (the scheduler should have reserved it)")
-        table = self.runner.req_to_token_pool.req_to_token
+        table = self.kv.table
         for i, req in enumerate(rooted):
             table[req.req_pool_idx, req.seq_len - 1] = held[i]
         last = self._extend(reqs, starts, tokens, None)
@@ -123,7 +123,7 @@ class StandaloneProposer(EagleProposer):
     def _free_root_slot(self, req) -> None:
         state = req.spec_state
         if state is not None and state.root_slot is not None:
-            self.runner.allocator.free(state.root_slot)
+            self.kv.free(state.root_slot)
             state.root_slot = None
 
     def release(self, req) -> None:

@@ -102,7 +102,7 @@ def _eagle3_trees(prompts, monkeypatch, full_depth: bool, **kw):
     with Engine(model_path="demo", dtype="float32", **CASES["EAGLE3"][1], speculative_num_steps=5,
                 speculative_eagle_topk=4, speculative_num_draft_tokens=8, **kw) as e:
         outs = e.generate(prompts, GREEDY)
-        prop = e.loop.scheduler.spec.proposer
+        prop = e.loop.scheduler.decoder.proposer
     monkeypatch.undo()
     return [o["output_ids"] for o in outs], trees, prop.draft_forwards, prop.draft_trees
 

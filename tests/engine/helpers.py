@@ -37,13 +37,13 @@ def assert_no_kv_leak(engine: Engine) -> None:
 
     def check(s):
         assert not s.running and not s.waiting and s.chunked is None
-        assert s.tree.protected_size() == 0
-        s.tree._check_invariants()
-        free = s.allocator.free_slots_sorted()
-        cached = s.tree.all_values()
+        assert s.kv.tree.protected_size() == 0
+        s.kv.tree._check_invariants()
+        free = s.kv.allocator.free_slots_sorted()
+        cached = s.kv.tree.all_values()
         everything = torch.sort(torch.cat([free, cached])).values
         assert torch.equal(everything, torch.arange(1, s.runner.max_total_tokens + 1)), "slot leak or double free"
-        assert s.req_pool.available_size() == s.req_pool.max_reqs
+        assert s.kv.req_pool.available_size() == s.kv.req_pool.max_reqs
         return True
 
     assert engine.loop.call(check)

@@ -306,7 +306,7 @@ def test_kv_capacity_pays_for_the_draft(model_factory, algorithm):
     if algorithm == "STANDALONE":
         kw["speculative_draft_model_path"] = draft
     with Engine(model_path=path, mem_fraction_static=0.5, cpu_memory_budget_gb=0.01, **kw) as e:
-        runner, proposer = e.scheduler.runner, e.scheduler.spec.proposer
+        runner, proposer = e.scheduler.runner, e.scheduler.decoder.proposer
         spec = runner.spec
         target_per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
         if algorithm == "NGRAM":
@@ -329,4 +329,4 @@ def test_kv_capacity_from_mem_fraction(model_factory):
         per_tok = 2 * runner.spec.num_layers * runner.spec.num_kv_heads * runner.spec.head_dim * 4
         expected = (int(0.01 * 2**30 * 0.5) - runner.weight_bytes()) // per_tok
         assert runner.max_total_tokens == min(expected, runner.max_running_requests * runner.context_len + 1)
-        assert torch.equal(e.scheduler.allocator.free_slots_sorted(), torch.arange(1, runner.max_total_tokens + 1))
+        assert torch.equal(e.scheduler.kv.allocator.free_slots_sorted(), torch.arange(1, runner.max_total_tokens + 1))

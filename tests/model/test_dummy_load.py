@@ -68,7 +68,7 @@ def test_dummy_draft_head_too(model_factory, tmp_path):
     kw = spec_kwargs("EAGLE3", bare_head, 3, 1, 4)
     with Engine(model_path=_without_weights(target, tmp_path / "t"), load_format="dummy", max_total_tokens=2048,
                 **kw) as e:
-        d2t = e.scheduler.spec.proposer.head.d2t
+        d2t = e.scheduler.decoder.proposer.head.d2t
         outs = e.generate(PROMPTS[:2], greedy(8))
     assert d2t.numel() == 200 and torch.all(d2t == 0)  # identity draft -> target map
     assert all(len(o["output_ids"]) == 8 for o in outs)

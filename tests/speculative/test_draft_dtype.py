@@ -52,7 +52,7 @@ def _gate(target: str, kw: dict, want_dtype: torch.dtype, min_accept_length: flo
     with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
         plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
     with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
-        proposer = e.scheduler.spec.proposer
+        proposer = e.scheduler.decoder.proposer
         assert proposer.draft_dtype == want_dtype
         assert {p.dtype for p in proposer.head.parameters()} == {want_dtype}
         assert proposer.kv_pool.dtype == (kv_dtype or want_dtype)
@@ -93,7 +93,7 @@ def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_p
     _gate(path, kw, F32, min_accept_length=1.2, kv_dtype=BF16)
     with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
         assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
-        hot = e.scheduler.spec.proposer.hot_head.proj
+        hot = e.scheduler.decoder.proposer.hot_head.proj
         assert isinstance(hot, MixedLinear) and hot.weight.dtype == F32
 
 
@@ -109,7 +109,7 @@ def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory, 
     with Engine(model_path=path, max_total_tokens=4096, **target_kw) as e:
         want = e.generate(PROMPTS[0], greedy(24))["output_ids"]
     with Engine(model_path=path, max_total_tokens=4096, **target_kw, **kw) as e:
-        assert any(isinstance(m, MixedLinear) for m in e.scheduler.spec.proposer.head.modules())
+        assert any(isinstance(m, MixedLinear) for m in e.scheduler.decoder.proposer.head.modules())
         out = e.generate(PROMPTS[0], greedy(24))
     assert out["output_ids"] == want
     assert_drafting_happened([out], min_accept_length=1.5)
@@ -129,7 +129,7 @@ def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_pat
         plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
         lone = e.generate(PROMPTS[0], greedy(24))["output_ids"]
     with Engine(model_path=target, max_total_tokens=4096, **target_kw, **kw) as e:
-        proposer = e.scheduler.spec.proposer
+        proposer = e.scheduler.decoder.proposer
         assert proposer.draft_dtype == F32 and proposer.kv_pool.dtype == BF16 and proposer.half_dtype == BF16
         seen = []
         pick = proposer.compute_dtype

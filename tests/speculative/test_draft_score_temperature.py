@@ -73,7 +73,7 @@ def _run_recording_trees(target: str, kw: dict, params, peaky: bool = True) -> t
     are multiplied by PEAKY (any draft is allowed: verification decides)."""
     trees = []
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
-        prop = e.loop.scheduler.spec.proposer
+        prop = e.loop.scheduler.decoder.proposer
         propose, draft_logits = prop.propose, prop._draft_logits
 
         def recording(reqs, shape=None):

@@ -51,8 +51,8 @@ def test_greedy_equals_plain_with_self_head(target, vocab, plain, tmp_path, tree
         assert_drafting_happened(outs, min_accept_length=1.2)
         assert_no_kv_leak(e)
         # an identity d2t maps nothing (no gather per draft level); a real map is kept
-        assert (e.loop.scheduler.spec.proposer.d2t_ids is None) == (draft_vocab in ("target", "identity"))
-        assert e.loop.scheduler.spec.proposer.distinct_ids  # every map here is injective: no duplicate merge
+        assert (e.loop.scheduler.decoder.proposer.d2t_ids is None) == (draft_vocab in ("target", "identity"))
+        assert e.loop.scheduler.decoder.proposer.distinct_ids  # every map here is injective: no duplicate merge
 
 
 def test_d2t_with_repeats_keeps_merging_duplicate_siblings(target, vocab, plain, tmp_path):
@@ -61,7 +61,7 @@ def test_d2t_with_repeats_keeps_merging_duplicate_siblings(target, vocab, plain,
     half = sorted(_perm(vocab)[: vocab // 2])
     head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self", draft_vocab=half + half)
     with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE3", head, 4, 3, 8)) as e:
-        assert e.loop.scheduler.spec.proposer.distinct_ids is False
+        assert e.loop.scheduler.decoder.proposer.distinct_ids is False
         outs = e.generate(PROMPTS, greedy(20))
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, min_accept_length=1.2)

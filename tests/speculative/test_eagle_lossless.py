@@ -56,7 +56,7 @@ def test_draft_stop_threshold_keeps_greedy_output(target, heads, plain, tree, ki
     kw = spec_kwargs("EAGLE", heads[kind], *tree, speculative_draft_stop_threshold=0.5)
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         outs = e.generate(PROMPTS, greedy(24))
-        prop = e.loop.scheduler.spec.proposer
+        prop = e.loop.scheduler.decoder.proposer
         assert [o["output_ids"] for o in outs] == plain
         assert prop.draft_forwards < (tree[0] - 1) * prop.draft_trees  # stops happened
         if kind == "self":
@@ -83,7 +83,7 @@ def test_always_wrong_draft_accepts_nothing_and_changes_nothing(target, heads, p
 
     kw = spec_kwargs("EAGLE", heads["self"], 3, 1, 4, disable_speculative_auto_off=True)  # speculate every step
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
-        proposer = e.scheduler.spec.proposer
+        proposer = e.scheduler.decoder.proposer
         truth = {p: out for p, out in zip(PROMPTS, plain, strict=True)}
         by_prompt_ids = {tuple(e.tokenizer.encode(p)): truth[p] for p in PROMPTS}
 
@@ -191,7 +191,7 @@ def test_sampled_distribution_matches_plain(target, heads, stop_threshold):
                      speculative_batch_token_budget=0, disable_speculative_auto_off=True)
     with Engine(model_path=target, max_total_tokens=8192, **kw) as e:
         outs = e.generate(prompts, [{**p, "seed": p["seed"] + 10_000} for p in params])
-        prop = e.loop.scheduler.spec.proposer
+        prop = e.loop.scheduler.decoder.proposer
     assert_drafting_happened(outs)
     # every step drafted a tree; with the threshold none reached its one draft level
     assert prop.draft_trees > 0 and prop.draft_forwards == (0 if stop_threshold else prop.draft_trees)

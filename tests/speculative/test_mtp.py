@@ -130,7 +130,7 @@ def test_mtp_layer_matches_the_published_formula(tmp_path, tokenizer_dir):
 
 # ---------------------------------------------------------------------- drafter selection
 def _proposer_name(engine) -> str:
-    return engine.loop.call(lambda s: type(s.spec.proposer).__name__)
+    return engine.loop.call(lambda s: type(s.decoder.proposer).__name__)
 
 
 def test_eagle_without_draft_path_needs_mtp_layers(tmp_path, tokenizer_dir, model_factory, caplog):
@@ -175,7 +175,7 @@ def test_draft_dtype_flag_is_ignored_with_a_warning(mimo, plain, caplog):
     kw = spec_kwargs("EAGLE", None, 3, 1, 4, speculative_draft_dtype="bfloat16")
     with caplog.at_level(logging.WARNING, logger="specserve.speculative.mtp"), \
             Engine(model_path=mimo["self"], max_total_tokens=4096, **kw) as e:
-        proposer = e.scheduler.spec.proposer
+        proposer = e.scheduler.decoder.proposer
         assert proposer.draft_dtype == e.scheduler.runner.dtype == torch.float32
         assert proposer.kv_pool.dtype == torch.float32
         outs = e.generate(PROMPTS, greedy(24))

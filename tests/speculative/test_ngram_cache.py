@@ -360,12 +360,12 @@ def test_the_ngram_proposer_logs_the_warning(monkeypatch, caplog):
     runner = SimpleNamespace(device="cpu")
     monkeypatch.setattr(ngram, "physical_ram_bytes", lambda: 2**30)
     with caplog.at_level(logging.WARNING, logger="specserve.speculative.ngram"):
-        ngram.NgramProposer(args, runner, alloc=None)
+        ngram.NgramProposer(args, runner, kv=None)
     assert any("--speculative-ngram-capacity" in r.getMessage() for r in caplog.records)
     caplog.clear()
     monkeypatch.setattr(ngram, "physical_ram_bytes", lambda: 1024 * 2**30)
     with caplog.at_level(logging.WARNING, logger="specserve.speculative.ngram"):
-        proposer = ngram.NgramProposer(args, runner, alloc=None)
+        proposer = ngram.NgramProposer(args, runner, kv=None)
     assert not caplog.records and proposer.cache.capacity == 10_000_000
 
 

@@ -75,7 +75,7 @@ def test_seeded_sampling_is_the_same_alone_batched_and_without_speculation(targe
         batch = e.generate(REPETITIVE[:5], [mates[0], sp, *mates[1:], greedy(40)])
         assert_no_kv_leak(e)
         # the default --speculative-ngram-capacity (10M nodes) is a cap: storage holds only the nodes in use
-        cache = e.scheduler.spec.proposer.cache
+        cache = e.scheduler.decoder.proposer.cache
         assert cache.capacity == 10_000_000 and cache.allocated_nodes == cache.num_nodes + 1 < 20_000
     assert alone["output_ids"] == batch[1]["output_ids"] == plain_ids
     assert alone["meta_info"]["spec_accept_histogram"] != batch[1]["meta_info"]["spec_accept_histogram"]
@@ -111,7 +111,7 @@ def test_force_greedy_verify_env_is_lossy_argmax(target, plain, monkeypatch):
     greedily (so a temperature-1 request accepts drafts a lossless sampler would often reject)."""
     monkeypatch.setenv("SGLANG_NGRAM_FORCE_GREEDY_VERIFY", "True")
     with Engine(model_path=target, max_total_tokens=8192, **NGRAM) as e:
-        assert e.scheduler.spec.proposer.force_greedy_verify
+        assert e.scheduler.decoder.proposer.force_greedy_verify
         outs = e.generate(REPETITIVE, {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True, "seed": 3})
     # every token after the first comes from an argmax walk + argmax bonus: the greedy continuation of token 1
     with Engine(model_path=target, max_total_tokens=8192) as e:
@@ -122,7 +122,7 @@ def test_force_greedy_verify_env_is_lossy_argmax(target, plain, monkeypatch):
 
 def test_no_match_gives_a_root_only_tree(target):
     with Engine(model_path=target, max_total_tokens=1024, **NGRAM) as e:
-        proposer = e.scheduler.spec.proposer
+        proposer = e.scheduler.decoder.proposer
         proposer.cache.reset()
         req = SimpleNamespace(fill_ids=[11, 12, 13, 14], last_token=14)
         tree = proposer.propose([req])

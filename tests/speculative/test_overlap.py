@@ -89,7 +89,7 @@ def test_draft_stop_threshold_shortens_chains_and_keeps_outputs(target, self_hea
     kw = v2("EAGLE", self_head, speculative_draft_stop_threshold=0.5)
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         first, late = staggered(e, PROMPTS[:6], [greedy(n) for n in LENGTHS], LATE, greedy(24))
-        prop, info = e.loop.scheduler.spec.proposer, e.get_server_info()
+        prop, info = e.loop.scheduler.decoder.proposer, e.get_server_info()
         assert_no_kv_leak(e)
     assert [o["output_ids"] for o in first] == plain[0]
     assert [o["output_ids"] for o in late] == plain[1]

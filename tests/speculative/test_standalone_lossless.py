@@ -49,7 +49,7 @@ def test_draft_stop_threshold_cuts_chains_to_one_draft(target, plain):
     kw = spec_kwargs("STANDALONE", target, 4, 1, 5, speculative_draft_stop_threshold=0.99)
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         outs = e.generate(PROMPTS, greedy(24))
-        prop = e.loop.scheduler.spec.proposer
+        prop = e.loop.scheduler.decoder.proposer
         assert [o["output_ids"] for o in outs] == plain
         assert prop.draft_trees > 0 and prop.draft_forwards == 0
         for o in outs:

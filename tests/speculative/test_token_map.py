@@ -209,7 +209,7 @@ def plain(target):
 
 def _record_drafts(engine: Engine) -> list[int]:
     """Wrap the proposer so every drafted (non-root, real) tree token is recorded."""
-    proposer = engine.scheduler.spec.proposer
+    proposer = engine.scheduler.decoder.proposer
     drafted: list[int] = []
     propose = proposer.propose
 
@@ -290,7 +290,7 @@ def test_gate_bf16_target_with_packed_lm_head(model_factory, tmp_path):
     kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"),
                      speculative_draft_dtype="bfloat16")
     with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
-        proposer = e.scheduler.spec.proposer
+        proposer = e.scheduler.decoder.proposer
         assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
         assert isinstance(proposer.hot_head.proj, PackedLinear)
         outs = e.generate(PROMPTS, greedy(24))
@@ -311,7 +311,7 @@ def test_eagle3_ignores_the_token_map(model_factory, tmp_path, caplog):
     kw = spec_kwargs("EAGLE3", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
     with caplog.at_level(logging.WARNING, logger="specserve.config"):
         with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
-            assert e.scheduler.spec.proposer.hot_head is None
+            assert e.scheduler.decoder.proposer.hot_head is None
             outs = e.generate(PROMPTS, greedy(20))
     assert "--speculative-token-map is ignored with EAGLE3" in caplog.text
     assert [o["output_ids"] for o in outs] == want

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from specserve.config import ConfigError
 from specserve.frontend import RequestError, RequestFactory, prepare_requests
-from specserve.scheduler.req import ReqOutput
+from specserve.request import ReqOutput
 from specserve.server import openai_format as fmt
 from specserve.server.errors import from_request_error, loc_to_param
 from specserve.server.manager import Job, read_chat_template

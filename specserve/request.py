@@ -1,4 +1,4 @@
-"""Req: one generation request's state inside the scheduler, and ReqOutput: what a step reports for it."""
+"""Req: one generation request's state inside the engine, and ReqOutput: what a step reports for it."""
 
 from __future__ import annotations
 

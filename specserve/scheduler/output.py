@@ -1,0 +1,153 @@
+"""OutputProcessor: what happens to a request's tokens once a forward produced them.
+
+Sampling a step's logits and appending the tokens (``sample_and_append``), the finish checks (stop ids, stop strings,
+max_new_tokens, the context length) and the per-step ``ReqOutput`` deltas with their streaming rule. Prefill, plain
+decode and speculative decode all emit tokens through it, so a request ends at exactly the same token whichever
+produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from specserve.request import Req, ReqOutput
+from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, greedy_ids, is_plain_greedy, sample
+
+
+class OutputProcessor:
+    def __init__(self, stream_interval: int, context_len: int, vocab_size: int, device,
+                 release: Callable[[Req], None]) -> None:
+        self.stream_interval, self.context_len, self.vocab_size, self.device = (
+            stream_interval, context_len, vocab_size, device)
+        self.release = release  # gives back a finished request's KV and decoding state
+        self.reports_spec_meta = False  # outputs carry the request's speculative counters (set by the decoder)
+        self.generated_tokens = 0  # tokens appended to outputs since start
+
+    # ------------------------------------------------------------------ sampling
+    def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+        """logits [B, V] (one row per req) -> sample, append, check finish, release finished -> outputs due."""
+        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
+            next_ids = greedy_ids(logits)  # nothing to process: skip building the sampling batch
+        else:
+            info = SamplingBatchInfo.from_params(
+                [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
+                [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
+            )
+            next_ids = sample(logits, info)
+        lp = _logprobs(reqs, logits, next_ids)
+        outputs = []
+        for i, (req, tok) in enumerate(zip(reqs, next_ids.tolist(), strict=True)):
+            if lp is not None and req.wants_logprobs():
+                req.logprobs.append((float(lp[0][i]), tok))
+                req.top_logprobs.append(lp[1][i])
+                req.ids_logprobs.append(lp[2][i])
+            req.output_ids.append(tok)
+            self.check_finish(req, tok, len(req.output_ids))
+            self.generated_tokens += 1
+            if req.finished:
+                self.release(req)
+            if (out := self.step_output(req)) is not None:
+                outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ finishing
+    def check_finish(self, req: Req, tok: int, n_out: int) -> None:
+        """Decide whether req finishes on `tok`, its n_out-th output token (stop strings see it here)."""
+        past_min = n_out >= req.params.min_new_tokens
+        matched = None
+        stop_id = self.hits_stop_id(req, tok, n_out)
+        if req.stop_checker is not None and not (stop_id and not req.params.no_stop_trim):
+            text, matched = req.stop_checker.add([tok], allow_match=past_min)  # a matched stop id shows no text
+            req.pending_text += text
+        if stop_id:
+            req.finished_reason = {"type": "stop", "matched": tok}
+        elif matched is not None:
+            req.finished_reason = {"type": "stop", "matched": matched}
+            return
+        elif self.ends_by_length(req, n_out):
+            req.finished_reason = {"type": "length", "length": n_out}
+        if req.finished and req.stop_checker is not None:
+            req.pending_text += req.stop_checker.flush()
+
+    @staticmethod
+    def hits_stop_id(req: Req, tok: int, n_out: int) -> bool:
+        """`tok`, the n_out-th output token, is an EOS / stop_token_id and min_new_tokens is reached."""
+        return n_out >= req.params.min_new_tokens and tok in req.stop_ids
+
+    def ends_by_length(self, req: Req, n_out: int) -> bool:
+        """max_new_tokens or the context length is reached with n_out output tokens."""
+        return n_out >= req.params.max_new_tokens or len(req.origin_input_ids) + n_out >= self.context_len
+
+    def ends_without_text(self, req: Req, tok: int, n_out: int) -> bool:
+        """Whether req finishes on its n_out-th token `tok` for a reason that needs no detokenization (a stop id
+        past min_new_tokens, max_new_tokens, the context length): ``check_finish`` minus stop strings."""
+        return self.hits_stop_id(req, tok, n_out) or self.ends_by_length(req, n_out)
+
+    # ------------------------------------------------------------------ outputs
+    def step_output(self, req: Req, completion: int | None = None) -> ReqOutput | None:
+        """req's output tokens not sent yet, as one output, or None while they may wait (``should_send``).
+
+        completion: output tokens so far (default len(req.output_ids); the overlap scheduler passes its own count,
+        as the forward thread may already have appended the next step's tokens)."""
+        completion = len(req.output_ids) if completion is None else completion
+        if not self.should_send(req, completion):
+            return None
+        wants = req.wants_logprobs()
+        new_ids = req.output_ids[req.sent_tokens : completion]
+        new_logprobs = req.logprobs[req.sent_logprobs :] if wants else []
+        new_top = req.top_logprobs[req.sent_logprobs :] if wants else []
+        new_ids_lp = req.ids_logprobs[req.sent_logprobs :] if wants else []
+        req.sent_tokens, req.sent_logprobs = completion, len(req.logprobs)
+        input_lp = None
+        if req.input_logprobs is not None and not req.sent_input_logprobs:
+            input_lp, req.sent_input_logprobs = req.input_logprobs, True
+        return ReqOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=completion,
+            cached_tokens=req.cached_tokens,
+            new_logprobs=new_logprobs,
+            new_top_logprobs=new_top,
+            new_ids_logprobs=new_ids_lp,
+            input_logprobs=input_lp,
+            new_text=_take_text(req),
+            spec=req.spec_meta(completion) if self.reports_spec_meta else {},
+        )
+
+    def should_send(self, req: Req, completion: int) -> bool:
+        """Whether req's unsent tokens go out now: always when it finishes; its first token at once (time to first
+        token); then, for a streamed request, every ``--stream-interval`` tokens. A non-streaming request's
+        caller only reads the finished result, so its tokens wait for the finish (SGLang's rule)."""
+        if req.finished:
+            return True
+        pending = completion - req.sent_tokens
+        if pending <= 0:
+            return False
+        return req.sent_tokens == 0 or (req.stream and pending >= self.stream_interval)
+
+    def finish_output(self, req: Req, reason: dict) -> ReqOutput:
+        """Finish req with `reason` (an abort, a failure) -> its last output, with any tokens not sent yet."""
+        req.finished_reason = reason
+        out = self.step_output(req)
+        assert out is not None  # a finished request always gets its output
+        return out
+
+
+def _logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor):
+    if not any(r.wants_logprobs() for r in reqs):
+        return None
+    top_n = [r.params.top_logprobs_num if r.wants_logprobs() else 0 for r in reqs]
+    probes = [r.params.token_ids_logprob if r.wants_logprobs() else None for r in reqs]
+    temps = [r.params.temperature if r.params.temp_scaled_logprobs else 1.0 for r in reqs]
+    return compute_logprobs(logits, next_ids, top_n, probes, temps)
+
+
+def _take_text(req: Req) -> str | None:
+    if req.stop_checker is None:
+        return None
+    text, req.pending_text = req.pending_text, ""
+    return text
