@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from specserve.flags import (
+    SPEC_V2_ENV,
+    SPEC_V2_NAMES,
+    ConfigError,
+    env_flag,
+    flag_name,
+    require_choice,
+    require_positive,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +30,6 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 # SGLang's --attention-backend values. specserve has one attention implementation (PyTorch SDPA, SGLang's
 # "torch_native"); the GPU kernel libraries are SGLang's and are not here.
 OWN_ATTENTION_BACKENDS = ("torch_native", "sdpa")
@@ -29,42 +37,7 @@ SGLANG_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "flashmla", "
                              "trtllm_mha", "aiter", "wave", "ascend", "intel_amx", "intel_xpu", "dual_chunk_flash_attn")
 #: --speculative-draft-score-temperature upper bound: far above 1 every candidate scores alike (no use)
 MAX_SCORE_TEMPERATURE = 10.0
-# Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
-
-
-SPEC_V2_ENV = ("SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2")  # the overlap scheduler's switches
-SPEC_V2_NAMES = "--enable-spec-v2 / SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2"
-
-
-def env_flag(names: tuple[str, ...]) -> bool:
-    """True when one of the environment variables (a SPECSERVE_ name and its SGLANG_ twin) is 1, true or yes."""
-    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes") for n in names)
-
-
-class ConfigError(ValueError):
-    """A server argument has an invalid value. The message starts with the flag's name."""
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-#: The default draft tree (steps, topk, draft tokens) of the bundled demo EAGLE-3 head (``demo-eagle3``), chosen
-#: with ``specserve bench-speculative`` (docs/benchmarks.md, session 20): deeper and narrower than SGLang's Llama
-#: default (5, 4, 8), it verified 5.15 against 4.18 tokens a step on the held-out prompts at batch 1 (greedy) and
-#: ran 1.98x against 1.84x plain decoding in the same interleaved run. Any other head keeps the architecture's
-#: default.
-DEMO_EAGLE3_TREE = (8, 3, 12)
-
-
-def is_demo_eagle3(path: str | None) -> bool:
-    """True when a draft path names the bundled demo EAGLE-3 head (``demo-eagle3`` or its folder)."""
-    from specserve.demo_models import demo_path, resolve_demo
-
-    if not path:
-        return False
-    return os.path.realpath(resolve_demo(path)) == os.path.realpath(demo_path("demo-eagle3"))
+__all__ = ["ConfigError", "ServerArgs", "env_flag", "flag_name", "SPEC_V2_ENV", "SPEC_V2_NAMES"]
 
 
 @dataclass
@@ -139,7 +112,8 @@ class ServerArgs:
     num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)."})
     # --- speculative decoding (see docs/formats.md) ---
     speculative_algorithm: str | None = field(
-        default=None, metadata={"help": "EAGLE | EAGLE3 | NEXTN | STANDALONE | NGRAM."}
+        default=None,
+        metadata={"help": "EAGLE | EAGLE3 | NEXTN | STANDALONE | NGRAM (or an algorithm a plugin registers)."}
     )
     speculative_draft_model_path: str | None = field(default=None, metadata={"help": "Draft model folder."})
     speculative_draft_model_revision: str | None = field(default=None, metadata={"help": "Draft revision."})
@@ -194,23 +168,23 @@ class ServerArgs:
         for name in ("dtype", "speculative_draft_dtype"):
             value = getattr(self, name)
             setattr(self, name, {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(value, value))
-            _choice(self, name, DTYPES)
-        _choice(self, "device", DEVICES)
+            require_choice(self, name, DTYPES)
+        require_choice(self, "device", DEVICES)
         self.load_format = self.load_format.lower()
-        _choice(self, "load_format", LOAD_FORMATS)
-        _choice(self, "schedule_policy", SCHEDULE_POLICIES)
+        require_choice(self, "load_format", LOAD_FORMATS)
+        require_choice(self, "schedule_policy", SCHEDULE_POLICIES)
         self.log_level = self.log_level.lower()
-        _choice(self, "log_level", LOG_LEVELS)
-        _positive(self, "context_length", allow_none=True)
-        _positive(self, "max_total_tokens", allow_none=True)
-        _positive(self, "max_running_requests", allow_none=True)
-        _positive(self, "max_queued_requests", allow_none=True)
-        _positive(self, "max_prefill_tokens")
-        _positive(self, "torch_compile_max_bs")
-        _positive(self, "cuda_graph_max_bs", allow_none=True)
+        require_choice(self, "log_level", LOG_LEVELS)
+        require_positive(self, "context_length", allow_none=True)
+        require_positive(self, "max_total_tokens", allow_none=True)
+        require_positive(self, "max_running_requests", allow_none=True)
+        require_positive(self, "max_queued_requests", allow_none=True)
+        require_positive(self, "max_prefill_tokens")
+        require_positive(self, "torch_compile_max_bs")
+        require_positive(self, "cuda_graph_max_bs", allow_none=True)
         self._validate_sglang_only()
-        _positive(self, "num_threads", allow_none=True)
-        _positive(self, "stream_interval")
+        require_positive(self, "num_threads", allow_none=True)
+        require_positive(self, "stream_interval")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -220,8 +194,8 @@ class ServerArgs:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         self._resolve_demo_names()
-        self._validate_speculative()
         self._validate_spec_v2()
+        self._validate_speculative()
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             logger.warning("--enable-mixed-chunk is turned off: speculative steps do not take a prefill chunk")
             self.enable_mixed_chunk = False
@@ -230,7 +204,7 @@ class ServerArgs:
     def _validate_sglang_only(self) -> None:
         """Flags SGLang's launch commands pass whose GPU machinery specserve does not have: checked, then mapped onto
         what specserve does, with a warning wherever the request cannot be met as asked."""
-        _positive(self, "page_size")
+        require_positive(self, "page_size")
         if self.page_size != 1:
             logger.warning("--page-size %d: specserve's KV cache is token-granular (page size 1); using that",
                            self.page_size)
@@ -248,7 +222,7 @@ class ServerArgs:
                            "on PyTorch SDPA (torch_native)", backend)
 
     def _validate_spec_v2(self) -> None:
-        """The overlap scheduler: on by flag or environment; topk 1 only (an explicit topk > 1 fails)."""
+        """The overlap scheduler: on by flag or environment (its topk 1 rule is the draft-tree algorithms')."""
         if self.disable_overlap_schedule:
             self.enable_spec_v2 = False
             return
@@ -259,13 +233,6 @@ class ServerArgs:
         if self.speculative_algorithm is None:
             logger.warning("the overlap scheduler (%s) applies to speculative decoding only; ignored", SPEC_V2_NAMES)
             self.enable_spec_v2 = False
-            return
-        topk = self.speculative_eagle_topk
-        if self.speculative_algorithm != "NGRAM" and topk is not None and topk > 1:
-            raise ConfigError(
-                f"--speculative-eagle-topk {topk}: the overlap scheduler ({SPEC_V2_NAMES}) supports topk 1 only; "
-                "use --speculative-eagle-topk 1 or turn the overlap scheduler off"
-            )
 
     def _resolve_demo_names(self) -> None:
         """``demo``, ``demo-eagle3``, ... name the bundled demo family (``specserve.demo_models``)."""
@@ -277,16 +244,15 @@ class ServerArgs:
             setattr(self, name, resolve_demo(getattr(self, name)))
 
     def _validate_speculative(self) -> None:
+        """The flags every algorithm shares; then the algorithm's own rules (``Proposer.check_args``)."""
         if self.speculative_algorithm is None:
             return
-        self.speculative_algorithm = self.speculative_algorithm.upper()
-        _choice(self, "speculative_algorithm", SPEC_ALGORITHMS)
-        if self.speculative_algorithm == "NEXTN":  # SGLang's alias: same machinery as EAGLE
-            self.speculative_algorithm = "EAGLE"
+        from specserve.speculative.registry import check_speculative_args
+
         if self.speculative_batch_token_budget < 0:
             raise ConfigError(f"--speculative-batch-token-budget must be >= 0 (0 = no shrinking), got "
                               f"{self.speculative_batch_token_budget}")
-        _positive(self, "speculative_disable_batch_size", allow_none=True)
+        require_positive(self, "speculative_disable_batch_size", allow_none=True)
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -297,88 +263,14 @@ class ServerArgs:
         if not 0.0 < self.speculative_draft_score_temperature <= MAX_SCORE_TEMPERATURE:
             raise ConfigError(f"--speculative-draft-score-temperature must be in (0, {MAX_SCORE_TEMPERATURE:g}] "
                               f"(1 = the draft's own probabilities), got {self.speculative_draft_score_temperature}")
-        if self.speculative_algorithm == "NGRAM":
-            self._validate_ngram()
-            return
-        if self.speculative_algorithm in ("EAGLE3", "STANDALONE") and not self.speculative_draft_model_path:
-            raise ConfigError(
-                f"--speculative-draft-model-path is required with --speculative-algorithm {self.speculative_algorithm}"
-            )
-        if self.speculative_token_map and self.speculative_algorithm == "EAGLE3":
-            logger.warning("--speculative-token-map is ignored with EAGLE3 (its head has its own draft vocabulary)")
-            self.speculative_token_map = None
-        self._validate_tree_shape()
-
-    def _validate_tree_shape(self) -> None:
-        """S, K, N: all three or none (then chosen from the target's architecture at load time)."""
-        names = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
-        given = [getattr(self, n) is not None for n in names]
-        if any(given) and not all(given):
-            missing = ", ".join(flag_name(n) for n, g in zip(names, given, strict=True) if not g)
-            raise ConfigError(
-                f"{missing}: give --speculative-num-steps, --speculative-eagle-topk and "
-                "--speculative-num-draft-tokens together, or none of them"
-            )
-        if not all(given):
-            return
-        for n in names:
-            _positive(self, n)
-        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
-        if self.speculative_num_draft_tokens < 2:
-            raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the root plus at least one draft)")
-        if topk == 1 and self.speculative_num_draft_tokens != steps + 1:
-            logger.warning(
-                "--speculative-eagle-topk 1: --speculative-num-draft-tokens set to num_steps + 1 = %d", steps + 1
-            )
-            self.speculative_num_draft_tokens = steps + 1
-        most = max_tree_nodes(steps, topk)
-        if self.speculative_num_draft_tokens > most:
-            raise ConfigError(
-                f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} exceeds what the draft tree can "
-                f"hold: the root plus eagle_topk + (num_steps - 1) * eagle_topk^2 drafted candidates = {most}"
-            )
+        check_speculative_args(self)
 
     def resolve_speculative_defaults(self, architecture: str) -> None:
-        """Fill S, K, N when none was given: the bundled demo EAGLE-3 head its tuned DEMO_EAGLE3_TREE, other
-        Llama-family targets (5, 4, 8), others and STANDALONE (3, 1, 4). The overlap scheduler keeps (3, 1, 4)."""
-        if self.speculative_algorithm is None or self.speculative_num_steps is not None:
-            return
-        if self.speculative_algorithm == "NGRAM":
-            return
-        llama_family = (architecture in LLAMA_FAMILY and self.speculative_algorithm != "STANDALONE"
-                        and not self.enable_spec_v2)  # the overlap scheduler drafts chains (topk 1)
-        steps, topk, tokens = (5, 4, 8) if llama_family else (3, 1, 4)
-        demo_head = self.speculative_algorithm == "EAGLE3" and is_demo_eagle3(self.speculative_draft_model_path)
-        if llama_family and demo_head:
-            steps, topk, tokens = DEMO_EAGLE3_TREE
-        self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = steps, topk, tokens
-        logger.info("speculative tree: num_steps=%d eagle_topk=%d num_draft_tokens=%d", steps, topk, tokens)
+        """Fill the draft tree flags when none was given, as the algorithm chooses for this target architecture
+        (``Proposer.default_tree``)."""
+        from specserve.speculative.registry import resolve_tree_defaults
 
-    def _validate_ngram(self) -> None:
-        for n in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-                  "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
-                  "speculative_ngram_branch_length", "speculative_ngram_capacity"):
-            _positive(self, n)
-        self.speculative_ngram_match_type = self.speculative_ngram_match_type.upper()
-        _choice(self, "speculative_ngram_match_type", ("BFS", "PROB"))
-        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        branch = self.speculative_ngram_branch_length
-        if branch <= 1:
-            raise ConfigError(f"--speculative-ngram-branch-length must be > 1, got {branch}")
-        if not lo <= hi < branch:
-            raise ConfigError(
-                "--speculative-ngram-max-match-window-size: need 0 < min window <= max window < branch length; "
-                f"got min {lo}, max {hi}, branch length {branch}"
-            )
-        if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
-            raise ConfigError(
-                "--speculative-ngram-min-bfs-breadth must be <= --speculative-ngram-max-bfs-breadth, got "
-                f"{self.speculative_ngram_min_bfs_breadth} > {self.speculative_ngram_max_bfs_breadth}"
-            )
-        if self.speculative_num_draft_tokens is None:
-            self.speculative_num_draft_tokens = hi
-        elif self.speculative_num_draft_tokens < 2:
-            raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the root plus at least one draft)")
+        resolve_tree_defaults(self, architecture)
 
     # ------------------------------------------------------------------
     @property
@@ -405,23 +297,3 @@ class ServerArgs:
         if unknown:
             raise ConfigError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
-
-
-def max_tree_nodes(steps: int, topk: int) -> int:
-    """The largest --speculative-num-draft-tokens a (steps, topk) draft can fill: the root plus every candidate the
-    EAGLE-2 rerank chooses from (level 0 drafts topk, each later level topk children of each of topk branches)."""
-    return 1 + topk + (steps - 1) * topk * topk
-
-
-def _choice(args: ServerArgs, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(args, name)
-    if value not in choices:
-        raise ConfigError(f"{flag_name(name)} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _positive(args: ServerArgs, name: str, allow_none: bool = False) -> None:
-    value = getattr(args, name)
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{flag_name(name)} must be a positive integer, got {value!r}")

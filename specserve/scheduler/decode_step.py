@@ -123,7 +123,7 @@ def make_decode_step(ctx: DecodeContext) -> DecodeStep:
     if ctx.args.speculative_algorithm is None:
         return PlainDecode(ctx)
     from specserve.scheduler.spec_decode import SpecDecoder
-    from specserve.speculative.base import create_proposer
+    from specserve.speculative.registry import create_proposer
 
     proposer = create_proposer(ctx.args, ctx.runner, ctx.kv)
     for module in proposer.draft_modules():

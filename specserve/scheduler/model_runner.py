@@ -21,7 +21,7 @@ from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
-from specserve.speculative.base import draft_memory
+from specserve.speculative.registry import draft_memory, lookahead
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ModelRunner:
         self.context_len = self._context_len()
         args.resolve_speculative_defaults(self.spec.architecture)
         # speculation writes a draft tree / verify nodes past a request's last position
-        self.lookahead = _spec_lookahead(args)
+        self.lookahead = lookahead(args)
         self.model.set_max_positions(self.context_len + self.lookahead + 8)
         self.draft_memory = draft_memory(args, self.spec, self.dtype, self.device)
         self.max_total_tokens = self._kv_capacity()
@@ -163,11 +163,3 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
         return self.model(fb)
-
-
-def _spec_lookahead(args: ServerArgs) -> int:
-    """Columns past a request's root that one speculative step may write (draft scratch, then verify nodes)."""
-    if not args.speculative_algorithm:
-        return 0
-    steps, topk = args.speculative_num_steps or 1, args.speculative_eagle_topk or 1
-    return max(args.speculative_num_draft_tokens or 1, steps * topk) + 1

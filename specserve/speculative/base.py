@@ -1,4 +1,4 @@
-"""The proposer interface every speculative algorithm implements, and the registry that picks one.
+"""The proposer interface every speculative algorithm implements (``specserve.speculative.registry`` picks one).
 
 One speculative decode step (driven by ``specserve.scheduler.spec_decode.SpecDecoder``):
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from specserve.flags import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +66,12 @@ class VerifiedStep:
 
 
 class Proposer(ABC):
-    """Drafts candidate trees for a batch of requests. Subclasses live one per file in ``specserve/spec``."""
+    """Drafts candidate trees for a batch of requests. Subclasses live one per file in ``specserve/speculative``,
+    and ``specserve.speculative.registry`` maps each --speculative-algorithm name to one.
+
+    The class methods are the algorithm's start-up rules, which the registry calls before any model is loaded:
+    ``check_args`` (its flags), ``default_tree`` (its draft tree when none is given), ``lookahead`` (how far past a
+    request's last token a step writes) and ``select`` (a more specific class for this target, e.g. EAGLE -> MTP)."""
 
     #: nodes verified per request per step, root included (``--speculative-num-draft-tokens``)
     num_draft_tokens: int
@@ -76,6 +83,36 @@ class Proposer(ABC):
     #: steps - 1 per tree, fewer where drafting stopped early; both stay 0 for drafters without levels (NGRAM)
     draft_trees: int = 0
     draft_forwards: int = 0
+
+    #: --speculative-draft-model-path must be given
+    needs_draft_model: bool = False
+    #: it drafts with the tree flags (--speculative-num-steps / --speculative-eagle-topk): all three or none
+    uses_tree_flags: bool = False
+
+    # ------------------------------------------------------------------ start-up rules (class methods)
+    @classmethod
+    def check_args(cls, args) -> None:
+        """Check (and normalize) this algorithm's flags at start-up; raise ConfigError naming the flag."""
+        if cls.needs_draft_model and not args.speculative_draft_model_path:
+            raise ConfigError(
+                f"--speculative-draft-model-path is required with --speculative-algorithm {args.speculative_algorithm}"
+            )
+
+    @classmethod
+    def default_tree(cls, args, architecture: str) -> tuple[int, int, int] | None:
+        """(num_steps, eagle_topk, num_draft_tokens) when the user gave no tree flags; None leaves them unset."""
+        return None
+
+    @classmethod
+    def lookahead(cls, args) -> int:
+        """Table columns past a request's root one step may write (draft scratch, then verify nodes)."""
+        steps, topk = args.speculative_num_steps or 1, args.speculative_eagle_topk or 1
+        return max(args.speculative_num_draft_tokens or 1, steps * topk) + 1
+
+    @classmethod
+    def select(cls, args, target_spec) -> type[Proposer]:
+        """The class that drafts for this target (default: this one)."""
+        return cls
 
     @classmethod
     def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
@@ -111,56 +148,3 @@ class Proposer(ABC):
         """The draft networks whose ``forward(fb, *tensors)`` may be compiled (``--enable-torch-compile``) and graphed
         (CUDA graphs)."""
         return []
-
-
-PROPOSERS: dict[str, type] = {}
-
-
-def register_proposer(algorithm: str):
-    def deco(cls):
-        PROPOSERS[algorithm] = cls
-        return cls
-
-    return deco
-
-
-def create_proposer(args, runner, kv) -> Proposer:
-    """args.speculative_algorithm -> a Proposer bound to the target runner.
-
-    kv: the ``KVManager`` (``kv.alloc(n)`` -> n free slots or None, ``kv.free``, ``kv.table``); a drafter with its own
-    KV pool indexes it by the same slots.
-    """
-    return proposer_class(args, runner.spec)(args, runner, kv)
-
-
-def proposer_class(args, target_spec) -> type[Proposer]:
-    """The Proposer class --speculative-algorithm selects for this target (EAGLE without a draft path: MTP)."""
-    from specserve.config import ConfigError
-    from specserve.speculative import eagle, eagle3, mtp, ngram, standalone  # noqa: F401 - registration side effects
-
-    algo = args.speculative_algorithm
-    if algo == "EAGLE" and not args.speculative_draft_model_path:
-        algo = _builtin_draft_algorithm(target_spec)
-    cls = PROPOSERS.get(algo)
-    if cls is None:
-        raise ConfigError(f"--speculative-algorithm {algo} is not available in this build yet")
-    return cls
-
-
-def draft_memory(args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
-    """What speculative decoding will allocate beside the target (nothing without it)."""
-    if args.speculative_algorithm is None:
-        return DraftMemory()
-    return proposer_class(args, target_spec).memory_cost(args, target_spec, target_dtype, device)
-
-
-def _builtin_draft_algorithm(spec) -> str:
-    """EAGLE (or NEXTN) without a draft path: the target must draft with its own MTP layers."""
-    from specserve.config import ConfigError
-
-    if int(spec.raw.get("num_nextn_predict_layers") or 0) > 0:
-        return "MTP"
-    raise ConfigError(
-        "--speculative-draft-model-path is required with --speculative-algorithm EAGLE: the target "
-        f"({spec.architecture}) has no built-in MTP layers (num_nextn_predict_layers) to draft with"
-    )

@@ -29,14 +29,14 @@ import torch
 
 from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
 from specserve.cache.kv_pool import KVPool
-from specserve.config import ConfigError
+from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
 from specserve.models.cpu_packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
-from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
 from specserve.speculative.heads.eagle import EAGLE_HEADS
 from specserve.speculative.token_map import HotVocabHead
-from specserve.speculative.tree import DraftTree, EagleCandidates
+from specserve.speculative.tree import DraftTree, EagleCandidates, max_tree_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +80,14 @@ class DraftState:
     root_slot: torch.Tensor | None = None  # [1] a drafter's own KV slot for the root (STANDALONE), else None
 
 
-@register_proposer("EAGLE")
+#: Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
+TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
 class EagleProposer(Proposer):
     head_registry = EAGLE_HEADS
+    uses_tree_flags = True
     #: the draft's top-k ids map to target ids injectively (the target's own vocabulary, or a token map with no
     #: repeats), so the children of a drafted node carry distinct tokens and select() need not merge duplicates
     distinct_ids = True
@@ -117,6 +122,51 @@ class EagleProposer(Proposer):
         spec = self.head_spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
             self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim, kv_dtype, self.device,
+        )
+
+    # ------------------------------------------------------------------ start-up rules
+    @classmethod
+    def check_args(cls, args) -> None:
+        """S, K, N: all three or none (then ``default_tree`` at load time); N within what S levels of K can draft;
+        the overlap scheduler drafts chains only (K = 1)."""
+        super().check_args(args)
+        given = [getattr(args, n) is not None for n in TREE_FLAGS]
+        if any(given) and not all(given):
+            missing = ", ".join(flag_name(n) for n, g in zip(TREE_FLAGS, given, strict=True) if not g)
+            raise ConfigError(
+                f"{missing}: give --speculative-num-steps, --speculative-eagle-topk and "
+                "--speculative-num-draft-tokens together, or none of them"
+            )
+        if args.enable_spec_v2 and args.speculative_eagle_topk is not None and args.speculative_eagle_topk > 1:
+            raise ConfigError(
+                f"--speculative-eagle-topk {args.speculative_eagle_topk}: the overlap scheduler ({SPEC_V2_NAMES}) "
+                "supports topk 1 only; use --speculative-eagle-topk 1 or turn the overlap scheduler off"
+            )
+        if all(given):
+            _check_tree_shape(args)
+
+    @classmethod
+    def default_tree(cls, args, architecture: str) -> tuple[int, int, int]:
+        """SGLang's defaults: (5, 4, 8) for Llama-family targets, else (3, 1, 4); the overlap scheduler keeps
+        (3, 1, 4) (it drafts chains)."""
+        return (5, 4, 8) if cls._deep_default(args, architecture) else (3, 1, 4)
+
+    @staticmethod
+    def _deep_default(args, architecture: str) -> bool:
+        return architecture in LLAMA_FAMILY and not args.enable_spec_v2
+
+    @classmethod
+    def select(cls, args, target_spec) -> type[Proposer]:
+        """EAGLE (or NEXTN) without a draft path: the target must draft with its own MTP layers."""
+        if args.speculative_draft_model_path:
+            return cls
+        if int(target_spec.raw.get("num_nextn_predict_layers") or 0) > 0:
+            from specserve.speculative.mtp import MtpProposer
+
+            return MtpProposer
+        raise ConfigError(
+            "--speculative-draft-model-path is required with --speculative-algorithm EAGLE: the target "
+            f"({target_spec.architecture}) has no built-in MTP layers (num_nextn_predict_layers) to draft with"
         )
 
     # ------------------------------------------------------------------ set-up
@@ -384,3 +434,21 @@ class TreeKeys:
             tree = mask.gather(2, rel.clamp(0, t - 1).expand(B, K, width))  # [B, K, width]
             full = (rel < 0) | (in_tree & tree)
         return AttnMetadata(B, K, self.kv_slots[:, :width], full.unsqueeze(1), False, None, None)
+
+
+def _check_tree_shape(args) -> None:
+    for n in TREE_FLAGS:
+        require_positive(args, n)
+    steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
+    if args.speculative_num_draft_tokens < 2:
+        raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the root plus at least one draft)")
+    if topk == 1 and args.speculative_num_draft_tokens != steps + 1:
+        logger.warning("--speculative-eagle-topk 1: --speculative-num-draft-tokens set to num_steps + 1 = %d",
+                       steps + 1)
+        args.speculative_num_draft_tokens = steps + 1
+    most = max_tree_nodes(steps, topk)
+    if args.speculative_num_draft_tokens > most:
+        raise ConfigError(
+            f"--speculative-num-draft-tokens {args.speculative_num_draft_tokens} exceeds what the draft tree can "
+            f"hold: the root plus eagle_topk + (num_steps - 1) * eagle_topk^2 drafted candidates = {most}"
+        )

@@ -1,6 +1,6 @@
 """MTP proposer: a MiMo-style target drafts with its own multi-token-prediction layer.
 
-Selected by ``create_proposer`` when ``--speculative-algorithm EAGLE`` (or NEXTN) is given WITHOUT
+Selected by ``EagleProposer.select`` when ``--speculative-algorithm EAGLE`` (or NEXTN) is given WITHOUT
 ``--speculative-draft-model-path`` and the target config has ``num_nextn_predict_layers > 0`` (SGLang serves MiMo
 this way). Everything but the head is EAGLE-2's machinery (``EagleProposer``): the MTP layer consumes the same
 inputs as an EAGLE head (the target's post-norm hidden state at position i and the token at i + 1, KV in the
@@ -17,15 +17,14 @@ import torch
 
 from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool
-from specserve.config import ConfigError
+from specserve.flags import ConfigError
 from specserve.models.loader import dtype_name
-from specserve.speculative.base import DraftMemory, register_proposer
+from specserve.speculative.base import DraftMemory
 from specserve.speculative.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
 
 
-@register_proposer("MTP")
 class MtpProposer(EagleProposer):
     def _load_head(self, args):
         """The MTP layer is part of the TARGET's checkpoint and was loaded (and packed for CPU) with it."""

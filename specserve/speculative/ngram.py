@@ -19,8 +19,8 @@ import logging
 
 import torch
 
-from specserve.config import env_flag
-from specserve.speculative.base import PrefillChunk, Proposer, VerifiedStep, register_proposer
+from specserve.flags import ConfigError, env_flag, require_choice, require_positive
+from specserve.speculative.base import PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
 from specserve.speculative.ngram_cache import NgramCache, capacity_memory_warning, physical_ram_bytes
 from specserve.speculative.tree import DraftTree, build_tree
@@ -34,8 +34,38 @@ def force_greedy_verify_from_env() -> bool:
     return env_flag(FORCE_GREEDY_ENV)
 
 
-@register_proposer("NGRAM")
+NGRAM_POSITIVE = ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+                  "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+                  "speculative_ngram_branch_length", "speculative_ngram_capacity")
+
+
 class NgramProposer(Proposer):
+    @classmethod
+    def check_args(cls, args) -> None:
+        """The n-gram flags' ranges; --speculative-num-draft-tokens defaults to the max match window."""
+        for n in NGRAM_POSITIVE:
+            require_positive(args, n)
+        args.speculative_ngram_match_type = args.speculative_ngram_match_type.upper()
+        require_choice(args, "speculative_ngram_match_type", ("BFS", "PROB"))
+        lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+        branch = args.speculative_ngram_branch_length
+        if branch <= 1:
+            raise ConfigError(f"--speculative-ngram-branch-length must be > 1, got {branch}")
+        if not lo <= hi < branch:
+            raise ConfigError(
+                "--speculative-ngram-max-match-window-size: need 0 < min window <= max window < branch length; "
+                f"got min {lo}, max {hi}, branch length {branch}"
+            )
+        if args.speculative_ngram_min_bfs_breadth > args.speculative_ngram_max_bfs_breadth:
+            raise ConfigError(
+                "--speculative-ngram-min-bfs-breadth must be <= --speculative-ngram-max-bfs-breadth, got "
+                f"{args.speculative_ngram_min_bfs_breadth} > {args.speculative_ngram_max_bfs_breadth}"
+            )
+        if args.speculative_num_draft_tokens is None:
+            args.speculative_num_draft_tokens = hi
+        elif args.speculative_num_draft_tokens < 2:
+            raise ConfigError("--speculative-num-draft-tokens must be >= 2 (the root plus at least one draft)")
+
     def __init__(self, args, runner, kv) -> None:
         self.device = runner.device
         self.num_draft_tokens = args.speculative_num_draft_tokens

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from specserve.config import ConfigError
+from specserve.flags import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import logging
 import torch
 
 from specserve.models.registry import MODEL_REGISTRY
-from specserve.speculative.base import PrefillChunk, VerifiedStep, register_proposer
+from specserve.speculative.base import PrefillChunk, VerifiedStep
 from specserve.speculative.eagle import EagleProposer
 from specserve.speculative.token_map import HotVocabHead
 
@@ -29,7 +29,7 @@ def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | 
     """A standalone draft must tokenize exactly like the target: same token -> id map (special tokens included)."""
     from transformers import AutoTokenizer
 
-    from specserve.config import ConfigError
+    from specserve.flags import ConfigError
 
     def vocab(path: str) -> dict[str, int]:
         try:
@@ -46,11 +46,15 @@ def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | 
         )
 
 
-@register_proposer("STANDALONE")
 class StandaloneProposer(EagleProposer):
     head_registry = MODEL_REGISTRY
+    needs_draft_model = True
     root_offset = 1
     half_precision_calls = False  # a full LM drafter keeps float32 throughout (its own embedding, per-layer KV)
+
+    @classmethod
+    def default_tree(cls, args, architecture: str) -> tuple[int, int, int]:
+        return 3, 1, 4  # SGLang's default for a standalone draft, whatever the target
 
     @classmethod
     def kv_layers(cls, draft_spec) -> int:

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from specserve.config import ConfigError
+from specserve.flags import ConfigError
 from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.loader import read_config, resolve_model_path, safetensors_files

@@ -81,6 +81,12 @@ class DraftTree:
         return prefix_lens.to(torch.int64).view(-1, 1) + self.depth
 
 
+def max_tree_nodes(steps: int, topk: int) -> int:
+    """The largest --speculative-num-draft-tokens a (steps, topk) draft can fill: the root plus every candidate the
+    EAGLE-2 rerank chooses from (level 0 drafts topk, each later level topk children of each of topk branches)."""
+    return 1 + topk + (steps - 1) * topk * topk
+
+
 def _valid_mask(num_nodes: Tensor, width: int) -> Tensor:
     return torch.arange(width, device=num_nodes.device).view(1, -1) < num_nodes.view(-1, 1)  # [B, N]
 

@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 
 from specserve.cli import add_server_args, main, server_args_from
-from specserve.config import DEMO_EAGLE3_TREE, ConfigError, ServerArgs, flag_name, max_tree_nodes
+from specserve.config import ConfigError, ServerArgs, flag_name
 from specserve.demo_models import demo_path
+from specserve.speculative.eagle3 import DEMO_EAGLE3_TREE
+from specserve.speculative.tree import max_tree_nodes
 
 
 def parse(argv: list[str]) -> ServerArgs:
