@@ -26,11 +26,11 @@ serve: venv
 	$(BIN)/specserve serve $(SERVE_ARGS)
 
 test: venv
-	$(BIN)/ruff check specserve tests
+	$(BIN)/ruff check specserve tests benchmarks
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 lint: venv
-	$(BIN)/ruff check specserve tests
+	$(BIN)/ruff check specserve tests benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -177,7 +177,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
     """One JSON-ready row per measured configuration (rounds: one dict name -> bench_ngram.Tally per round), with
     its ratios and its greedy agreement with transformers plain."""
-    from specserve.bench.bench_core import compare_ids
+    from specserve.bench.harness import compare_ids
 
     tallies = merge_rounds(rounds)
     asked = setup["common"]["max_new_tokens"]
@@ -315,8 +315,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
     """The selected engines on one device into `loaded`: specserve Engines (KV cache of kv_tokens) and
     transformers models, same dtype and threads."""
     from specserve import Engine
-    from specserve.bench.bench_core import load_hf
     from specserve.bench.bench_ngram import hf_runner, ours_prepare, ours_runner
+    from specserve.bench.harness import load_hf
     from specserve.scheduler.model_runner import resolve_device
 
     device = resolve_device("auto")

@@ -264,7 +264,7 @@ def timed_generate(engine, prompts: list[str], params: dict) -> tuple[float, lis
 
 
 def flush(engine) -> None:
-    from specserve.bench.bench_core import flush_prefix_cache
+    from specserve.bench.harness import flush_prefix_cache
 
     flush_prefix_cache(engine)
 
@@ -304,8 +304,8 @@ def _or_none(x: float) -> float | None:
 
 
 def step_clock(engine):
-    """bench_spec's StepClock (forwards by mode, the drafter's hooks) plus the scheduler's whole decode step."""
-    from specserve.bench.bench_spec import StepClock
+    """StepClock (forwards by mode, the drafter's hooks) plus the scheduler's whole decode step."""
+    from specserve.bench.harness import StepClock
 
     clock = StepClock(engine)
     clock._wrap(engine.scheduler, "_run_decode", lambda: "decode_step")

@@ -93,7 +93,7 @@ def plain_args(args: ServerArgs) -> ServerArgs:
 
 def run_engine(args: ServerArgs, prompts: list[str], params: dict, batch_size: int) -> RunResult:
     """Load an engine, warm it up, flush its prefix cache, then time `prompts` in groups of batch_size."""
-    from specserve.bench.bench_core import flush_prefix_cache
+    from specserve.bench.harness import flush_prefix_cache
     from specserve.engine import Engine
 
     with Engine(**dataclasses.asdict(args)) as engine:
