@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.bench.report import format_table, plot_bars, write_jsonl
+from specserve.bench.report import format_table, missing_extra, plot_bars, write_jsonl
 
 SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
 DTYPES = ("float32", "bfloat16")
@@ -459,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    problem = missing_extra("matplotlib")
+    if problem:
+        print(f"specserve bench-compare: error: {problem}", file=sys.stderr)
+        return 2
     try:
         rows = run_bench(args)
     except (ConfigError, ModelLoadError, OSError) as e:
