@@ -200,13 +200,13 @@ def _build_atomically(path: str, build: Callable[[str], object]) -> str:
 
 
 def ensure_tokenizer(work_dir: str) -> str:
-    from specserve.testing.tiny import build_tokenizer
+    from specserve.test.tiny import build_tokenizer
 
     return _build_atomically(os.path.join(work_dir, "tokenizer"), build_tokenizer)
 
 
 def ensure_model(work_dir: str, name: str, dtype: str, tokenizer_dir: str, **overrides) -> str:
-    from specserve.testing.tiny import make_model_dir
+    from specserve.test.tiny import make_model_dir
 
     def build(tmp: str) -> None:
         _log(f"building model {name} (cached in {work_dir}) ...")

@@ -104,7 +104,7 @@ def bench_batch(engines, batch: int, args: argparse.Namespace, prompts: list[str
 def random_head(target: str, out_dir: str) -> str:
     """A random-weight EAGLE-3 head for `target` in out_dir (draft vocabulary: the first 8192 target ids at most)."""
     from specserve.models.loader import read_config
-    from specserve.testing.tiny import make_eagle3_head_dir
+    from specserve.test.tiny import make_eagle3_head_dir
 
     vocab = read_config(target)["vocab_size"]
     return make_eagle3_head_dir(out_dir, target, kind="random", draft_vocab=list(range(min(vocab, 8192))))

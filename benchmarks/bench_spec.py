@@ -1,7 +1,7 @@
 """Speculative decoding on tiny models: accept length, tokens/s vs no speculation, and per-step overhead.
 
 For each algorithm, a tiny target and a draft whose acceptance is known to be high are built locally (the test
-constructions of ``specserve.testing.tiny``: heads that mirror a one-layer target, the target itself as a
+constructions of ``specserve.test.tiny``: heads that mirror a one-layer target, the target itself as a
 STANDALONE draft, a mirroring MiMo MTP layer, n-gram drafting on repetitive prompts). Real acceptance comes with
 trained demo models; this script shows that the machinery is correct (greedy ids compared with plain decoding)
 and what a speculative step costs on top of a plain one:
@@ -27,7 +27,7 @@ import torch
 from bench_core import measure_pair
 from specserve.bench.harness import StepClock, flush_prefix_cache
 from specserve.speculative.accept_stats import accept_length
-from specserve.testing.tiny import (
+from specserve.test.tiny import (
     build_tokenizer,
     make_eagle3_head_dir,
     make_eagle_head_dir,

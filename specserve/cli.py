@@ -60,7 +60,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
 def demo_model_dir() -> str:
     """A random-weight tiny Llama, built once into a cache folder: the fallback when the bundled demo weights are
     absent (a source checkout before ``specserve build-demo``)."""
-    from specserve.testing.tiny import make_model_dir
+    from specserve.test.tiny import make_model_dir
 
     root = os.path.join(os.path.expanduser("~"), ".cache", "specserve", "demo-random-llama")
     if not os.path.isfile(os.path.join(root, "config.json")):

@@ -7,7 +7,7 @@ import pytest
 
 from bench_overlap import main
 from specserve.speculative.simulate import simulated_acc_len
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 
 
 def test_bench_overlap_smoke(tmp_path, llama_dir, capsys):
