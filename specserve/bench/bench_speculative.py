@@ -122,7 +122,7 @@ def parse_float_list(text: str | None, flag: str, ok: Callable[[float], bool], b
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from specserve.cli import add_server_args
+    from specserve.args import add_server_args
 
     p = argparse.ArgumentParser(prog=f"specserve {COMMAND}", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +175,7 @@ def check_args(ns: argparse.Namespace) -> dict[str, list]:
 
 def base_args(ns: argparse.Namespace) -> ServerArgs:
     """Server arguments from the flags; no --model-path = the bundled demo target with its EAGLE-3 head."""
-    from specserve.cli import server_args_from, use_demo
+    from specserve.args import server_args_from, use_demo
 
     if ns.model_path is None:
         use_demo(ns)

@@ -159,7 +159,7 @@ def format_table(s: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- command
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from specserve.cli import add_server_args
+    from specserve.args import add_server_args
 
     p = argparse.ArgumentParser(prog="specserve eval-acceptance",
                                 description="Acceptance and speed of speculative decoding vs plain decoding.")
@@ -208,7 +208,7 @@ def evaluate(ns: argparse.Namespace, args: ServerArgs) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from specserve.cli import server_args_from
+    from specserve.args import server_args_from
     from specserve.models.loader import ModelLoadError
 
     ns = parse_args(argv)
