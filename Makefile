@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip download -q --no-deps --only-binary=:all: $(SGLANG_CLIENT_PIN) -d $(SGLANG_CLIENTS)
 	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(SGLANG_CLIENTS)/sglang-*.whl')[0]).extract('sglang/bench_serving.py', '$(SGLANG_CLIENTS)')"
 	touch $@
@@ -26,11 +26,11 @@ serve: venv
 	$(BIN)/specserve serve $(SERVE_ARGS)
 
 test: venv
-	$(BIN)/ruff check specserve tests
+	$(BIN)/ruff check specserve tests benchmarks
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 lint: venv
-	$(BIN)/ruff check specserve tests
+	$(BIN)/ruff check specserve tests benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info

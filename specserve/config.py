@@ -1,9 +1,9 @@
 """ServerArgs: the one configuration object of specserve.
 
 Every knob of the engine, the server and the command line is a field here, with SGLang's name. The
-command line (``specserve.cli`` / ``launch_server``) is generated from these fields, and ``validate()``
-is the single place where values are checked, so a bad value fails at start-up with a message naming
-the flag.
+command line (``specserve.args``, used by ``specserve.cli`` and ``launch_server``) is generated from these fields,
+and ``validate()`` is the single place where values are checked, so a bad value fails at start-up with a message
+naming the flag.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from specserve.cli import add_server_args, server_args_from
+from specserve.args import add_server_args, server_args_from
 from specserve.config import LOG_LEVELS, ConfigError, ServerArgs
 from specserve.server.worker import LOG_FORMAT
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.testing.tiny import build_tokenizer, make_model_dir
+from specserve.test.tiny import build_tokenizer, make_model_dir
 
 torch.set_num_threads(2)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.bench.report import format_table, plot_bars, write_jsonl
+from specserve.bench.report import format_table, missing_extra, plot_bars, write_jsonl
 
 SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
 DTYPES = ("float32", "bfloat16")
@@ -177,7 +177,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
     """One JSON-ready row per measured configuration (rounds: one dict name -> bench_ngram.Tally per round), with
     its ratios and its greedy agreement with transformers plain."""
-    from specserve.bench.bench_core import compare_ids
+    from specserve.bench.harness import compare_ids
 
     tallies = merge_rounds(rounds)
     asked = setup["common"]["max_new_tokens"]
@@ -315,8 +315,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
     """The selected engines on one device into `loaded`: specserve Engines (KV cache of kv_tokens) and
     transformers models, same dtype and threads."""
     from specserve import Engine
-    from specserve.bench.bench_core import load_hf
     from specserve.bench.bench_ngram import hf_runner, ours_prepare, ours_runner
+    from specserve.bench.harness import load_hf
     from specserve.scheduler.model_runner import resolve_device
 
     device = resolve_device("auto")
@@ -459,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
+    problem = missing_extra("matplotlib")
+    if problem:
+        print(f"specserve bench-compare: error: {problem}", file=sys.stderr)
+        return 2
     try:
         rows = run_bench(args)
     except (ConfigError, ModelLoadError, OSError) as e:

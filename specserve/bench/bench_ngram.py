@@ -162,7 +162,7 @@ def ours_runner(engine, max_new_tokens: int) -> RunFn:
 def ours_prepare(engine) -> Callable[[], None]:
     """The untimed step before each specserve run: flush the prefix cache, so every prompt is prefilled in full
     (as in transformers)."""
-    from specserve.bench.bench_core import flush_prefix_cache
+    from specserve.bench.harness import flush_prefix_cache
 
     return lambda: flush_prefix_cache(engine)
 
@@ -270,7 +270,7 @@ def format_table(report: dict) -> str:
 def load_engines(args: argparse.Namespace, threads: int):
     """-> (ours plain, ours NGRAM, HF model, HF pad id)."""
     from specserve import Engine
-    from specserve.bench.bench_core import load_hf
+    from specserve.bench.harness import load_hf
 
     common = dict(model_path=args.model_path, dtype=args.dtype, log_level="warning", num_threads=threads)
     plain = Engine(**common)
@@ -316,10 +316,10 @@ def bench_set(name: str, texts: list[str], args: argparse.Namespace, threads: in
 def main(argv: list[str] | None = None) -> dict:
     import transformers
 
-    from specserve.bench.bench_core import _all_cores, write_json
+    from specserve.bench.harness import all_cores, write_json
 
     args = parse_args(argv)
-    threads = args.num_threads or _all_cores()
+    threads = args.num_threads or all_cores()
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     report: dict = {"sets": []}

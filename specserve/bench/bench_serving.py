@@ -36,7 +36,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from specserve.bench.report import format_table, percentiles, plot_lines, write_jsonl
+from specserve.bench.report import format_table, import_extra, missing_extra, percentiles, plot_lines, write_jsonl
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30000"
 HELD_OUT = "held-out"
@@ -280,8 +280,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
 
 async def _run(base_url: str, api_key: str | None, api: str, model: str, prompts: list[Prompt], params: dict,
                concurrency: int, arrivals: list[float], progress) -> tuple[list[RequestRecord], float]:
-    import openai
-
+    openai = import_extra("openai")
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key or "None", max_retries=0,
                                 timeout=REQUEST_TIMEOUT_S)
     sem = asyncio.Semaphore(concurrency)
@@ -486,6 +485,10 @@ def main(argv: list[str]) -> int:
         ns = parse_args(argv)
     except SystemExit as e:  # argparse printed the message naming the flag
         return int(e.code or 0)
+    problem = missing_extra("openai", "matplotlib")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         prompts = for_api(load_dataset(ns.dataset, ns.num_prompts, ns.random_input_len, ns.seed), ns.api)
     except (ValueError, OSError) as e:

@@ -122,7 +122,7 @@ def parse_float_list(text: str | None, flag: str, ok: Callable[[float], bool], b
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from specserve.cli import add_server_args
+    from specserve.args import add_server_args
 
     p = argparse.ArgumentParser(prog=f"specserve {COMMAND}", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +175,7 @@ def check_args(ns: argparse.Namespace) -> dict[str, list]:
 
 def base_args(ns: argparse.Namespace) -> ServerArgs:
     """Server arguments from the flags; no --model-path = the bundled demo target with its EAGLE-3 head."""
-    from specserve.cli import server_args_from, use_demo
+    from specserve.args import server_args_from, use_demo
 
     if ns.model_path is None:
         use_demo(ns)
@@ -264,7 +264,7 @@ def timed_generate(engine, prompts: list[str], params: dict) -> tuple[float, lis
 
 
 def flush(engine) -> None:
-    from specserve.bench.bench_core import flush_prefix_cache
+    from specserve.bench.harness import flush_prefix_cache
 
     flush_prefix_cache(engine)
 
@@ -304,8 +304,8 @@ def _or_none(x: float) -> float | None:
 
 
 def step_clock(engine):
-    """bench_spec's StepClock (forwards by mode, the drafter's hooks) plus the scheduler's whole decode step."""
-    from specserve.bench.bench_spec import StepClock
+    """StepClock (forwards by mode, the drafter's hooks) plus the scheduler's whole decode step."""
+    from specserve.bench.harness import StepClock
 
     clock = StepClock(engine)
     clock._wrap(engine.scheduler, "_run_decode", lambda: "decode_step")
@@ -518,12 +518,17 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
 
 
 def main(argv: list[str]) -> int:
+    from specserve.bench.report import missing_extra
     from specserve.models.loader import ModelLoadError
 
     try:
         ns = parse_args(argv)
     except SystemExit as e:  # argparse printed the message naming the flag
         return int(e.code or 0)
+    problem = missing_extra("matplotlib")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         grid = check_args(ns)
         args = base_args(ns)

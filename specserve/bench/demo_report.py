@@ -42,8 +42,8 @@ def markdown(rows: list[tuple[str, dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specserve.args import server_args_from
     from specserve.bench.eval_acceptance import check_args, evaluate, parse_args
-    from specserve.cli import server_args_from
 
     p = argparse.ArgumentParser(prog="python -m specserve.bench.demo_report", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-prompts", type=int, default=8)

@@ -93,7 +93,7 @@ def plain_args(args: ServerArgs) -> ServerArgs:
 
 def run_engine(args: ServerArgs, prompts: list[str], params: dict, batch_size: int) -> RunResult:
     """Load an engine, warm it up, flush its prefix cache, then time `prompts` in groups of batch_size."""
-    from specserve.bench.bench_core import flush_prefix_cache
+    from specserve.bench.harness import flush_prefix_cache
     from specserve.engine import Engine
 
     with Engine(**dataclasses.asdict(args)) as engine:
@@ -159,7 +159,7 @@ def format_table(s: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- command
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from specserve.cli import add_server_args
+    from specserve.args import add_server_args
 
     p = argparse.ArgumentParser(prog="specserve eval-acceptance",
                                 description="Acceptance and speed of speculative decoding vs plain decoding.")
@@ -208,7 +208,7 @@ def evaluate(ns: argparse.Namespace, args: ServerArgs) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from specserve.cli import server_args_from
+    from specserve.args import server_args_from
     from specserve.models.loader import ModelLoadError
 
     ns = parse_args(argv)

@@ -1,15 +1,44 @@
 """Output of the user-facing benchmark commands (``bench-speculative``, ``bench-serving``, ``bench-compare``):
 one JSON object per line (JSONL, one per measured configuration), a readable table, and a PNG plot.
 
-Everything here is a pure function of the rows, so the commands stay small and the formats stay alike.
+Everything here is a pure function of the rows, so the commands stay small and the formats stay alike. The plots
+and ``bench-serving``'s client come from the optional ``bench`` extra (matplotlib, openai), imported when used.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import math
 import os
 from collections.abc import Sequence
+
+BENCH_EXTRA = "pip install 'specserve[bench]'"
+
+
+def missing_extra(*modules: str) -> str | None:
+    """None when every module of the ``bench`` extra named is installed, else one line naming the missing ones
+    and the install command."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"{' and '.join(missing)} not installed (needed by the benchmark commands): {BENCH_EXTRA}"
+
+
+def import_extra(module: str):
+    """Import a module of the ``bench`` extra; when it is missing, an ImportError naming the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(missing_extra(module) or str(e)) from e
+
+
+def _pyplot():
+    import_extra("matplotlib").use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_jsonl(rows: Sequence[dict], path: str) -> str:
@@ -60,11 +89,7 @@ def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> di
 def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], path: str, *, title: str,
                xlabel: str, ylabel: str, logx: bool = False) -> str:
     """One line per series name: (xs, ys). Writes a PNG (matplotlib, no display needed); returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, (xs, ys) in series.items():
         ax.plot(list(xs), list(ys), marker="o", label=name)
@@ -86,11 +111,7 @@ def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], path:
 def plot_bars(labels: Sequence[str], values: Sequence[float], path: str, *, title: str, ylabel: str,
               reference: float | None = None) -> str:
     """A bar chart (e.g. speed-up ratios), with an optional horizontal reference line (e.g. 1.0x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 4.5))
     ax.bar(range(len(labels)), list(values))
     ax.set_xticks(range(len(labels)), list(labels), rotation=30, ha="right", fontsize=8)

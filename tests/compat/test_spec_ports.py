@@ -21,7 +21,7 @@ KV cache from the CPU budget, ``--attention-backend`` runs on SDPA) plus ``--dty
 - NGRAM: ``--speculative-num-draft-tokens 16`` (no draft model).
 - MTP: EAGLE with no draft path on a MiMo-style target (MTP layers in the checkpoint), steps 1, topk 1, 2 tokens.
 
-Targets and drafts come from specserve.testing.tiny, built so the drafts are mostly accepted (an EAGLE head that
+Targets and drafts come from specserve.test.tiny, built so the drafts are mostly accepted (an EAGLE head that
 mirrors a one-layer target, an EAGLE3 head that mirrors a bigram target, MiMo MTP layers that mirror the body, a
 STANDALONE draft equal to the target, NGRAM on a model that falls into loops). Each server also gets
 ``--disable-speculative-auto-off`` (specserve's own flag, not SGLang's): without it specserve measures per batch
@@ -65,7 +65,7 @@ import requests
 import transformers
 
 from specserve import Engine
-from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
+from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
 from specserve.utils import free_port, terminate_process, wait_for_server
 from tests.server.conftest import Server, server_env
 from tests.server.helpers import poll, sse_json

@@ -28,7 +28,7 @@ CHUNK = 32  # the chunked-prefill server's --chunked-prefill-size: a 169-token p
 
 @pytest.fixture(scope="module")
 def model_dir(model_factory) -> str:
-    """The tiny random Llama: vocabulary 512, context 512 (specserve.testing.tiny defaults)."""
+    """The tiny random Llama: vocabulary 512, context 512 (specserve.test.tiny defaults)."""
     return model_factory("llama")
 
 

@@ -12,7 +12,7 @@ import torch
 from specserve import Engine
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.loader import ModelLoadError, load_model
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, greedy
 from tests.speculative.helpers import spec_kwargs
 

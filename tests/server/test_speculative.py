@@ -97,7 +97,7 @@ def test_streaming_carries_multi_token_steps(spec_server, plain):
 
 def _seed_command_draft(algorithm: str, model_factory, tmp_path) -> tuple[str, list[str]]:
     """The tiny target and the extra flags of the seed's command for `algorithm` (drafts built to be accepted)."""
-    from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
+    from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
 
     tree = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
     if algorithm == "EAGLE":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.testing.tiny import make_eagle_head_dir
+from specserve.test.tiny import make_eagle_head_dir
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ def test_engine_reports_per_position_counts(eagle_target, tmp_path, tree):
     """Per request, position k's count equals the verify steps whose histogram bucket is >= k (counted
     independently); the server totals are the sums over requests and the rates are totals / verify steps."""
     from specserve import Engine
-    from specserve.testing.tiny import make_eagle_head_dir
+    from specserve.test.tiny import make_eagle_head_dir
     from tests.engine.helpers import PROMPTS, greedy
     from tests.speculative.helpers import spec_kwargs
 

@@ -20,7 +20,7 @@ from specserve.models.cuda_graph import (
     graph_backend,
     kv_bucket,
 )
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs, staggered
 

@@ -13,7 +13,7 @@ from specserve.models.cpu_packing import MixedLinear, PackedLinear
 from specserve.models.loader import count_parameters, load_model
 from specserve.speculative.eagle import CPU_FP32_DRAFT_MAX_PARAMS, resolve_draft_dtype
 from specserve.speculative.heads.eagle3 import Eagle3Head
-from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 

@@ -11,7 +11,7 @@ import torch
 
 from specserve import Engine
 from specserve.speculative.eagle import EagleProposer
-from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 

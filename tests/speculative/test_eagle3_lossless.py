@@ -11,7 +11,7 @@ import torch
 
 from specserve import Engine
 from specserve.speculative.eagle3 import eagle3_capture_layers
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
@@ -88,7 +88,7 @@ def test_capture_layers():
 
 def test_heads_that_do_not_fit_the_target_fail_at_start_up(target, model_factory, tmp_path):
     from specserve.config import ConfigError
-    from specserve.testing.tiny import make_eagle_head_dir
+    from specserve.test.tiny import make_eagle_head_dir
 
     narrow = model_factory("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     eagle = make_eagle_head_dir(str(tmp_path / "e"), narrow, kind="random")

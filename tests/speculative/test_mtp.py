@@ -16,7 +16,7 @@ from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.loader import load_model
-from specserve.testing.tiny import make_eagle_head_dir, make_mimo_dir
+from specserve.test.tiny import make_eagle_head_dir, make_mimo_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import (
     assert_chunked_radix_and_retraction_lossless,

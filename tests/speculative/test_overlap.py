@@ -11,7 +11,7 @@ import pytest
 
 from specserve import Engine
 from specserve.config import ConfigError, ServerArgs
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import (
     assert_chunked_radix_and_retraction_lossless,

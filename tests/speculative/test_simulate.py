@@ -13,7 +13,7 @@ from specserve.speculative import build_tree
 from specserve.speculative.accept_stats import accept_length
 from specserve.speculative.simulate import AcceptSimulator, read_simulate_env, sample_accept_lengths
 from specserve.speculative.verify import simulate_accept
-from specserve.testing.tiny import make_eagle_head_dir
+from specserve.test.tiny import make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import spec_kwargs
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
-from specserve.testing.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import spec_kwargs
 

@@ -26,7 +26,7 @@ from specserve.speculative.token_map import (
     select_hot_ids,
     validate_token_map,
 )
-from specserve.testing.tiny import corpus_text, make_eagle_head_dir
+from specserve.test.tiny import corpus_text, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
@@ -301,7 +301,7 @@ def test_gate_bf16_target_with_packed_lm_head(model_factory, tmp_path):
 def test_eagle3_ignores_the_token_map(model_factory, tmp_path, caplog):
     """EAGLE-3 heads have their own draft vocabulary: the flag is dropped with a warning. The map here is smaller
     than topk, so using it would fail at start-up; the output equals plain decoding and drafts are accepted."""
-    from specserve.testing.tiny import make_eagle3_head_dir
+    from specserve.test.tiny import make_eagle3_head_dir
 
     path = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
     head = make_eagle3_head_dir(str(tmp_path / "h3"), path, kind="self")

@@ -11,7 +11,7 @@ import torch
 from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.speculative.accept_stats import accept_length
-from specserve.testing.tiny import corpus_text, make_mimo_dir, make_model_dir
+from specserve.test.tiny import corpus_text, make_mimo_dir, make_model_dir
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
 from specserve.train.loop import TrainConfig
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs

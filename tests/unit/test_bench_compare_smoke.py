@@ -14,7 +14,7 @@ from specserve.bench.bench_compare import (
 from specserve.bench.bench_ngram import Tally
 from specserve.bench.report import read_jsonl
 from specserve.cli import main as cli_main
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 
 ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle3", "ours_standalone", "hf_lookup", "ours_ngram"]
 

@@ -2,7 +2,7 @@
 
 import json
 
-from specserve.bench.bench_core import main
+from bench_core import main
 
 TINY = [
     "--reps", "1", "--threads", "2", "--prompt-len", "8", "--decode-tokens", "8",
@@ -43,8 +43,8 @@ def test_bench_core_smoke(tmp_path):
 
 def test_engine_options_reach_specserve(monkeypatch):
     """--torch-compile and --mixed-chunk turn on the engine options of the same name (specserve side only)."""
+    import bench_core
     import specserve
-    from specserve.bench import bench_core
 
     seen = {}
     monkeypatch.setattr(specserve, "Engine", lambda **kw: seen.update(kw))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specserve.bench import bench_gpu
+import bench_gpu
 from specserve.bench.report import read_jsonl
 from specserve.models.cuda_graph import EMULATE_ENV
 
@@ -22,7 +22,7 @@ def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
     by_part: dict[str, list[dict]] = {}
     for r in rows:
         by_part.setdefault(r["part"], []).append(r)
-    assert by_part["setup"][0]["command"] == "python -m specserve.bench.bench_gpu " + " ".join(argv)
+    assert by_part["setup"][0]["command"] == "python benchmarks/bench_gpu.py " + " ".join(argv)
     (plain,) = by_part["decode"]
     cfg = json.loads((out / "models" / "tiny-target" / "config.json").read_text())
     emb = cfg["vocab_size"] * cfg["hidden_size"] * 2  # bf16 input embedding table, not read by a decode step
@@ -39,7 +39,7 @@ def test_bench_gpu_tiny_cpu_end_to_end(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 and r["speedup"] > 0 for r in sim)
     assert (out / "verify_cost.png").stat().st_size > 0 and (out / "simulated_throughput.png").stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "python -m specserve.bench.bench_gpu --shape tiny" in printed and "| N draft tokens |" in printed
+    assert "python benchmarks/bench_gpu.py --shape tiny" in printed and "| N draft tokens |" in printed
 
 
 def test_bench_gpu_graph_and_eager_rows(tmp_path, monkeypatch, capsys):

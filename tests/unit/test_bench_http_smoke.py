@@ -2,7 +2,7 @@
 
 import json
 
-from specserve.bench.bench_http import main
+from bench_http import main
 
 
 def test_bench_http_smoke(tmp_path):

@@ -2,7 +2,7 @@
 
 import json
 
-from specserve.bench.bench_ngram_cache import SCENARIOS, main
+from bench_ngram_cache import SCENARIOS, main
 
 
 def test_bench_ngram_cache_smoke(tmp_path):

@@ -1,13 +1,13 @@
-"""`python -m specserve.bench.bench_overlap` end to end on a tiny model: both engines run, outputs are equal and
+"""`python benchmarks/bench_overlap.py` end to end on a tiny model: both engines run, outputs are equal and
 the overlap engine really overlapped steps."""
 
 import os
 
 import pytest
 
-from specserve.bench.bench_overlap import main
+from bench_overlap import main
 from specserve.speculative.simulate import simulated_acc_len
-from specserve.testing.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir
 
 
 def test_bench_overlap_smoke(tmp_path, llama_dir, capsys):

@@ -2,7 +2,19 @@
 
 import math
 
-from specserve.bench.report import format_table, percentiles, plot_bars, plot_lines, read_jsonl, write_jsonl
+import pytest
+
+from specserve.bench.report import (
+    BENCH_EXTRA,
+    format_table,
+    import_extra,
+    missing_extra,
+    percentiles,
+    plot_bars,
+    plot_lines,
+    read_jsonl,
+    write_jsonl,
+)
 
 
 def test_percentiles_interpolate_between_order_statistics():
@@ -31,3 +43,23 @@ def test_jsonl_round_trip_and_pngs(tmp_path):
                  plot_bars(["a", "b"], [1.2, 0.9], str(tmp_path / "b.png"), title="t", ylabel="x", reference=1.0)):
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_bench_extra_names_the_install_command():
+    assert missing_extra("json") is None
+    line = missing_extra("json", "no_such_module_abc")
+    assert line.startswith("no_such_module_abc not installed") and line.endswith(BENCH_EXTRA)
+    with pytest.raises(ImportError, match=r"specserve\[bench\]"):
+        import_extra("no_such_module_abc")
+
+
+def test_bench_command_without_the_extra_exits_2_before_running(monkeypatch, capsys):
+    import importlib.util
+
+    from specserve.bench import bench_compare
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(bench_compare, "run_bench", lambda args: pytest.fail("ran without the bench extra"))
+    assert bench_compare.main(["--model-path", "demo"]) == 2
+    assert "matplotlib not installed" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.bench import bench_spec
+import bench_spec
 
 
 def test_bench_spec_smoke(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from specserve.bench import bench_speculative as bs
 from specserve.bench.report import read_jsonl
 from specserve.config import ConfigError, ServerArgs
-from specserve.testing.tiny import make_eagle_head_dir
+from specserve.test.tiny import make_eagle_head_dir
 
 
 def test_parse_int_list():

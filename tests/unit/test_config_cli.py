@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from specserve.cli import add_server_args, main, server_args_from
+from specserve.args import add_server_args, server_args_from
+from specserve.cli import main
 from specserve.config import ConfigError, ServerArgs, flag_name
 from specserve.demo_models import demo_path
 from specserve.speculative.eagle3 import DEMO_EAGLE3_TREE

@@ -79,7 +79,7 @@ def test_summarize_and_format_table_by_hand():
 
 @pytest.fixture(scope="module")
 def eagle(model_factory, tmp_path_factory):
-    from specserve.testing.tiny import make_eagle_head_dir
+    from specserve.test.tiny import make_eagle_head_dir
 
     target = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
     return target, make_eagle_head_dir(str(tmp_path_factory.mktemp("eval-eagle")), target, kind="self")

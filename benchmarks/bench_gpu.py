@@ -1,4 +1,4 @@
-"""GPU benchmark of an 8B-shaped Llama with random weights: ``python -m specserve.bench.bench_gpu``.
+"""GPU benchmark of an 8B-shaped Llama with random weights: ``python benchmarks/bench_gpu.py``.
 
 The target is Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336, vocab
 128256, rope theta 500000) built from config.json alone with ``--load-format dummy`` in bf16, batch 1. Three parts:
@@ -65,7 +65,7 @@ SIM_COLUMNS = [("mode", "mode", None), ("simulated_accept_length", "simulated ac
 
 # ---------------------------------------------------------------------------------------------- flags
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_gpu.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     target, head = write_model_dirs(os.path.join(out_dir, "models"), ns.shape, ns.dtype)
     rng = random.Random(ns.seed)
     prompt = [rng.randrange(2, 4096) for _ in range(ns.context)]  # ids the demo tokenizer knows
-    command = "python -m specserve.bench.bench_gpu " + shlex.join(argv)
+    command = "python benchmarks/bench_gpu.py " + shlex.join(argv)
     setup = {"part": "setup", "command": command, "shape": ns.shape, "config": SHAPES[ns.shape], "device": ns.device,
              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
              "dtype": ns.dtype, "context": ns.context, "decode_tokens": ns.decode_tokens, "reps": ns.reps,

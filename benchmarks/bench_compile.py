@@ -5,7 +5,7 @@ builds its graphs then: the compile time is reported separately); then every pro
 (A B A B), batch 1, greedy, fixed token counts. Reported: tokens/s of each, the ratio, greedy equality of the
 compiled outputs with the eager ones, and the graphs / seconds torch.compile took.
 
-    python -m specserve.bench.bench_compile [--model-path demo] [--configs plain,eagle3] [--dtype float32]
+    python benchmarks/bench_compile.py [--model-path demo] [--configs plain,eagle3] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CONFIGS = {"plain": {}, "eagle3": {"speculative_algorithm": "EAGLE3", "speculati
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_compile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_compile.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="demo")
     p.add_argument("--eagle3-path", default="demo-eagle3", help="EAGLE-3 head of the eagle3 configuration")
     p.add_argument("--configs", default="plain,eagle3", help="comma list of: plain, eagle3")

@@ -9,8 +9,8 @@ are timed: each request appends k tokens (fresh, or continuing a copy of its own
 Reported: microseconds per call and per batch step (median of ``--reps`` rounds), the prompt insert cost,
 the mean draft size, and the Python heap bytes per trie node (tracemalloc, separate fill).
 
-    python -m specserve.bench.bench_ngram_cache
-    python -m specserve.bench.bench_ngram_cache --capacity 1000000 --match-type PROB
+    python benchmarks/bench_ngram_cache.py
+    python benchmarks/bench_ngram_cache.py --capacity 1000000 --match-type PROB
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from specserve.speculative.ngram_cache import NgramCache
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_ngram_cache", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_ngram_cache.py", description=__doc__.split("\n")[0])
     p.add_argument("--capacity", type=int, default=300_000, help="trie nodes (filled before timing)")
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--prompt-len", type=int, default=1024)

@@ -24,15 +24,14 @@ timed runs after one warm-up. specserve's prefix cache is flushed before every r
 are prefilled every time, as they are in transformers. transformers runs with ``eos_token_id=None`` so it
 never stops early (and, like specserve's ``ignore_eos``, does not mask EOS, so greedy ids are comparable).
 
-    python -m specserve.bench.bench_core                      # full run (models cached in bench_out/models)
-    python -m specserve.bench.bench_core --skip-large --reps 1 # quick
+    python benchmarks/bench_core.py                      # full run (models cached in bench_out/models)
+    python benchmarks/bench_core.py --skip-large --reps 1 # quick
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -47,8 +46,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from specserve.bench.harness import (
+    DTYPES,
+    all_cores,
+    compare_ids,
+    flush_prefix_cache,
+    load_hf,
+    read_config,
+    write_json,
+)
+
 TARGETS = {"tiny_decode": 1.5, "large_decode": 1.3, "batch": 2.0}  # specserve / transformers tokens/s
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODEL_SEED = 0
 TOKENIZER_VOCAB = 512  # build_tokenizer's default; prompt ids stay below it so they are real tokens
 BW_NOTE = (
@@ -59,9 +67,9 @@ BW_NOTE = (
 
 # ---------------------------------------------------------------------------------------------- options
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_core", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_core.py", description=__doc__.split("\n")[0])
     g = p.add_argument_group("run")
-    g.add_argument("--threads", type=int, default=_all_cores(), help="torch threads (default: all cores)")
+    g.add_argument("--threads", type=int, default=all_cores(), help="torch threads (default: all cores)")
     g.add_argument("--reps", type=int, default=3, help="timed runs per measurement (median reported)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts and batch lengths")
     g.add_argument("--out", default="bench_out/bench_core.json", help="JSON report path")
@@ -121,10 +129,6 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--batch-models takes tiny and/or large")
 
 
-def _all_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _log(msg: str) -> None:
     print(f"[bench_core] {msg}", file=sys.stderr, flush=True)
 
@@ -155,7 +159,7 @@ def machine_info(args: argparse.Namespace) -> dict:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
     return {
-        "cpu": cpu, "cores": _all_cores(), "threads": args.threads, "llc_bytes": l3_cache_bytes(),
+        "cpu": cpu, "cores": all_cores(), "threads": args.threads, "llc_bytes": l3_cache_bytes(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": {k: v for k, v in vars(args).items()},
     }
@@ -196,13 +200,13 @@ def _build_atomically(path: str, build: Callable[[str], object]) -> str:
 
 
 def ensure_tokenizer(work_dir: str) -> str:
-    from specserve.testing.tiny import build_tokenizer
+    from specserve.test.tiny import build_tokenizer
 
     return _build_atomically(os.path.join(work_dir, "tokenizer"), build_tokenizer)
 
 
 def ensure_model(work_dir: str, name: str, dtype: str, tokenizer_dir: str, **overrides) -> str:
-    from specserve.testing.tiny import make_model_dir
+    from specserve.test.tiny import make_model_dir
 
     def build(tmp: str) -> None:
         _log(f"building model {name} (cached in {work_dir}) ...")
@@ -226,11 +230,6 @@ def large_model(args: argparse.Namespace, tokenizer_dir: str) -> str:
         num_attention_heads=a.large_heads, num_key_value_heads=a.large_kv_heads, vocab_size=a.large_vocab,
         max_position_embeddings=a.max_pos,
     )
-
-
-def read_config(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
 
 
 def weight_bytes(model: nn.Module) -> dict:
@@ -360,15 +359,6 @@ def specserve_engine(model_dir: str, dtype: str, args: argparse.Namespace, workl
     )
 
 
-def flush_prefix_cache(engine) -> None:
-    """Drop the radix cache so every run prefills its prompts (the engine may still be wrapping up)."""
-    for _ in range(500):
-        if engine.flush_cache():
-            return
-        time.sleep(0.01)
-    raise RuntimeError("specserve engine stayed busy; could not flush its prefix cache")
-
-
 def specserve_run(engine, wl: Workload) -> tuple[list[list[int]], int]:
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in wl.new_tokens]
     results = engine.generate(input_ids=wl.prompts, sampling_params=params)  # list input -> list of dicts
@@ -403,28 +393,7 @@ def hf_run(model, wl: Workload, pad_id: int) -> tuple[list[list[int]], int]:
     return outputs, sum(len(o) for o in outputs)
 
 
-def load_hf(model_dir: str, dtype: str):
-    """-> (transformers model, pad id)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-    pad_id = read_config(model_dir).get("pad_token_id")
-    return model, (0 if pad_id is None else pad_id)
-
-
 # ---------------------------------------------------------------------------------------------- rows
-def compare_ids(a: list[list[int]], b: list[list[int]]) -> dict:
-    """Greedy-id agreement per request: equal flags and the first differing position (None = equal)."""
-    first = []
-    for x, y in zip(a, b, strict=True):
-        diff = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), None)
-        if diff is None and len(x) != len(y):
-            diff = min(len(x), len(y))
-        first.append(diff)
-    return {"all_equal": all(d is None for d in first), "rows_equal": sum(d is None for d in first),
-            "rows": len(first), "first_mismatch": first}
-
-
 def make_row(name: str, model: str, kind: str, target: float, wl: Workload, ss: Timing, hf: Timing,
              ratios: list[float]) -> dict:
     ratio = statistics.median(ratios)  # median of per-round ratios (paired runs), not a ratio of medians
@@ -509,12 +478,6 @@ def format_table(report: dict) -> str:
                  "batch rows count each request's own tokens only; a _stream row serves its requests batch-size "
                  "at a time (specserve: continuous batching; transformers: consecutive padded batches)")
     return "\n".join(lines)
-
-
-def write_json(report: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------- main

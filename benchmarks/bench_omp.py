@@ -6,7 +6,7 @@ Times a few ops of the sizes a batch-1 speculative step runs, in three settings,
   released  on a second thread after the main thread released its pool (``release_thread_pool``).
 Reported: the median over repetitions of each op's mean time per call, in microseconds.
 
-    python -m specserve.bench.bench_omp [--num-threads 2] [--reps 5] [--calls 2000]
+    python benchmarks/bench_omp.py [--num-threads 2] [--reps 5] [--calls 2000]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def run(num_threads: int, reps: int, calls: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_omp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_omp.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--calls", type=int, default=2000, help="calls per op per timing")

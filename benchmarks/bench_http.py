@@ -14,8 +14,8 @@ Measured side by side in one run, on the same model, thread count and batch:
    ``stream_options.continuous_usage_stats``) at 1 concurrent stream and at B concurrent streams (the
    latter from the throughput rounds); p50 / p90 / p99.
 
-    python -m specserve.bench.bench_http                      # small random Llama, batch 16
-    python -m specserve.bench.bench_http --model tiny --rounds 3
+    python benchmarks/bench_http.py                      # small random Llama, batch 16
+    python benchmarks/bench_http.py --model tiny --rounds 3
 """
 
 from __future__ import annotations
@@ -32,17 +32,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from specserve.bench.bench_core import (
-    Workload,
-    _all_cores,
-    _log,
-    _random_ids,
-    ensure_model,
-    ensure_tokenizer,
-    flush_prefix_cache,
-    kv_tokens_needed,
-    specserve_run,
-)
+from bench_core import Workload, _log, _random_ids, ensure_model, ensure_tokenizer, kv_tokens_needed, specserve_run
+from specserve.bench.harness import all_cores, flush_prefix_cache
 from specserve.utils import free_port, terminate_process, wait_for_server
 
 TARGET_RATIO = 0.9
@@ -55,9 +46,9 @@ MODELS = {  # name -> make_model_dir overrides (vocab: the benchmark tokenizer's
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_http", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_http.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="small", help="tiny | small (random Llamas built here) | a model folder")
-    p.add_argument("--threads", type=int, default=_all_cores(), help="torch threads of engine and server")
+    p.add_argument("--threads", type=int, default=all_cores(), help="torch threads of engine and server")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--prompt-min", type=int, default=16)
     p.add_argument("--prompt-max", type=int, default=128)

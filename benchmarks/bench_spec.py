@@ -1,7 +1,7 @@
 """Speculative decoding on tiny models: accept length, tokens/s vs no speculation, and per-step overhead.
 
 For each algorithm, a tiny target and a draft whose acceptance is known to be high are built locally (the test
-constructions of ``specserve.testing.tiny``: heads that mirror a one-layer target, the target itself as a
+constructions of ``specserve.test.tiny``: heads that mirror a one-layer target, the target itself as a
 STANDALONE draft, a mirroring MiMo MTP layer, n-gram drafting on repetitive prompts). Real acceptance comes with
 trained demo models; this script shows that the machinery is correct (greedy ids compared with plain decoding)
 and what a speculative step costs on top of a plain one:
@@ -12,7 +12,7 @@ and what a speculative step costs on top of a plain one:
   same batch size (mean per step, from instrumented forwards);
 - draft cost: drafting (``propose``) + catching up (``after_verify``) per step vs the verify forward.
 
-    python -m specserve.bench.bench_spec [--reps 3] [--decode-tokens 64] [--only EAGLE,NGRAM]
+    python benchmarks/bench_spec.py [--reps 3] [--decode-tokens 64] [--only EAGLE,NGRAM]
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
-from specserve.bench.bench_core import flush_prefix_cache, measure_pair
+from bench_core import measure_pair
+from specserve.bench.harness import StepClock, flush_prefix_cache
 from specserve.speculative.accept_stats import accept_length
-from specserve.testing.tiny import (
+from specserve.test.tiny import (
     build_tokenizer,
     make_eagle3_head_dir,
     make_eagle_head_dir,
@@ -78,36 +78,6 @@ def build_setups(work: str) -> dict[str, tuple[str, dict, list[str]]]:
         "MTP": (mimo, dict(speculative_algorithm="EAGLE", **TREE), CODE_PROMPTS),
         "NGRAM": (two, dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8), REPETITIVE),
     }
-
-
-class StepClock:
-    """Accumulates wall time of forwards by mode and of the proposer's hooks on one engine."""
-
-    def __init__(self, engine) -> None:
-        self.times: dict[str, list[float]] = {}
-        sched = engine.scheduler
-        self._wrap(sched.runner, "forward", lambda fb: fb.mode.value)
-        if getattr(sched.decoder, "proposer", None) is not None:
-            for hook in ("propose", "after_verify"):
-                self._wrap(sched.decoder.proposer, hook, lambda *a, h=hook: h)
-
-    def _wrap(self, obj, name: str, key) -> None:
-        orig = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = orig(*args, **kwargs)
-            self.times.setdefault(key(*args), []).append(time.perf_counter() - t0)
-            return out
-
-        setattr(obj, name, timed)
-
-    def mean_ms(self, key: str) -> float:
-        values = self.times.get(key, [])
-        return 1000 * statistics.fmean(values) if values else float("nan")
-
-    def reset(self) -> None:
-        self.times.clear()
 
 
 def bench_algorithm(name: str, target: str, kw: dict, prompts: list[str], batch: int, args) -> dict:
@@ -162,7 +132,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_spec", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_spec.py", description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=3, help="timed rounds per measurement (median ratio reported)")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")

@@ -7,11 +7,11 @@ logprobs: the per-token output work the overlap scheduler moves beside the next 
 tokens/s of each (median over the repetitions), the median of the per-repetition ratios, in how many repetitions
 the overlap scheduler was faster, greedy equality, and how many steps overlapped.
 
-    python -m specserve.bench.bench_overlap [--batch-size 1,32] [--reps 5] [--stop] [--logprobs]
+    python benchmarks/bench_overlap.py [--batch-size 1,32] [--reps 5] [--stop] [--logprobs]
 
 Any target works with ``--model-path``; ``--draft-model-path random`` gives it a random EAGLE-3 head (built in a
 temporary folder) and ``--simulate-acc-len A`` simulates acceptance (``SPECSERVE_SIMULATE_ACC_LEN``), e.g. on the
-large GEMM-bound model ``python -m specserve.bench.bench_core`` builds under ``bench_out/models``.
+large GEMM-bound model ``python benchmarks/bench_core.py`` builds under ``bench_out/models``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ NEVER_MATCHES = ["\n\n\n\n\n\n", "<never-emitted-stop>"]  # checked after every 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_overlap", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_overlap.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default="demo")
     p.add_argument("--draft-model-path", default="demo-eagle3",
                    help="an EAGLE-3 head folder, or 'random': a random head for the target (temporary folder)")
@@ -104,7 +104,7 @@ def bench_batch(engines, batch: int, args: argparse.Namespace, prompts: list[str
 def random_head(target: str, out_dir: str) -> str:
     """A random-weight EAGLE-3 head for `target` in out_dir (draft vocabulary: the first 8192 target ids at most)."""
     from specserve.models.loader import read_config
-    from specserve.testing.tiny import make_eagle3_head_dir
+    from specserve.test.tiny import make_eagle3_head_dir
 
     vocab = read_config(target)["vocab_size"]
     return make_eagle3_head_dir(out_dir, target, kind="random", draft_vocab=list(range(min(vocab, 8192))))
