@@ -135,25 +135,35 @@ class Attention(DirectCall):
         return self.o_proj(attention(q, k, v, self.layer_id, fb, self.scale))  # [T, hidden]
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# ModelSpec.hidden_act -> the gate activation of GatedMLP (names as in HF configs)
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class GatedMLP(DirectCall):
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act=F.silu) -> None:
         super().__init__()
-        self.intermediate = intermediate
+        self.intermediate, self.act = intermediate, act
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(DirectCall):
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
+    """Pre-norm attention + gated MLP. ``norm``: the class of both norms; the MLP activation is spec.hidden_act."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, ACTIVATIONS[spec.hidden_act])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, fb)

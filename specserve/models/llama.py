@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral-style configs) and the shared CausalLM machinery.
 
-Qwen2 and Qwen3 are the same network with q/k/v bias or per-head q/k norms; they subclass this.
+Qwen2 and Qwen3 are the same network with q/k/v bias or per-head q/k norms; they subclass this. Gemma subclasses
+``DecoderModel`` too (its norm class and its scaling of the token embeddings) and names it in ``model_cls``.
 Parameter names follow the HF checkpoints (``model.layers.{i}.self_attn...``) except the fused
 ``qkv_proj`` and ``gate_up_proj``, which ``load_weights`` fills from the separate checkpoint tensors.
 """
@@ -27,19 +28,25 @@ class ModelOutput:
 
 
 class DecoderModel(DirectCall):
+    norm_cls: type[RMSNorm] = RMSNorm  # the layers' norms and the final norm
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, self.norm_cls) for i in range(spec.num_layers))
+        self.norm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
+
+    def input_hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """The first layer's input [T, h]: the token embeddings (fb.input_embeds in their place when given)."""
+        return self.embed_tokens(fb.input_ids) if fb.input_embeds is None else fb.input_embeds
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """-> (final hidden [T, h], residual stream at the input of each layer in fb.capture_layers).
 
         A capture id equal to num_layers means the output of the last layer (before the final norm).
         """
-        x = self.embed_tokens(fb.input_ids) if fb.input_embeds is None else fb.input_embeds
+        x = self.input_hidden(fb)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
@@ -53,6 +60,7 @@ class DecoderModel(DirectCall):
 class LlamaForCausalLM(CheckpointLoadable):
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config
     qk_norm: bool = False
+    model_cls: type[DecoderModel] = DecoderModel
 
     @classmethod
     def spec_from_config(cls, cfg: dict) -> ModelSpec:
@@ -61,7 +69,7 @@ class LlamaForCausalLM(CheckpointLoadable):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
+        self.model = self.model_cls(spec)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -75,7 +83,9 @@ class LlamaForCausalLM(CheckpointLoadable):
         """Size the RoPE table for positions up to n (e.g. a --context-length above the config's)."""
         self.model.layers[0].self_attn.rotary.cover(n)  # one rotary module is shared by all layers
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, h]: rows of the embedding table (before ``input_hidden``'s scaling, if the model has one):
+        the token embeddings draft heads take, and a tied LM head's rows."""
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V] float32

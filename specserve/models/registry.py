@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from specserve.models.gemma import GemmaForCausalLM
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.mimo import MiMoForCausalLM
 from specserve.models.qwen2 import Qwen2ForCausalLM
@@ -11,6 +12,7 @@ from specserve.models.qwen3 import Qwen3ForCausalLM
 from specserve.models.spec import UnsupportedModelError
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "GemmaForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": MiMoForCausalLM,

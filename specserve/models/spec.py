@@ -41,14 +41,16 @@ class ModelSpec:
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], qkv_bias: bool | None = None, qk_norm: bool = False) -> ModelSpec:
-        """qkv_bias: None = read ``attention_bias`` (Llama), True = always (Qwen2)."""
+    def from_config(cls, cfg: dict[str, Any], qkv_bias: bool | None = None, qk_norm: bool = False,
+                    hidden_act: str | None = None) -> ModelSpec:
+        """qkv_bias: None = read ``attention_bias`` (Llama), True = always (Qwen2).
+        hidden_act: None = read ``hidden_act`` (silu only); a name = the model class read and checked it itself."""
         arch = (cfg.get("architectures") or ["?"])[0]
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False)) if qkv_bias is None else qkv_bias
         theta, scaling = _rope(cfg)
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        act = cfg.get("hidden_act", "silu") if hidden_act is None else hidden_act
+        if hidden_act is None and act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
         return cls(
             architecture=arch,
