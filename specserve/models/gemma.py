@@ -1,4 +1,4 @@
-"""Gemma (``GemmaForCausalLM``, Gemma 1): the Llama network with four differences.
+"""Gemma (``GemmaForCausalLM``, Gemma 1): the Llama network with these differences.
 
 - The MLP gate activation is GELU with the tanh approximation. The config names it in ``hidden_activation`` or, when
   that is absent, in ``hidden_act``, where the released checkpoints' ``"gelu"`` means the tanh approximation.
