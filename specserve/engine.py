@@ -31,8 +31,8 @@ from specserve.frontend import (
     check_off_args,
     prepare_requests,
 )
-from specserve.malloc import tune_malloc
-from specserve.omp import release_thread_pool
+from specserve.platform.cpu.malloc import tune_malloc
+from specserve.platform.cpu.omp import release_thread_pool
 from specserve.request import ReqOutput
 from specserve.scheduler.model_runner import resolve_device
 from specserve.scheduler.scheduler import Scheduler

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.omp import release_thread_pool
+from specserve.platform.cpu.omp import release_thread_pool
 
 if TYPE_CHECKING:
     from specserve.request import Req, ReqOutput

@@ -1,4 +1,4 @@
-"""specserve.malloc: glibc malloc settings for a CPU serving process (measured effect in the module's docstring)."""
+"""specserve.platform.cpu.malloc: glibc malloc settings for a CPU serving process (measured effect in its docstring)."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from specserve.malloc import KEEP_DEFAULTS_ENV, should_tune
+from specserve.platform.cpu.malloc import KEEP_DEFAULTS_ENV, should_tune
 
 
 @pytest.mark.parametrize("environ,want", [
@@ -23,7 +23,7 @@ def test_should_tune_respects_the_environment(environ, want):
 
 SCRIPT = textwrap.dedent("""
     import os, sys
-    from specserve import malloc
+    from specserve.platform.cpu import malloc
     print(malloc.tune_malloc(), malloc.tune_malloc(), malloc._mallopt() is not None)
 """)
 

@@ -1,0 +1,1 @@
+"""CPU tuning: OpenMP worker pools (``omp.py``), the C allocator (``malloc.py``)."""
