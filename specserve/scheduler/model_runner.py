@@ -17,10 +17,10 @@ from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.compile import CompileStats, compile_forward
-from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
+from specserve.platform.cpu.packing import pack_linears_for_cpu
 from specserve.speculative.registry import draft_memory, lookahead
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ import torch
 from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
-from specserve.models.cpu_packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
+from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
 from specserve.speculative.heads.eagle import EAGLE_HEADS

@@ -32,9 +32,9 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.flags import ConfigError
-from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.loader import read_config, resolve_model_path, safetensors_files
+from specserve.platform.cpu.packing import pack_linears_for_cpu
 
 logger = logging.getLogger(__name__)
 

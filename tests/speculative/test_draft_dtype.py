@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.models.cpu_packing import MixedLinear, PackedLinear
 from specserve.models.loader import count_parameters, load_model
+from specserve.platform.cpu.packing import MixedLinear, PackedLinear
 from specserve.speculative.eagle import CPU_FP32_DRAFT_MAX_PARAMS, resolve_draft_dtype
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.config import ConfigError
-from specserve.models.cpu_packing import PackedLinear, pack_linears_for_cpu
 from specserve.models.loader import load_model
+from specserve.platform.cpu.packing import PackedLinear, pack_linears_for_cpu
 from specserve.speculative.token_map import (
     HotVocabHead,
     count_token_ids,

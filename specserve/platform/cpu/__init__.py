@@ -1,1 +1,2 @@
-"""CPU tuning: OpenMP worker pools (``omp.py``), the C allocator (``malloc.py``)."""
+"""CPU tuning: OpenMP worker pools (``omp.py``), the C allocator (``malloc.py``), oneDNN weight packing
+(``packing.py``)."""
