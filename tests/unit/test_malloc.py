@@ -48,11 +48,12 @@ def test_tune_malloc_applies_once_and_honours_the_opt_out():
 
 def test_a_cpu_engine_tunes_malloc_before_loading(llama_dir, monkeypatch):
     import specserve.engine as engine_mod
+    from specserve.platform import CpuPolicy
 
     calls = []
-    real_scheduler = engine_mod.Scheduler
-    monkeypatch.setattr(engine_mod, "tune_malloc", lambda: calls.append("tune"))
-    monkeypatch.setattr(engine_mod, "Scheduler", lambda args: calls.append("load") or real_scheduler(args))
-    with engine_mod.Engine(model_path=llama_dir, device="cpu", max_total_tokens=512):
-        pass
+    real_runner = engine_mod.ModelRunner
+    monkeypatch.setattr(CpuPolicy, "tune_allocator", lambda self: calls.append("tune"))
+    monkeypatch.setattr(engine_mod, "ModelRunner", lambda *a: calls.append("load") or real_runner(*a))
+    with engine_mod.Engine(model_path=llama_dir, device="cpu", max_total_tokens=512) as e:
+        assert isinstance(e.scheduler.runner.platform, CpuPolicy)
     assert calls == ["tune", "load"]
