@@ -46,3 +46,27 @@ class PlatformPolicy:
     def pack_weights(self, module: nn.Module) -> int:
         """Give the module's linears a faster layout for this device, in place. -> how many were changed."""
         return 0
+
+    # ------------------------------------------------------------------ draft models
+    def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
+        """The dtype a draft model of ``num_params`` parameters runs in under a ``target_dtype`` target when
+        ``--speculative-draft-dtype`` is auto: the target's."""
+        return target_dtype
+
+    def mixed_linears(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+        """Whether a draft in ``draft_dtype`` under a ``target_dtype`` target gets mixed-precision linears
+        (``mix_linears``), which hold a second, half-precision copy of their weights."""
+        return False
+
+    def mix_linears(self, module: nn.Module) -> int:
+        """Replace the module's linears by mixed-precision ones, in place. -> how many."""
+        return 0
+
+    def draft_kv_dtype(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the KV of a draft in ``draft_dtype`` under a ``target_dtype`` target whose large forwards may
+        run in another dtype than its own (EAGLE heads): the draft's own."""
+        return draft_dtype
+
+    def runs_half_precision(self, rows: int) -> bool:
+        """Whether a draft forward over ``rows`` tokens through mixed-precision linears runs in half precision."""
+        return False

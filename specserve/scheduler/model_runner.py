@@ -59,7 +59,7 @@ class ModelRunner:
         # speculation writes a draft tree / verify nodes past a request's last position
         self.lookahead = lookahead(args)
         self.model.set_max_positions(self.context_len + self.lookahead + 8)
-        self.draft_memory = draft_memory(args, self.spec, self.dtype, self.device)
+        self.draft_memory = draft_memory(args, self.spec, self.dtype, self.platform)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(
