@@ -70,3 +70,9 @@ class PlatformPolicy:
     def runs_half_precision(self, rows: int) -> bool:
         """Whether a draft forward over ``rows`` tokens through mixed-precision linears runs in half precision."""
         return False
+
+    # ------------------------------------------------------------------ attention
+    def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
+        """Whether padded queries qb [B, Qmax, H, D] over ``n_kv`` KV heads, with a mask other than plain causal
+        (``masked``), are attended as G = H / n_kv rows per KV head (attention's ``_attend_folded``)."""
+        return False

@@ -164,4 +164,5 @@ class ModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
+        fb.platform = self.platform  # the attention path it picks (query-head folding on CPU)
         return self.model(fb)

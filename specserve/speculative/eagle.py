@@ -272,7 +272,8 @@ class EagleProposer(Proposer):
         may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
         fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.kv.table,
-                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split,
+                          platform=self.platform)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h]
         return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
@@ -355,7 +356,8 @@ class EagleProposer(Proposer):
                     return j - 1
                 mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K] over the levels' scratch slots
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
-                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
+                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool,
+                                  platform=self.platform)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
                 child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]

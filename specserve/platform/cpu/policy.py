@@ -1,7 +1,7 @@
-"""CpuPolicy: where the CPU tweaks apply (the allocator, threads, oneDNN packing, float32 drafts).
+"""CpuPolicy: where the CPU tweaks apply (the allocator, threads, oneDNN packing, float32 drafts, query-head folding).
 
 Each constant below carries the measurement behind it; the mechanisms live beside this file (``malloc.py``,
-``omp.py``, ``packing.py``).
+``omp.py``, ``packing.py``) and in attention's ``_attend_folded``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
 #: tokens in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the bytes and its prompt
 #: catch-up runs on half-size activations (docs/benchmarks.md); batch-1 tree levels and extends stay float32.
 HALF_DRAFT_DTYPE = torch.bfloat16
+
+#: ``_attend_folded`` is used for half-precision queries on CPU from this many requests and up to FOLD_MAX_Q query
+#: rows each (docs/benchmarks.md: 17-32% less SDPA time for 8-32 requests of 2-8 rows in bf16; at 1-2 requests
+#: or in float32 the kernel's own grouping is as fast or faster, so they keep it)
+FOLD_MIN_BATCH = 4
+FOLD_MAX_Q = 16
 
 
 class CpuPolicy(PlatformPolicy):
@@ -73,3 +79,10 @@ class CpuPolicy(PlatformPolicy):
         the catch-ups and tree levels. Their matmuls run packed bf16 anyway, so the activations between them stay
         half-size and unconverted; smaller calls keep float32's lower per-op cost."""
         return rows > FP32_MAX_ROWS
+
+    # ------------------------------------------------------------------ attention
+    def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
+        """Half-precision CPU queries with GQA and a mask, from FOLD_MIN_BATCH requests of up to FOLD_MAX_Q rows."""
+        bsz, max_q, n_heads, _ = qb.shape
+        return (qb.device.type == "cpu" and qb.dtype in HALF_DTYPES and n_heads > n_kv and masked
+                and bsz >= FOLD_MIN_BATCH and max_q <= FOLD_MAX_Q)
