@@ -1,4 +1,4 @@
-"""Per-op cost of OpenMP pools held by other threads (the reason for ``specserve/omp.py``), side by side in one run.
+"""Per-op cost of OpenMP pools held by other threads (the reason for ``platform/cpu/omp.py``), side by side in one run.
 
 Times a few ops of the sizes a batch-1 speculative step runs, in three settings, each repetition in turn:
   main      on the main thread (the only pool);
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench.report import format_table
-from specserve.omp import release_thread_pool
+from specserve.platform.cpu.omp import release_thread_pool
 
 SETTINGS = ("main", "held", "released")
 

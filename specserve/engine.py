@@ -31,10 +31,9 @@ from specserve.frontend import (
     check_off_args,
     prepare_requests,
 )
-from specserve.malloc import tune_malloc
-from specserve.omp import release_thread_pool
+from specserve.platform import platform_policy
 from specserve.request import ReqOutput
-from specserve.scheduler.model_runner import resolve_device
+from specserve.scheduler.model_runner import ModelRunner, resolve_device
 from specserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -57,12 +56,14 @@ class SchedulerLoop:
         self.states: dict[str, RequestState] = {}
         self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
         self._stop = threading.Event()
-        release_thread_pool()  # this thread loaded the model; its idle OpenMP workers would slow the loop's (omp.py)
+        self.platform = scheduler.runner.platform
+        # this thread loaded the model; its idle OpenMP workers would slow the loop's (platform/cpu/omp.py)
+        self.platform.release_thread_pool()
         self.thread = threading.Thread(target=self._run, name="specserve-scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, prepared: list[PreparedRequest], deliver) -> None:
-        release_thread_pool()  # the caller may have run torch since (omp.py)
+        self.platform.release_thread_pool()  # the caller may have run torch since
         for p in prepared:
             self.deliver[p.req.rid] = deliver(p.state)
         self.inbox.put(("add", [p.req for p in prepared]))
@@ -72,7 +73,7 @@ class SchedulerLoop:
 
     def call(self, fn) -> Any:
         """Run fn(scheduler) on the loop thread and return its result (for stats, flush, checks)."""
-        release_thread_pool()  # as in submit
+        self.platform.release_thread_pool()  # as in submit
         box: queue.Queue = queue.Queue()
         self.inbox.put(("call", (fn, box)))
         ok, value = box.get()
@@ -93,8 +94,8 @@ class SchedulerLoop:
     def _loop(self) -> None:
         while not self._stop.is_set():
             idle = not self.scheduler.has_work()
-            if idle:  # a caller's own torch work while we wait should not meet our idle OpenMP pool (omp.py)
-                release_thread_pool()
+            if idle:  # a caller's own torch work while we wait should not meet our idle OpenMP pool
+                self.platform.release_thread_pool()
             self._drain(block=idle)
             if self._stop.is_set():
                 break
@@ -165,9 +166,9 @@ class Engine:
             raise ConfigError("--model-path is required")
         logging.getLogger("specserve").setLevel(args.log_level.upper())
         self.server_args = args
-        if resolve_device(args.device).type == "cpu":
-            tune_malloc()  # before the model's tensors and the scheduler thread (malloc.py)
-        self.scheduler = Scheduler(args)
+        platform = platform_policy(args, resolve_device(args.device))
+        platform.tune_allocator()  # before the model's tensors and the scheduler thread (platform/cpu/malloc.py)
+        self.scheduler = Scheduler(args, ModelRunner(args, platform))
         runner = self.scheduler.runner
         self.tokenizer = load_tokenizer(args, runner.model_dir)
         eos = set(runner.eos_token_ids)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from specserve.attention.training import StepKV
     from specserve.cache.kv_pool import KVPool
+    from specserve.platform import PlatformPolicy
 
 
 class ForwardMode(enum.Enum):
@@ -66,6 +67,9 @@ class ForwardBatch:
     input_embeds: torch.Tensor | None = None  # [T, h] optional, replaces the embedding lookup
     step_kv: StepKV | None = None  # pool-free forwards only: K/V of earlier unrolled draft steps
     rope_rows: dict = field(default_factory=dict)  # RoPE cos/sin rows of this forward's positions, per rotary module
+    # the runner's tuning policy (set by ModelRunner.forward and the proposers): picks the attention path
+    # (folding query heads); None: the default path throughout
+    platform: PlatformPolicy | None = None
 
 
 def build_attn_metadata(
@@ -254,17 +258,18 @@ def attention(
     v_buf[fb.out_cache_loc] = v.to(v_buf.dtype)
     out_dtype, q = q.dtype, q.to(k_buf.dtype)
     if fb.attn.groups is None:
-        return _attend(q, k_buf, v_buf, fb.attn, scale).to(out_dtype)
+        return _attend(q, k_buf, v_buf, fb.attn, scale, fb.platform).to(out_dtype)
     outs, start = [], 0
     for n_rows, md in fb.attn.groups:
-        outs.append(_attend(q[start : start + n_rows], k_buf, v_buf, md, scale))
+        outs.append(_attend(q[start : start + n_rows], k_buf, v_buf, md, scale, fb.platform))
         start += n_rows
     return torch.cat(outs).to(out_dtype)
 
 
-def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnMetadata, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnMetadata, scale: float,
+            platform: PlatformPolicy | None) -> torch.Tensor:
     """q [T, H, D] of md's requests; k_buf/v_buf [S, Hkv, D] the layer's pool (new K/V already written)
-    -> [T, H*D]."""
+    -> [T, H*D]. platform: whether several queries per request fold their query heads (``_attend_folded``)."""
     n_tok, n_heads, head_dim = q.shape
     bsz, max_q = md.batch_size, md.max_q_len
     flat = md.kv_slots.reshape(-1)
@@ -276,7 +281,8 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
         qb = q.view(bsz, max_q, n_heads, head_dim)
     else:
         qb = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[md.q_index]  # [B, Qmax, H, D]
-    if folds_query_heads(qb, kb.shape[2], md):
+    masked = md.mask is not None and not md.is_causal
+    if platform is not None and platform.folds_query_heads(qb, kb.shape[2], masked):
         out = _attend_folded(qb, kb, vb, md.mask, scale)
     else:
         out = F.scaled_dot_product_attention(
@@ -291,20 +297,6 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
     if md.out_index is not None:
         out = out.index_select(0, md.out_index)
     return out  # [T, H*D]
-
-
-#: ``_attend_folded`` is used for half-precision queries on CPU from this many requests and up to FOLD_MAX_Q query
-#: rows each (docs/benchmarks.md: 17-32% less SDPA time for 8-32 requests of 2-8 rows in bf16; at 1-2 requests
-#: or in float32 the kernel's own grouping is as fast or faster, so they keep it)
-FOLD_MIN_BATCH = 4
-FOLD_MAX_Q = 16
-
-
-def folds_query_heads(qb: torch.Tensor, n_kv: int, md: AttnMetadata) -> bool:
-    """Whether padded queries qb [B, Qmax, H, D] with a mask are attended as G = H / n_kv rows per KV head."""
-    bsz, max_q, n_heads, _ = qb.shape
-    return (qb.device.type == "cpu" and qb.dtype in (torch.bfloat16, torch.float16) and n_heads > n_kv
-            and md.mask is not None and not md.is_causal and bsz >= FOLD_MIN_BATCH and max_q <= FOLD_MAX_Q)
 
 
 def _attend_folded(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor,

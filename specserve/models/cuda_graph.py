@@ -105,7 +105,7 @@ class _StaticForward:
         embeds = None if fb.input_embeds is None else _rows_like(fb.input_embeds, rows)
         self.fb = ForwardBatch(fb.mode, _rows_like(fb.input_ids, rows), _rows_like(fb.positions, rows),
                                _rows_like(fb.out_cache_loc, rows), attn, fb.kv_pool,
-                               capture_layers=fb.capture_layers, input_embeds=embeds)
+                               capture_layers=fb.capture_layers, input_embeds=embeds, platform=fb.platform)
         self.args = tuple(_rows_like(a, rows) for a in args)
         self.outputs: list[torch.Tensor] = []  # flat, each [rows, ...]
         self.spec = None  # their pytree structure

@@ -35,7 +35,7 @@ def is_plain_greedy(p: SamplingParams, num_output: int) -> bool:
 def greedy_ids(logits: Tensor) -> Tensor:
     """logits [..., V] -> the index of each row's largest value [...] int64, the first one on ties (argmax's
     result). ``max(dim).indices`` rather than ``argmax``: on CPU argmax runs 2.5-4x slower over a vocabulary
-    (bf16 [16, 32000]: 1.15 ms against 0.30 ms; docs/benchmarks.md, session 17)."""
+    (bf16 [16, 32000]: 1.15 ms against 0.30 ms; docs/benchmarks.md)."""
     return logits.max(dim=-1).indices
 
 
@@ -262,7 +262,7 @@ def probs_from_logits(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
 
 #: top_k / top_p / min_p keep a prefix of each row's tokens in descending order. A row whose kept prefix surely lies
 #: within its FILTER_CANDIDATES most probable tokens is filtered over those (one topk call); other rows sort their
-#: whole vocabulary. On CPU sorting [16, 32000] takes ~21 ms, topk 1024 of it ~3 ms (docs/benchmarks.md, session 17).
+#: whole vocabulary. On CPU sorting [16, 32000] takes ~21 ms, topk 1024 of it ~3 ms (docs/benchmarks.md).
 FILTER_CANDIDATES = 1024
 #: A top_p row goes the topk way only when its candidates' mass exceeds top_p by this much, so that float rounding
 #: cannot put the nucleus's end just past them.

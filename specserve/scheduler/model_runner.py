@@ -17,10 +17,10 @@ from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.compile import CompileStats, compile_forward
-from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
+from specserve.platform import PlatformPolicy, platform_policy
 from specserve.speculative.registry import draft_memory, lookahead
 
 logger = logging.getLogger(__name__)
@@ -38,17 +38,19 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
+    @torch.inference_mode()  # weights and pools are inference tensors (as in Scheduler, which usually builds us)
+    def __init__(self, args: ServerArgs, platform: PlatformPolicy | None = None) -> None:
+        """platform: the process's tuning policy, made at start-up (default: the one for args.device); every part
+        that loads, sizes or runs models reads it here, as ``runner.platform``."""
         self.args = args
-        self.device = resolve_device(args.device)
-        if args.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads)
+        self.platform = platform or platform_policy(args, resolve_device(args.device))
+        self.device = self.platform.device
+        self.platform.configure_threads()
         self.model, self.spec, self.model_dir = load_model(args.model_path, args.dtype, self.device,
                                                            load_format=args.load_format, seed=args.random_seed)
         self.dtype = next(self.model.parameters()).dtype
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
-            pack_linears_for_cpu(self.model)
+        self.platform.pack_weights(self.model)
         self.compile_stats = CompileStats() if args.enable_torch_compile else None
         self.cuda_graphs = self._cuda_graphs()
         self.speed_up_forward(self.model.model)  # the decoder stack; the LM head stays eager
@@ -57,7 +59,7 @@ class ModelRunner:
         # speculation writes a draft tree / verify nodes past a request's last position
         self.lookahead = lookahead(args)
         self.model.set_max_positions(self.context_len + self.lookahead + 8)
-        self.draft_memory = draft_memory(args, self.spec, self.dtype, self.device)
+        self.draft_memory = draft_memory(args, self.spec, self.dtype, self.platform)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(
@@ -162,4 +164,5 @@ class ModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
+        fb.platform = self.platform  # the attention path it picks (query-head folding on CPU)
         return self.model(fb)

@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.omp import release_thread_pool
-
 if TYPE_CHECKING:
     from specserve.request import Req, ReqOutput
     from specserve.scheduler.spec_decode import SpecDecoder, StepRecord
@@ -45,6 +43,7 @@ if TYPE_CHECKING:
 class OverlapPipeline:
     def __init__(self, spec: SpecDecoder) -> None:
         self.spec = spec
+        self.platform = spec.runner.platform
         self.pending: StepRecord | None = None  # the last forward part, its outputs not processed yet
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-forward")
         self.overlapped_steps = 0  # steps whose output part ran beside a forward part
@@ -58,8 +57,8 @@ class OverlapPipeline:
             outputs = self.drain()
             return outputs + spec.timed_plain_step([r for r in reqs if not r.finished])
         started = spec.step_start()
-        if active:  # one thread's OpenMP pool at a time runs the forwards: free this one's (omp.py)
-            release_thread_pool()
+        if active:  # one thread's OpenMP pool at a time runs the forwards: free this one's (platform/cpu/omp.py)
+            self.platform.release_thread_pool()
         future = self._thread.submit(self._forward, active, shape) if active else None
         try:
             outputs, done = spec.process(self.pending) if self.pending is not None else ([], [])

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from specserve.models.llama import ModelOutput
+    from specserve.platform import PlatformPolicy
     from specserve.request import Req
     from specserve.speculative.batch_policy import TreeShape
     from specserve.speculative.tree import DraftTree
@@ -115,7 +116,7 @@ class Proposer(ABC):
         return cls
 
     @classmethod
-    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, platform: PlatformPolicy) -> DraftMemory:
         """What this drafter will allocate beside the target, known before it is built (the target's KV capacity
         is sized from what is left): none by default."""
         return DraftMemory()

@@ -30,8 +30,8 @@ import torch
 from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
-from specserve.models.cpu_packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
+from specserve.platform import PlatformPolicy
 from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
 from specserve.speculative.heads.eagle import EAGLE_HEADS
@@ -39,35 +39,6 @@ from specserve.speculative.token_map import HotVocabHead
 from specserve.speculative.tree import DraftTree, EagleCandidates, max_tree_nodes
 
 logger = logging.getLogger(__name__)
-
-#: ``--speculative-draft-dtype auto`` runs a draft of at most this many parameters in float32 on CPU under a
-#: bf16/fp16 target. Its float32 weights (32 MiB at most) stay in a server CPU's caches, so its forwards are bound
-#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: at batch 1
-#: the demo drafts give STANDALONE 9% and EAGLE-3 1.5-3% more tokens/s). Larger drafts stream their weights, half
-#: as many bytes in bf16, so they keep the target's dtype.
-CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
-
-
-def _mixed_linears(args, device: torch.device, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
-    """A float32 draft under a half-precision target on CPU gets MixedLinears (packed bf16 for large calls)."""
-    return (device.type == "cpu" and not args.disable_cpu_weight_packing and draft_dtype == torch.float32
-            and target_dtype in (torch.bfloat16, torch.float16))
-
-
-#: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more than FP32_MAX_ROWS
-#: tokens in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the bytes and its prompt
-#: catch-up runs on half-size activations (docs/benchmarks.md); batch-1 tree levels and extends stay float32.
-HALF_DRAFT_DTYPE = torch.bfloat16
-
-
-def resolve_draft_dtype(flag: str, target_dtype: torch.dtype, device_type: str, num_params: int) -> torch.dtype:
-    """``--speculative-draft-dtype`` -> the dtype the draft model is loaded and run in."""
-    if flag != "auto":
-        return DTYPE_NAMES[flag]
-    half = target_dtype in (torch.bfloat16, torch.float16)
-    if device_type == "cpu" and half and num_params <= CPU_FP32_DRAFT_MAX_PARAMS:
-        return torch.float32
-    return target_dtype
 
 
 @dataclass
@@ -94,13 +65,15 @@ class EagleProposer(Proposer):
     #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
     #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
     root_offset = 0
-    #: a float32 draft with MixedLinears keeps its KV in HALF_DRAFT_DTYPE and runs its large forwards in it
+    #: the draft may keep its KV in another dtype and run its large forwards in it, where the platform says so
+    #: (``PlatformPolicy.draft_kv_dtype``: on CPU a float32 draft with MixedLinears, in bf16)
     half_precision_calls = True
 
     def __init__(self, args, runner, kv) -> None:
         self.args, self.runner, self.kv = args, runner, kv
         self.target = runner.model
         self.device = runner.device
+        self.platform = runner.platform
         self.steps = args.speculative_num_steps
         self.topk = args.speculative_eagle_topk
         self.num_draft_tokens = args.speculative_num_draft_tokens
@@ -109,12 +82,12 @@ class EagleProposer(Proposer):
         self.head, self.head_spec = self._load_head(args)
         # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
         self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
-        kv_dtype = self.kv_dtype(args, self.device, self.draft_dtype, runner.dtype)
+        kv_dtype = self.kv_dtype(self.platform, self.draft_dtype, runner.dtype)
         self.half_dtype = None  # the dtype of large forwards when it is not the draft's (compute_dtype)
-        if _mixed_linears(args, self.device, self.draft_dtype, runner.dtype):
+        if self.platform.mixed_linears(self.draft_dtype, runner.dtype):
             for module in (self.head, self.hot_head):
                 if module is not None:
-                    mix_linears_for_cpu(module)
+                    self.platform.mix_linears(module)
             all_mixed = not any(isinstance(m, torch.nn.Linear) for m in self.head.modules())
             if kv_dtype != self.draft_dtype and all_mixed:  # every matmul has its packed bf16 copy
                 self.half_dtype = kv_dtype
@@ -183,8 +156,7 @@ class EagleProposer(Proposer):
             logger.info("draft model runs in %s (target: %s)", dtype_name(self.draft_dtype),
                         dtype_name(self.runner.dtype))
         self._check_head(head, spec)
-        if self.device.type == "cpu" and not args.disable_cpu_weight_packing:
-            pack_linears_for_cpu(head)
+        self.platform.pack_weights(head)
         return head, spec
 
     def _make_hot_head(self, path: str) -> HotVocabHead:
@@ -197,26 +169,28 @@ class EagleProposer(Proposer):
         return 1  # EAGLE heads have one attention layer
 
     @classmethod
-    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
-        """The draft model's weights and KV pool, from its config and the dtype it will run in
-        (``resolve_draft_dtype``, which the proposer then loads it in). A float32 draft's MixedLinears also hold bf16
-        copies: counted as 2 bytes per parameter more (an upper bound)."""
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, platform: PlatformPolicy) -> DraftMemory:
+        """The draft model's weights and KV pool, from its config and the dtype it will run in, which the proposer
+        then loads it in: ``--speculative-draft-dtype``, or for auto the platform's choice
+        (``PlatformPolicy.draft_dtype``). A float32 draft's MixedLinears also hold bf16 copies: counted as 2 bytes per
+        parameter more (an upper bound)."""
         path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
         params = count_parameters(path, revision, cls.head_registry)
-        dtype = resolve_draft_dtype(args.speculative_draft_dtype, target_dtype, device.type, params)
+        flag = args.speculative_draft_dtype
+        dtype = platform.draft_dtype(target_dtype, params) if flag == "auto" else DTYPE_NAMES[flag]
         spec = model_spec(path, revision, cls.head_registry)
-        bf16_copies = 2 * params if _mixed_linears(args, device, dtype, target_dtype) else 0
-        kv_dtype = cls.kv_dtype(args, device, dtype, target_dtype)
+        bf16_copies = 2 * params if platform.mixed_linears(dtype, target_dtype) else 0
+        kv_dtype = cls.kv_dtype(platform, dtype, target_dtype)
         return DraftMemory(params * dtype.itemsize + bf16_copies,
                            KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, kv_dtype),
                            dtype)
 
     @classmethod
-    def kv_dtype(cls, args, device: torch.device, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
-        """The draft KV's dtype: HALF_DRAFT_DTYPE for a float32 draft with MixedLinears whose large calls run in
-        it, else the draft's own."""
-        if cls.half_precision_calls and _mixed_linears(args, device, draft_dtype, target_dtype):
-            return HALF_DRAFT_DTYPE
+    def kv_dtype(cls, platform: PlatformPolicy, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
+        """The draft KV's dtype: the platform's where this proposer's large calls may run in it (on CPU, bf16 for
+        a float32 draft with MixedLinears), else the draft's own."""
+        if cls.half_precision_calls:
+            return platform.draft_kv_dtype(draft_dtype, target_dtype)
         return draft_dtype
 
     def _check_head(self, head, spec) -> None:
@@ -234,11 +208,11 @@ class EagleProposer(Proposer):
 
     # ------------------------------------------------------------------ the draft network
     def compute_dtype(self, rows: int) -> torch.dtype:
-        """The dtype a draft forward over `rows` tokens runs in: a float32 draft with MixedLinears runs calls of more
-        than FP32_MAX_ROWS tokens (prompt catch-ups, catch-ups and tree levels at a large batch) in half_dtype, where
-        its matmuls run packed bf16 anyway, so the activations between them stay half-size and unconverted; smaller
-        calls (batch-1 tree levels and catch-ups) keep float32's lower per-op cost."""
-        if self.half_dtype is not None and rows > FP32_MAX_ROWS:
+        """The dtype a draft forward over `rows` tokens runs in: half_dtype where the draft has one and the platform
+        runs a call of that many rows in half precision (on CPU a float32 draft with MixedLinears: calls of more than
+        FP32_MAX_ROWS tokens, whose matmuls run packed bf16 anyway, so the activations between them stay half-size
+        and unconverted; smaller calls keep float32's lower per-op cost)."""
+        if self.half_dtype is not None and self.platform.runs_half_precision(rows):
             return self.half_dtype
         return self.draft_dtype
 
@@ -298,7 +272,8 @@ class EagleProposer(Proposer):
         may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
         fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.kv.table,
-                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split,
+                          platform=self.platform)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h]
         return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
@@ -381,7 +356,8 @@ class EagleProposer(Proposer):
                     return j - 1
                 mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K] over the levels' scratch slots
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
-                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
+                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool,
+                                  platform=self.platform)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
                 child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]

@@ -19,6 +19,7 @@ from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import ConfigError
 from specserve.models.loader import dtype_name
+from specserve.platform import PlatformPolicy
 from specserve.speculative.base import DraftMemory
 from specserve.speculative.eagle import EagleProposer
 
@@ -44,7 +45,7 @@ class MtpProposer(EagleProposer):
         return layers[0], self.runner.spec
 
     @classmethod
-    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, device: torch.device) -> DraftMemory:
+    def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, platform: PlatformPolicy) -> DraftMemory:
         """The MTP layer's weights are the target's (already counted); its KV pool has one layer of the target's
         shape, in the target's dtype."""
         return DraftMemory(0, KVPool.bytes_per_token(1, target_spec.num_kv_heads, target_spec.head_dim, target_dtype))

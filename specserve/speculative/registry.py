@@ -21,6 +21,7 @@ from specserve.flags import ConfigError, require_choice
 if TYPE_CHECKING:
     import torch
 
+    from specserve.platform import PlatformPolicy
     from specserve.speculative.base import DraftMemory, Proposer
 
 logger = logging.getLogger(__name__)
@@ -107,13 +108,13 @@ def lookahead(args) -> int:
     return algorithm_class(args.speculative_algorithm).lookahead(args)
 
 
-def draft_memory(args, target_spec, target_dtype: torch.dtype, device) -> DraftMemory:
-    """What speculative decoding will allocate beside the target (nothing without it)."""
+def draft_memory(args, target_spec, target_dtype: torch.dtype, platform: PlatformPolicy) -> DraftMemory:
+    """What speculative decoding will allocate beside the target (nothing without it), on the runner's platform."""
     from specserve.speculative.base import DraftMemory
 
     if args.speculative_algorithm is None:
         return DraftMemory()
-    return proposer_class(args, target_spec).memory_cost(args, target_spec, target_dtype, device)
+    return proposer_class(args, target_spec).memory_cost(args, target_spec, target_dtype, platform)
 
 
 def create_proposer(args, runner, kv) -> Proposer:

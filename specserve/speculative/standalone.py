@@ -79,7 +79,7 @@ class StandaloneProposer(EagleProposer):
 
     def _make_hot_head(self, path: str) -> HotVocabHead:
         return HotVocabHead.for_model(path, self.head, self.head_dir, self.head_spec, self.device, self.draft_dtype,
-                                      min_size=self.topk)
+                                      min_size=self.topk, platform=self.platform)
 
     def _draft_logits(self, draft_hidden: torch.Tensor):
         if self.hot_head is not None:

@@ -32,9 +32,9 @@ from safetensors import safe_open
 from torch import nn
 
 from specserve.flags import ConfigError
-from specserve.models.cpu_packing import pack_linears_for_cpu
 from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.loader import read_config, resolve_model_path, safetensors_files
+from specserve.platform import PlatformPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -131,21 +131,22 @@ class HotVocabHead(DirectCall):
     @classmethod
     def for_target(cls, path: str, runner, min_size: int = 1, dtype: torch.dtype | None = None) -> HotVocabHead:
         """Load ``path`` against the target held by ``runner`` (a ModelRunner) and restrict the target's LM head
-        (EAGLE-1/2 and MTP draft with it), as a copy in ``dtype`` (the draft's; default the target's).
-        oneDNN-packed on CPU unless ``--disable-cpu-weight-packing``."""
+        (EAGLE-1/2 and MTP draft with it), as a copy in ``dtype`` (the draft's; default the target's), packed as
+        the runner's platform packs weights."""
         return cls.for_model(path, runner.model, runner.model_dir, runner.spec, runner.device, dtype or runner.dtype,
-                             min_size, pack_for_cpu=not runner.args.disable_cpu_weight_packing)
+                             min_size, platform=runner.platform)
 
     @classmethod
     def for_model(cls, path: str, model: nn.Module, model_dir: str, spec, device: torch.device, dtype: torch.dtype,
-                  min_size: int = 1, pack_for_cpu: bool = True) -> HotVocabHead:
+                  min_size: int = 1, platform: PlatformPolicy | None = None) -> HotVocabHead:
         """Restrict the LM head of any loaded CausalLM (e.g. a STANDALONE draft model: its own head) to the hot
-        ids of ``path``, validated against ``spec.vocab_size``."""
+        ids of ``path``, validated against ``spec.vocab_size``. platform: packs the head as it packs the models'
+        weights (oneDNN on CPU unless ``--disable-cpu-weight-packing``); None: a plain Linear."""
         ids = load_token_map(path, spec.vocab_size, min_size)
         rows = lm_head_rows(model, model_dir, spec.tie_word_embeddings, ids)
         head = cls(rows.to(device=device, dtype=dtype), ids)
-        if pack_for_cpu and device.type == "cpu":
-            pack_linears_for_cpu(head)
+        if platform is not None:
+            platform.pack_weights(head)
         logger.info("FR-Spec: draft LM head restricted to %d hot tokens of %d (%s)", head.size, spec.vocab_size, path)
         return head
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from specserve import Engine
-from specserve.models.cpu_packing import (
+from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
     MixedLinear,
     PackedLinear,

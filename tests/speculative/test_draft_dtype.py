@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.models.cpu_packing import MixedLinear, PackedLinear
+from specserve.config import ServerArgs
 from specserve.models.loader import count_parameters, load_model
-from specserve.speculative.eagle import CPU_FP32_DRAFT_MAX_PARAMS, resolve_draft_dtype
+from specserve.platform import platform_policy
+from specserve.platform.cpu.packing import MixedLinear, PackedLinear
+from specserve.platform.cpu.policy import CPU_FP32_DRAFT_MAX_PARAMS
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
@@ -21,17 +23,30 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LIMIT = CPU_FP32_DRAFT_MAX_PARAMS
 
 
-@pytest.mark.parametrize("flag,target,device,params,want", [
-    ("auto", BF16, "cpu", 2_000_000, F32),  # a small draft under a bf16 target on CPU: float32
-    ("auto", F16, "cpu", LIMIT, F32),  # the limit itself is still small
-    ("auto", BF16, "cpu", LIMIT + 1, BF16),  # a larger draft streams its weights: half the bytes in bf16
-    ("auto", BF16, "cuda", 1000, BF16),  # GPUs run half precision natively
-    ("auto", F32, "cpu", 1000, F32),  # never below the target's precision
-    ("bfloat16", F32, "cpu", 1000, BF16),  # an explicit dtype is taken as given
-    ("float32", BF16, "cuda", 10**9, F32),
+@pytest.mark.parametrize("target,device,params,want", [
+    (BF16, "cpu", 2_000_000, F32),  # a small draft under a bf16 target on CPU: float32
+    (F16, "cpu", LIMIT, F32),  # the limit itself is still small
+    (BF16, "cpu", LIMIT + 1, BF16),  # a larger draft streams its weights: half the bytes in bf16
+    (BF16, "cuda", 1000, BF16),  # GPUs run half precision natively
+    (F32, "cpu", 1000, F32),  # never below the target's precision
 ])
-def test_resolve_draft_dtype(flag, target, device, params, want):
-    assert resolve_draft_dtype(flag, target, device, params) == want
+def test_auto_draft_dtype(target, device, params, want):
+    assert platform_policy(ServerArgs(), torch.device(device)).draft_dtype(target, params) == want
+
+
+@pytest.mark.parametrize("draft,target,device,packing,mixed", [
+    (F32, BF16, "cpu", True, True),  # a float32 draft under a half-precision target on CPU
+    (F32, F16, "cpu", True, True),
+    (F32, BF16, "cpu", False, False),  # --disable-cpu-weight-packing: no packed copies
+    (F32, F32, "cpu", True, False),
+    (BF16, BF16, "cpu", True, False),
+    (F32, BF16, "cuda", True, False),
+])
+def test_mixed_linears_and_the_draft_kv_dtype(draft, target, device, packing, mixed):
+    """Where a draft gets MixedLinears its KV is bf16 (the dtype of its large calls); elsewhere the draft's own."""
+    policy = platform_policy(ServerArgs(disable_cpu_weight_packing=not packing), torch.device(device))
+    assert policy.mixed_linears(draft, target) is mixed
+    assert policy.draft_kv_dtype(draft, target) == (BF16 if mixed else draft)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.config import ConfigError
-from specserve.models.cpu_packing import PackedLinear, pack_linears_for_cpu
+from specserve.models.direct_call import Linear
 from specserve.models.loader import load_model
+from specserve.platform.cpu.packing import PackedLinear, pack_linears_for_cpu
 from specserve.speculative.token_map import (
     HotVocabHead,
     count_token_ids,
@@ -331,3 +332,16 @@ def test_gate_standalone_draft_restricted_to_the_map(target, plain, tmp_path):
         assert_drafting_happened(outs, min_accept_length=2.0)
         assert_no_kv_leak(e)
     assert drafted and set(drafted) <= set(emitted) | set(range(40))
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_standalone_hot_head_follows_the_packing_flag(model_factory, tmp_path, disable):
+    """STANDALONE's hot head (from the draft model's own LM head) is packed like every other bf16 linear on CPU, and
+    left plain under --disable-cpu-weight-packing."""
+    path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=torch.bfloat16)
+    save_token_map(torch.arange(64), str(tmp_path / "map.pt"))
+    kw = spec_kwargs("STANDALONE", path, 3, 2, 5, speculative_token_map=str(tmp_path / "map.pt"),
+                     speculative_draft_dtype="bfloat16")
+    with Engine(model_path=path, max_total_tokens=4096, disable_cpu_weight_packing=disable, **kw) as e:
+        proj = e.scheduler.decoder.proposer.hot_head.proj
+        assert (type(proj) is Linear) if disable else isinstance(proj, PackedLinear)

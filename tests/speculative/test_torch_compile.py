@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.models.cpu_packing import PackedLinear
+from specserve.platform.cpu.packing import PackedLinear
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 

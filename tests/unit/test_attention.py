@@ -196,11 +196,18 @@ def test_decode_attention_folds_query_heads_per_kv_head():
 
 def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
     """Several queries per request in bf16 on CPU, from FOLD_MIN_BATCH requests (verify trees at a large batch):
-    each KV head's query heads are attended as G * Q rows of it (``_attend_folded``). Checked against the
-    per-query float32 reference and against SDPA's own GQA grouping, for ragged requests with tree masks and
-    padded query rows, GQA groups of 2 and 4; a batch below FOLD_MIN_BATCH and float32 keep the kernel's path."""
+    each KV head's query heads are attended as G * Q rows of it (``_attend_folded``), as the CPU policy the batch
+    carries decides. Checked against the per-query float32 reference and against SDPA's own GQA grouping (a batch
+    with no policy), for ragged requests with tree masks and padded query rows, GQA groups of 2 and 4; a batch below
+    FOLD_MIN_BATCH, float32, plain causal and the plain policy keep the kernel's path."""
     from specserve.attention import backend
+    from specserve.config import ServerArgs
+    from specserve.platform import platform_policy
+    from specserve.platform.cpu.policy import FOLD_MIN_BATCH
 
+    cpu, plain = (platform_policy(ServerArgs(), torch.device(d)) for d in ("cpu", "cuda"))
+    folded, fold = [], backend._attend_folded
+    monkeypatch.setattr(backend, "_attend_folded", lambda *a: folded.append(1) or fold(*a))
     torch.manual_seed(5)
     D, lens, q_lens = 8, [9, 4, 7, 12, 6], [3, 2, 3, 1, 2]
     for H, Hkv in ((4, 2), (8, 2)):
@@ -219,11 +226,15 @@ def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
         spans = enumerate(zip(lens, q_lens, strict=True))
         loc = torch.cat([table.req_to_token[row, n - ql : n] for row, (n, ql) in spans])  # the new tokens' slots
         fb = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.zeros(T, dtype=torch.long),
-                          torch.zeros(T, dtype=torch.long), loc, md, pool)
+                          torch.zeros(T, dtype=torch.long), loc, md, pool, platform=cpu)
         qb = torch.zeros(5, md.max_q_len, H, D, dtype=torch.bfloat16)
-        assert backend.folds_query_heads(qb, Hkv, md)
-        assert not backend.folds_query_heads(qb[:3], Hkv, md) and not backend.folds_query_heads(qb.float(), Hkv, md)
+        assert cpu.folds_query_heads(qb, Hkv, masked=True)
+        assert not cpu.folds_query_heads(qb[: FOLD_MIN_BATCH - 1], Hkv, masked=True)
+        assert not cpu.folds_query_heads(qb.float(), Hkv, masked=True)
+        assert not cpu.folds_query_heads(qb, Hkv, masked=False) and not plain.folds_query_heads(qb, Hkv, masked=True)
+        folded.clear()
         got = attention(q, k, v, 0, fb, scale=D**-0.5)  # [T, H*D]
+        assert folded
         start = 0
         for row, (n, ql) in enumerate(zip(lens, q_lens, strict=True)):
             keys = table.req_to_token[row, :n]
@@ -232,9 +243,9 @@ def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
                               visible, D**-0.5)
             torch.testing.assert_close(got[start : start + ql].float(), want, atol=2e-2, rtol=2e-2)
             start += ql
-        with monkeypatch.context() as m:
-            m.setattr(backend, "FOLD_MIN_BATCH", 10**6)  # the kernel's own grouping
-            unfolded = attention(q, k, v, 0, fb, scale=D**-0.5)
+        fb.platform, folded[:] = None, []  # the kernel's own grouping
+        unfolded = attention(q, k, v, 0, fb, scale=D**-0.5)
+        assert not folded
         torch.testing.assert_close(got.float(), unfolded.float(), atol=2e-2, rtol=2e-2)
 
 

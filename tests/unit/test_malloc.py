@@ -1,4 +1,4 @@
-"""specserve.malloc: glibc malloc settings for a CPU serving process (measured effect in the module's docstring)."""
+"""specserve.platform.cpu.malloc: glibc malloc settings for a CPU serving process (measured effect in its docstring)."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from specserve.malloc import KEEP_DEFAULTS_ENV, should_tune
+from specserve.platform.cpu.malloc import KEEP_DEFAULTS_ENV, should_tune
 
 
 @pytest.mark.parametrize("environ,want", [
@@ -23,7 +23,7 @@ def test_should_tune_respects_the_environment(environ, want):
 
 SCRIPT = textwrap.dedent("""
     import os, sys
-    from specserve import malloc
+    from specserve.platform.cpu import malloc
     print(malloc.tune_malloc(), malloc.tune_malloc(), malloc._mallopt() is not None)
 """)
 
@@ -48,11 +48,12 @@ def test_tune_malloc_applies_once_and_honours_the_opt_out():
 
 def test_a_cpu_engine_tunes_malloc_before_loading(llama_dir, monkeypatch):
     import specserve.engine as engine_mod
+    from specserve.platform import CpuPolicy
 
     calls = []
-    real_scheduler = engine_mod.Scheduler
-    monkeypatch.setattr(engine_mod, "tune_malloc", lambda: calls.append("tune"))
-    monkeypatch.setattr(engine_mod, "Scheduler", lambda args: calls.append("load") or real_scheduler(args))
-    with engine_mod.Engine(model_path=llama_dir, device="cpu", max_total_tokens=512):
-        pass
+    real_runner = engine_mod.ModelRunner
+    monkeypatch.setattr(CpuPolicy, "tune_allocator", lambda self: calls.append("tune"))
+    monkeypatch.setattr(engine_mod, "ModelRunner", lambda *a: calls.append("load") or real_runner(*a))
+    with engine_mod.Engine(model_path=llama_dir, device="cpu", max_total_tokens=512) as e:
+        assert isinstance(e.scheduler.runner.platform, CpuPolicy)
     assert calls == ["tune", "load"]

@@ -1,4 +1,4 @@
-"""specserve.omp: releasing a thread's idle OpenMP workers (measured effect in the module's docstring)."""
+"""specserve.platform.cpu.omp: releasing a thread's idle OpenMP workers (measured effect in its docstring)."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import os, threading, time
     import torch
-    from specserve.omp import release_thread_pool
+    from specserve.platform.cpu.omp import release_thread_pool
 
     def tasks():
         return len(os.listdir("/proc/self/task"))
@@ -73,7 +73,7 @@ def test_bench_omp_runs_end_to_end():
 
 
 def test_keep_pools_switch_turns_the_release_off(monkeypatch):
-    from specserve import omp
+    from specserve.platform.cpu import omp
 
     monkeypatch.setenv(omp.KEEP_POOLS_ENV, "1")
     assert omp.release_thread_pool() is False

@@ -11,11 +11,12 @@ Measured on the project's 2-core machine (docs/benchmarks.md, batch 32, demo bf1
 with the defaults a prefill chunk of the target took 8-15k minor page faults and about 30% longer once the
 draft's catch-up ran in bf16 (its blocks then share the target's sizes), against 0-1k with the settings below.
 
-``tune_malloc`` sets, through ``mallopt`` before the engine's threads start: one arena for the whole process
-(``M_ARENA_MAX``), a fixed mmap threshold of 32 MiB (``M_MMAP_THRESHOLD``, glibc's largest dynamic value; larger
-blocks such as the KV pool are still mapped on their own) and a trim threshold of 2 GiB (``M_TRIM_THRESHOLD``, the
-largest it takes). The heap then keeps what it has held instead of returning it between steps, which is what a
-serving process that runs the same shapes step after step wants.
+``tune_malloc`` (``CpuPolicy.tune_allocator``, which ``Engine`` calls) sets, through ``mallopt`` before the
+engine's threads start: one arena for the whole process (``M_ARENA_MAX``), a fixed mmap threshold of 32 MiB
+(``M_MMAP_THRESHOLD``, glibc's largest dynamic value; larger blocks such as the KV pool are still mapped on their
+own) and a trim threshold of 2 GiB (``M_TRIM_THRESHOLD``, the largest it takes). The heap then keeps what it has
+held instead of returning it between steps, which is what a serving process that runs the same shapes step after
+step wants.
 
 Left alone: a non-glibc C library; a process whose ``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_TRIM_THRESHOLD_`` is set (the user chose); ``SPECSERVE_KEEP_MALLOC_DEFAULTS=1`` (for A/B measurements).

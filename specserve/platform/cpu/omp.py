@@ -13,7 +13,7 @@ Measured on the project's 2-core reference machine (bf16, per op): a packed line
 back to the main thread's figures (``release_thread_pool``, which calls OpenMP 5's ``omp_pause_resource_all`` on the
 calling thread: libgomp frees that thread's pool and its count).
 
-Where the engine calls it:
+Where the engine calls it (through ``PlatformPolicy.release_thread_pool``, on every device):
 - the thread that loaded the model, once loading is done (``SchedulerLoop.__init__``);
 - a thread submitting requests (``SchedulerLoop.submit``: an ``Engine`` user may have run torch in between);
 - the scheduler thread when it goes idle, so a caller's own torch work (a transformers reference, a benchmark's

@@ -30,7 +30,7 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 #: The row count oneDNN is told to expect when it packs a weight; it picks the layout from it. On the reference CPU a
 #: hint of 1 gives 64-column blocks and any hint from 8 up gives 32-column blocks, with which a 1113-row prefill
 #: matmul takes ~0.75x the time (the large bench model's linears: 246 vs 325 ms) and 1-16-row calls take the same
-#: (docs/benchmarks.md, session 17).
+#: (docs/benchmarks.md).
 PACK_BATCH_HINT = 64
 
 

@@ -1,0 +1,88 @@
+"""CpuPolicy: where the CPU tweaks apply (the allocator, threads, oneDNN packing, float32 drafts, query-head folding).
+
+Each constant below carries the measurement behind it; the mechanisms live beside this file (``malloc.py``,
+``omp.py``, ``packing.py``) and in attention's ``_attend_folded``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.platform.cpu.malloc import tune_malloc
+from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
+from specserve.platform.policy import PlatformPolicy
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+#: ``--speculative-draft-dtype auto`` runs a draft of at most this many parameters in float32 on CPU under a
+#: bf16/fp16 target. Its float32 weights (32 MiB at most) stay in a server CPU's caches, so its forwards are bound
+#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: at batch 1
+#: the demo drafts give STANDALONE 9% and EAGLE-3 1.5-3% more tokens/s). Larger drafts stream their weights, half
+#: as many bytes in bf16, so they keep the target's dtype.
+CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
+
+#: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more than FP32_MAX_ROWS
+#: tokens in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the bytes and its prompt
+#: catch-up runs on half-size activations (docs/benchmarks.md); batch-1 tree levels and extends stay float32.
+HALF_DRAFT_DTYPE = torch.bfloat16
+
+#: ``_attend_folded`` is used for half-precision queries on CPU from this many requests and up to FOLD_MAX_Q query
+#: rows each (docs/benchmarks.md: 17-32% less SDPA time for 8-32 requests of 2-8 rows in bf16; at 1-2 requests
+#: or in float32 the kernel's own grouping is as fast or faster, so they keep it)
+FOLD_MIN_BATCH = 4
+FOLD_MAX_Q = 16
+
+
+class CpuPolicy(PlatformPolicy):
+    @property
+    def packs_weights(self) -> bool:
+        """oneDNN-packed linears unless ``--disable-cpu-weight-packing``."""
+        return not self.args.disable_cpu_weight_packing
+
+    # ------------------------------------------------------------------ the process
+    def tune_allocator(self) -> bool:
+        """glibc malloc keeps freed activation buffers (``malloc.py``)."""
+        return tune_malloc()
+
+    def configure_threads(self) -> None:
+        if self.args.num_threads:
+            torch.set_num_threads(self.args.num_threads)
+
+    # ------------------------------------------------------------------ weights
+    def pack_weights(self, module: nn.Module) -> int:
+        """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``)."""
+        return pack_linears_for_cpu(module) if self.packs_weights else 0
+
+    # ------------------------------------------------------------------ draft models
+    def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
+        """float32 for a draft of at most CPU_FP32_DRAFT_MAX_PARAMS under a bf16/fp16 target, else the target's."""
+        if target_dtype in HALF_DTYPES and num_params <= CPU_FP32_DRAFT_MAX_PARAMS:
+            return torch.float32
+        return target_dtype
+
+    def mixed_linears(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+        """A float32 draft under a half-precision target gets MixedLinears (packed bf16 for large calls), unless
+        packing is off."""
+        return self.packs_weights and draft_dtype == torch.float32 and target_dtype in HALF_DTYPES
+
+    def mix_linears(self, module: nn.Module) -> int:
+        """float32 linears -> ``MixedLinear`` (``packing.py``)."""
+        return mix_linears_for_cpu(module)
+
+    def draft_kv_dtype(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
+        """HALF_DRAFT_DTYPE for a float32 draft with MixedLinears, else the draft's own."""
+        return HALF_DRAFT_DTYPE if self.mixed_linears(draft_dtype, target_dtype) else draft_dtype
+
+    def runs_half_precision(self, rows: int) -> bool:
+        """Calls of more than FP32_MAX_ROWS rows (MixedLinear's crossover): prompt catch-ups, and at a large batch
+        the catch-ups and tree levels. Their matmuls run packed bf16 anyway, so the activations between them stay
+        half-size and unconverted; smaller calls keep float32's lower per-op cost."""
+        return rows > FP32_MAX_ROWS
+
+    # ------------------------------------------------------------------ attention
+    def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
+        """Half-precision CPU queries with GQA and a mask, from FOLD_MIN_BATCH requests of up to FOLD_MAX_Q rows."""
+        bsz, max_q, n_heads, _ = qb.shape
+        return (qb.device.type == "cpu" and qb.dtype in HALF_DTYPES and n_heads > n_kv and masked
+                and bsz >= FOLD_MIN_BATCH and max_q <= FOLD_MAX_Q)

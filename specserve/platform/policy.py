@@ -1,0 +1,78 @@
+"""PlatformPolicy: the device-specific tuning decisions of a serving process, in one object.
+
+``platform_policy(args, device)`` makes it once at start-up (``Engine``, which hands it to ``ModelRunner``; a runner
+handed none makes its own); ``ModelRunner`` keeps it as ``runner.platform`` and the code that sets up the process,
+loads weights, sizes and runs drafts and attends asks it instead of testing the device itself. This base class is
+the plain policy (CUDA and any other device): it answers "no" to every CPU-only tweak. ``cpu/policy.py``'s
+``CpuPolicy`` says where they apply.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.platform.cpu.omp import release_thread_pool
+
+
+class PlatformPolicy:
+    def __init__(self, args, device: torch.device) -> None:
+        self.args = args  # ServerArgs: the flags that switch tweaks off or size them
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    # ------------------------------------------------------------------ the process
+    def tune_allocator(self) -> bool:
+        """Set the C allocator up for serving; called before the model's tensors and the scheduler thread exist
+        (``Engine``). -> whether the settings were applied."""
+        return False
+
+    def configure_threads(self) -> None:
+        """Set torch's thread count for the forwards (``--num-threads``); called before the model loads."""
+
+    def release_thread_pool(self) -> bool:
+        """Free the calling thread's idle OpenMP workers (``cpu/omp.py``). Torch runs its host-side ops on OpenMP
+        whatever the device, so every policy does it. -> True when the runtime did (or had nothing to free)."""
+        return release_thread_pool()
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def packs_weights(self) -> bool:
+        """Whether ``pack_weights`` changes anything."""
+        return False
+
+    def pack_weights(self, module: nn.Module) -> int:
+        """Give the module's linears a faster layout for this device, in place. -> how many were changed."""
+        return 0
+
+    # ------------------------------------------------------------------ draft models
+    def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
+        """The dtype a draft model of ``num_params`` parameters runs in under a ``target_dtype`` target when
+        ``--speculative-draft-dtype`` is auto: the target's."""
+        return target_dtype
+
+    def mixed_linears(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
+        """Whether a draft in ``draft_dtype`` under a ``target_dtype`` target gets mixed-precision linears
+        (``mix_linears``), which hold a second, half-precision copy of their weights."""
+        return False
+
+    def mix_linears(self, module: nn.Module) -> int:
+        """Replace the module's linears by mixed-precision ones, in place. -> how many."""
+        return 0
+
+    def draft_kv_dtype(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the KV of a draft in ``draft_dtype`` under a ``target_dtype`` target whose large forwards may
+        run in another dtype than its own (EAGLE heads): the draft's own."""
+        return draft_dtype
+
+    def runs_half_precision(self, rows: int) -> bool:
+        """Whether a draft forward over ``rows`` tokens through mixed-precision linears runs in half precision."""
+        return False
+
+    # ------------------------------------------------------------------ attention
+    def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
+        """Whether padded queries qb [B, Qmax, H, D] over ``n_kv`` KV heads, with a mask other than plain causal
+        (``masked``), are attended as G = H / n_kv rows per KV head (attention's ``_attend_folded``)."""
+        return False
