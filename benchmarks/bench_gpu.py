@@ -215,7 +215,7 @@ def measure_verify(sched, ns: argparse.Namespace, device: torch.device) -> list[
     """Runs on the scheduler thread (engine idle): TARGET_VERIFY forwards over chains of N nodes at context C,
     and one DECODE forward at C as the reference. KV values are whatever the pool holds: cost does not
     depend on them."""
-    from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+    from specserve.attention import ForwardBatch, ForwardMode
 
     runner, C = sched.runner, ns.context
     slots = sched.kv.alloc(C + max(ns.verify_sizes))  # [C + Nmax]
@@ -227,9 +227,12 @@ def measure_verify(sched, ns: argparse.Namespace, device: torch.device) -> list[
     def batch(n: int, mode: ForwardMode) -> ForwardBatch:
         ids = torch.randint(0, vocab, (n,), generator=gen).to(device)  # [n]
         positions = torch.arange(C, C + n, device=device)  # [n]: a chain, node i at depth i
-        masks = [torch.ones(n, n, dtype=torch.bool, device=device).tril()] if mode is ForwardMode.TARGET_VERIFY \
-            else None  # [n, n] chain mask, given explicitly as a tree verify does
-        attn = build_attn_metadata(slots.view(1, -1), [C + n], [n], custom_masks=masks)
+        table, backend = slots.view(1, -1), runner.attn_backend  # one request whose keys are `slots`
+        if mode is ForwardMode.TARGET_VERIFY:  # [n, n] chain mask, given explicitly as a tree verify does
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            attn = backend.tree(table, torch.zeros(1, dtype=torch.int64, device=device), [C + n], [n], [mask])
+        else:
+            attn = backend.extend(table, [0], [C + n], [n])
         return ForwardBatch(mode, ids, positions, slots[C:C + n], attn, runner.kv_pool)
 
     def cost(fb: ForwardBatch) -> float:

@@ -30,9 +30,8 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# SGLang's --attention-backend values. specserve has one attention implementation (PyTorch SDPA, SGLang's
-# "torch_native"); the GPU kernel libraries are SGLang's and are not here.
-OWN_ATTENTION_BACKENDS = ("torch_native", "sdpa")
+# SGLang's --attention-backend values for its GPU kernel libraries, which are not part of specserve: accepted (with
+# a warning) and run on the default backend. specserve's own are ``specserve.attention.backend.ATTENTION_BACKENDS``.
 SGLANG_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "flashmla", "cutlass_mla", "trtllm_mla",
                              "trtllm_mha", "aiter", "wave", "ascend", "intel_amx", "intel_xpu", "dual_chunk_flash_attn")
 #: --speculative-draft-score-temperature upper bound: far above 1 every candidate scores alike (no use)
@@ -97,7 +96,7 @@ class ServerArgs:
                 "--cuda-graph-max-bs)."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Turn off CUDA graphs."})
     attention_backend: str | None = field(default=None, metadata={
-        "help": "torch_native (PyTorch SDPA, the one specserve has). SGLang's GPU kernel backends (fa3, flashinfer, "
+        "help": "torch_native (default; alias sdpa): PyTorch SDPA. SGLang's GPU kernel backends (fa3, flashinfer, "
                 "triton, ...) are accepted with a warning and run on SDPA: the outputs are the same, not the speed."})
     page_size: int = field(default=1, metadata={
         "help": "Tokens per KV page. specserve's KV cache is token-granular (page size 1); a larger value is "
@@ -213,10 +212,12 @@ class ServerArgs:
                 raise ConfigError(f"--cuda-graph-bs must be positive integers, got {self.cuda_graph_bs}")
             if self.cuda_graph_max_bs is None:
                 self.cuda_graph_max_bs = max(self.cuda_graph_bs)
+        from specserve.attention.backend import ATTENTION_BACKENDS
+
         backend = self.attention_backend
-        if backend is not None and backend not in OWN_ATTENTION_BACKENDS:
+        if backend is not None and backend not in ATTENTION_BACKENDS:
             if backend not in SGLANG_ATTENTION_BACKENDS:
-                raise ConfigError(f"--attention-backend must be one of {', '.join(OWN_ATTENTION_BACKENDS)} (or an "
+                raise ConfigError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} (or an "
                                   f"SGLang GPU backend, which runs as torch_native here); got {backend!r}")
             logger.warning("--attention-backend %s: SGLang's kernel library is not part of specserve; attention runs "
                            "on PyTorch SDPA (torch_native)", backend)

@@ -1,20 +1,19 @@
-"""Attention: forward-batch metadata and the torch SDPA backend (runs on CPU and CUDA)."""
+"""Attention: the forward batch, the attention backend interface and its registry, and the SDPA backend."""
 
 from specserve.attention.backend import (
-    AttnMetadata,
+    AttentionBackend,
+    AttentionMetadata,
+    DraftTreeKeys,
+    create_attention_backend,
+)
+from specserve.attention.batch import (
     ForwardBatch,
     ForwardMode,
-    attended_slots,
     attention,
-    build_attn_metadata,
-    decode_attn_metadata,
     extend_batch,
     extend_inputs,
     last_token_rows,
-    mixed_attn_metadata,
-    prefix_visible,
 )
 
-__all__ = ["AttnMetadata", "ForwardBatch", "ForwardMode", "attended_slots", "attention", "build_attn_metadata",
-           "decode_attn_metadata", "extend_batch", "extend_inputs", "last_token_rows", "mixed_attn_metadata",
-           "prefix_visible"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "DraftTreeKeys", "ForwardBatch", "ForwardMode", "attention",
+           "create_attention_backend", "extend_batch", "extend_inputs", "last_token_rows"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.backend import AttnMetadata, ForwardBatch, ForwardMode
+from specserve.attention.batch import ForwardBatch, ForwardMode
+from specserve.attention.sdpa import AttnMetadata
 
 
 class StepKV:

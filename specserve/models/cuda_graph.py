@@ -14,10 +14,10 @@ Shapes are bucketed so a handful of graphs cover every batch:
 
 - requests: 1, 2, 4, 8, then multiples of 8 (``batch_bucket``); pad requests attend to the padding slot 0
   only and write their K/V there (``KVPool`` never hands slot 0 out);
-- keys per request (the padded SDPA backend reads ``[B, Kmax]`` slots): ``kv_bucket`` rounds Kmax up to one
-  of ``KV_STEPS_PER_OCTAVE`` sizes per doubling (at most 25% padding), the padded keys masked out. A
-  flashinfer-style kernel that reads K/V by slot would make graphs independent of Kmax; with SDPA the key count
-  is part of the shape, so it is bucketed instead.
+- whatever else the attention backend's metadata fixes (``AttentionMetadata.graph_shape``): with SDPA the key
+  count per request, rounded up by ``specserve.attention.sdpa.kv_bucket`` (at most 25% padding, the padded keys
+  masked out). The metadata also provides its static buffers and refills them (``static_buffers`` /
+  ``copy_into``), so this file never looks inside it.
 
 Graphs are captured lazily, the first time a bucket is met, into one memory pool shared by all of the engine's
 graphs (target and draft): captures add little memory and start-up is not slowed. Capture time, graph count
@@ -44,14 +44,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode
+from specserve.attention import ForwardBatch, ForwardMode
 from specserve.models.compile import CompiledForward
 
 logger = logging.getLogger(__name__)
 
 GRAPHED_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE})
-MIN_KV_BUCKET = 128  # keys per request of the smallest bucket (a power of two)
-KV_STEPS_PER_OCTAVE = 4  # bucket sizes per doubling of the key count: padding <= 1 / KV_STEPS_PER_OCTAVE
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy inits, cuBLAS workspaces)
 EMULATE_ENV = "SPECSERVE_CUDA_GRAPH_EMULATE"
 
@@ -63,16 +61,6 @@ def batch_bucket(bs: int, max_bs: int) -> int | None:
         return None
     bucket = 1 << (bs - 1).bit_length() if bs <= 8 else -(-bs // 8) * 8
     return min(bucket, max_bs)
-
-
-def kv_bucket(n: int, min_bucket: int = MIN_KV_BUCKET, steps: int = KV_STEPS_PER_OCTAVE) -> int:
-    """Keys per request in the graph serving a forward whose requests have at most n keys: min_bucket, then
-    `steps` evenly spaced sizes per doubling (128, 160, 192, 224, 256, 320, ... with the defaults)."""
-    if n <= min_bucket:
-        return min_bucket
-    octave = 1 << ((n - 1).bit_length() - 1)  # the largest power of two below n
-    step = max(octave // steps, 1)
-    return octave + -(-(n - octave) // step) * step
 
 
 def graph_backend(device: torch.device, disabled: bool) -> str | None:
@@ -96,16 +84,14 @@ class GraphStats:
 class _StaticForward:
     """One graph: a forward of fixed shape on static buffers, its recorded outputs and how to refill them."""
 
-    def __init__(self, fb: ForwardBatch, args: tuple[torch.Tensor, ...], bs: int, kv: int) -> None:
-        q, dev = fb.attn.max_q_len, fb.input_ids.device
-        rows = bs * q
+    def __init__(self, fb: ForwardBatch, args: tuple[torch.Tensor, ...], bs: int, shape: tuple) -> None:
+        rows = bs * fb.attn.max_q_len
         self.rows = rows
-        mask = torch.zeros(bs, 1, q, kv, dtype=torch.bool, device=dev)  # [Bb, 1, q, Kb]
-        attn = AttnMetadata(bs, q, torch.zeros(bs, kv, dtype=torch.int64, device=dev), mask, False, None, None)
+        attn = fb.attn.static_buffers(bs, shape)  # the backend's metadata on static buffers
         embeds = None if fb.input_embeds is None else _rows_like(fb.input_embeds, rows)
         self.fb = ForwardBatch(fb.mode, _rows_like(fb.input_ids, rows), _rows_like(fb.positions, rows),
                                _rows_like(fb.out_cache_loc, rows), attn, fb.kv_pool,
-                               capture_layers=fb.capture_layers, input_embeds=embeds, platform=fb.platform)
+                               capture_layers=fb.capture_layers, input_embeds=embeds)
         self.args = tuple(_rows_like(a, rows) for a in args)
         self.outputs: list[torch.Tensor] = []  # flat, each [rows, ...]
         self.spec = None  # their pytree structure
@@ -113,22 +99,14 @@ class _StaticForward:
 
     def load(self, fb: ForwardBatch, args: tuple[torch.Tensor, ...]) -> int:
         """Copy a live forward into the static buffers; pad requests see and write slot 0. -> its real rows."""
-        n, bsz, keys = fb.input_ids.shape[0], fb.attn.batch_size, fb.attn.kv_slots.shape[1]
+        n = fb.input_ids.shape[0]
         s = self.fb
         for dst, src in ((s.input_ids, fb.input_ids), (s.positions, fb.positions), (s.out_cache_loc, fb.out_cache_loc),
                          (s.input_embeds, fb.input_embeds), *zip(self.args, args, strict=True)):
             if dst is not None:
                 dst[:n].copy_(src)
                 dst[n:].zero_()
-        slots, mask = s.attn.kv_slots, s.attn.mask
-        slots.zero_()
-        slots[:bsz, :keys].copy_(fb.attn.kv_slots)
-        mask.zero_()
-        if fb.attn.mask is None:  # every key visible (a decode step whose requests have equal lengths)
-            mask[:bsz, :, :, :keys] = True
-        else:
-            mask[:bsz, :, :, :keys].copy_(fb.attn.mask)
-        mask[bsz:, :, :, 0] = True  # pad requests: slot 0 only (a fully masked row would give NaN)
+        fb.attn.copy_into(s.attn)
         return n
 
     def record(self, out) -> None:
@@ -244,7 +222,8 @@ class GraphedForward:
     def bucket(self, fb: ForwardBatch, args: tuple) -> tuple | None:
         """The graph key serving this forward, or None when it runs eagerly."""
         md = fb.attn
-        if fb.mode not in GRAPHED_MODES or fb.kv_pool is None or md.q_index is not None or md.is_causal:
+        shape = md.graph_shape() if fb.mode in GRAPHED_MODES and fb.kv_pool is not None else None
+        if shape is None:
             return None
         if not all(isinstance(a, torch.Tensor) and a.shape[0] == fb.input_ids.shape[0] for a in args):
             return None
@@ -252,7 +231,7 @@ class GraphedForward:
         if bs is None:
             return None
         embeds = None if fb.input_embeds is None else (fb.input_embeds.shape[1:], fb.input_embeds.dtype)
-        return (fb.mode, bs, md.max_q_len, kv_bucket(md.kv_slots.shape[1]), fb.capture_layers, id(fb.kv_pool),
+        return (fb.mode, bs, md.max_q_len, shape, fb.capture_layers, id(fb.kv_pool),
                 embeds, tuple((a.shape[1:], a.dtype) for a in args))
 
     def __call__(self, fb: ForwardBatch, *args):
@@ -281,8 +260,8 @@ class GraphedForward:
         except Exception as e:  # noqa: BLE001 - any capture failure: fall back, never fail the request
             self.entries[key] = None
             self.graphs.stats.capture_failures += 1
-            logger.warning("CUDA graph capture failed (%s, %d requests x %d tokens, %d keys); that bucket runs "
-                           "eagerly: %s: %s", key[0].value, key[1], key[2], key[3], type(e).__name__, e)
+            logger.warning("CUDA graph capture failed (%s, %d requests x %d tokens, attention shape %s); that bucket "
+                           "runs eagerly: %s: %s", key[0].value, key[1], key[2], key[3], type(e).__name__, e)
             return False
         self.entries[key] = static
         return True

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, decode_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from specserve.cache.kv_manager import KVManager
@@ -115,7 +115,7 @@ class PlainDecode(DecodeStep):
         host = [r.req_pool_idx for r in reqs] + [n - 1 for n in kv_lens] + [r.last_token for r in reqs]
         rows, positions, ids = torch.tensor(host, dtype=torch.int64, device=kv.device).view(3, -1).unbind(0)  # [B]
         kv.write(rows, positions, slots)
-        return ids, positions, slots, decode_attn_metadata(kv.table, rows, positions, kv_lens)
+        return ids, positions, slots, self.ctx.runner.attn_backend.decode(kv.table, rows, positions, kv_lens)
 
 
 def make_decode_step(ctx: DecodeContext) -> DecodeStep:

@@ -13,7 +13,8 @@ import os
 import torch
 from torch import nn
 
-from specserve.attention import ForwardBatch
+from specserve.attention import ForwardBatch, create_attention_backend
+from specserve.attention.backend import ATTENTION_BACKENDS
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.compile import CompileStats, compile_forward
@@ -51,6 +52,9 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.platform.pack_weights(self.model)
+        # an SGLang GPU backend name was accepted with a warning at start-up: it runs on the default backend
+        backend = args.attention_backend if args.attention_backend in ATTENTION_BACKENDS else None
+        self.attn_backend = create_attention_backend(backend, self.platform)
         self.compile_stats = CompileStats() if args.enable_torch_compile else None
         self.cuda_graphs = self._cuda_graphs()
         self.speed_up_forward(self.model.model)  # the decoder stack; the LM head stays eager
@@ -164,5 +168,4 @@ class ModelRunner:
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
-        fb.platform = self.platform  # the attention path it picks (query-head folding on CPU)
         return self.model(fb)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, extend_inputs, last_token_rows, mixed_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode, extend_inputs, last_token_rows
 from specserve.cache.kv_manager import KVManager
 from specserve.config import ServerArgs
 from specserve.request import Req, ReqOutput
@@ -265,7 +265,7 @@ class Scheduler:
 
     def _prefill_inputs(self, batch: list[tuple[Req, int]]):
         """(ids [T], positions [T], out_cache_loc [T], AttnMetadata) of the batch's prefill chunks."""
-        return extend_inputs(self.kv.table, [r.req_pool_idx for r, _ in batch],
+        return extend_inputs(self.runner.attn_backend, self.kv.table, [r.req_pool_idx for r, _ in batch],
                              [r.kv_len for r, _ in batch], [r.fill_ids[r.kv_len : r.kv_len + t] for r, t in batch],
                              may_split=True)
 
@@ -330,7 +330,7 @@ class Scheduler:
 
     def _run_mixed(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
         """One forward over a decode token per running request (rows first) and the batch's prefill chunks, each
-        group attending on its own (``mixed_attn_metadata``), so the decode rows are not padded to the chunk."""
+        group attending on its own (``AttentionBackend.mixed``), so the decode rows are not padded to the chunk."""
         self.stats.num_prefill_steps += 1
         self.stats.num_mixed_steps += 1
         self._count_decode_step()
@@ -340,7 +340,7 @@ class Scheduler:
         q_lens = [t for _, t in batch]
         n_dec = len(reqs)
         rows = torch.cat([torch.arange(n_dec, device=self.device), n_dec + last_token_rows(q_lens, self.device)])
-        attn = mixed_attn_metadata([(n_dec, d_attn), (len(p_ids), p_attn)])
+        attn = self.runner.attn_backend.mixed([(n_dec, d_attn), (len(p_ids), p_attn)])
         fb = ForwardBatch(ForwardMode.EXTEND, torch.cat([d_ids, p_ids]), torch.cat([d_pos, p_pos]),
                           torch.cat([d_slots, p_slots]), attn, self.runner.kv_pool, logits_indices=rows)
         out = self.runner.forward(fb)  # logits [len(reqs) + len(batch), V]

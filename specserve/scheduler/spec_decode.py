@@ -27,7 +27,7 @@ from itertools import accumulate
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, attended_slots, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
@@ -328,12 +328,9 @@ class SpecDecoder(DecodeStep):
         rows = torch.tensor([r.req_pool_idx for r in reqs], device=dev)
         kv_lens = [p + n for p, n in zip(root_pos, n_nodes, strict=True)]
         masks = [tree.mask[b, :n, :n] for b, n in enumerate(n_nodes)]
-        fb = ForwardBatch(
-            ForwardMode.TARGET_VERIFY, ids, positions, slots,
-            build_attn_metadata(attended_slots(self.kv.table, rows, kv_lens), kv_lens, n_nodes,
-                                custom_masks=masks),
-            self.runner.kv_pool, capture_layers=self.proposer.capture_layers,
-        )
+        attn = self.runner.attn_backend.tree(self.kv.table, rows, kv_lens, n_nodes, masks)
+        fb = ForwardBatch(ForwardMode.TARGET_VERIFY, ids, positions, slots, attn, self.runner.kv_pool,
+                          capture_layers=self.proposer.capture_layers)
         return self.runner.forward(fb)  # logits [T, V]
 
     @staticmethod

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.attention import AttnMetadata, ForwardBatch, ForwardMode, extend_batch, last_token_rows, prefix_visible
+from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_token_rows
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
 from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
@@ -271,9 +271,8 @@ class EagleProposer(Proposer):
         and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
         may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
-        fb = extend_batch(ForwardMode.DRAFT_EXTEND, self.kv.table,
-                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split,
-                          platform=self.platform)
+        fb = extend_batch(self.runner.attn_backend, ForwardMode.DRAFT_EXTEND, self.kv.table,
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h]
         return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
@@ -344,8 +343,8 @@ class EagleProposer(Proposer):
             raise RuntimeError("no KV slots for drafting (the scheduler should have reserved them)")
         scratch = scratch.view(B, S - 1, K)
         base = [r.seq_len - 1 + self.root_offset for r in reqs]  # [B] draft position of level 1
-        keys = TreeKeys.build(self.kv.table, [r.req_pool_idx for r in reqs], base,
-                              scratch.view(B, -1))
+        keys = self.runner.attn_backend.draft_tree(self.kv.table, [r.req_pool_idx for r in reqs], base,
+                                                   scratch.view(B, -1))  # the levels' keys, laid out once
         positions = torch.tensor(base, device=dev).repeat_interleave(K)  # [B*K] level-1 positions
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
@@ -356,8 +355,7 @@ class EagleProposer(Proposer):
                     return j - 1
                 mask = torch.cat([ancestors, eye], dim=2)  # [B, K, j*K] over the levels' scratch slots
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
-                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool,
-                                  platform=self.platform)
+                                  scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
                 child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
@@ -369,47 +367,6 @@ class EagleProposer(Proposer):
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:
             self.kv.free(scratch.reshape(-1))
-
-
-@dataclass
-class TreeKeys:
-    """The keys a draft tree's levels attend to, laid out once per tree.
-
-    Request b's keys are its prefix (req_to_token columns [0, base[b])) followed by the scratch slots of the
-    levels drafted so far: level j's K branches sit at columns base[b] + (j-1)*K .. base[b] + j*K - 1. All
-    levels' scratch slots are written into req_to_token up front (columns past a request's tokens are scratch
-    anyway: the verify step rewrites them), so each level only needs its mask.
-    """
-
-    kv_slots: torch.Tensor  # [B, Wmax] slot of each key column, Wmax = max(base) + all levels' columns
-    base: list[int]  # [B] prefix keys per request
-    rel: torch.Tensor | None  # [B, Wmax] column - base[b] (None when every base is equal: the usual batch 1)
-
-    @classmethod
-    def build(cls, table: torch.Tensor, rows: list[int], base: list[int], scratch: torch.Tensor) -> TreeKeys:
-        """table: req_to_token; rows [B] its rows; base [B]; scratch [B, L] every level's slots, level-major."""
-        B, L = scratch.shape
-        dev = table.device
-        rows_t = torch.tensor(rows, device=dev).view(B, 1)
-        base_t = torch.tensor(base, device=dev).view(B, 1)
-        table[rows_t, base_t + torch.arange(L, device=dev).view(1, L)] = scratch
-        width = max(base) + L
-        rel = None if min(base) == max(base) else torch.arange(width, device=dev).view(1, width) - base_t
-        return cls(table[rows_t.view(B), :width], base, rel)
-
-    def level(self, mask: torch.Tensor) -> AttnMetadata:
-        """mask [B, K, t] bool over each request's first t scratch columns (a level's branches see their
-        ancestors and themselves) -> the level's attention metadata: the prefix is visible, later columns not."""
-        B, K, t = mask.shape
-        width = max(self.base) + t
-        if self.rel is None:  # equal prefixes: [prefix | tree] side by side
-            full = prefix_visible(mask, width)  # [B, K, width]
-        else:
-            rel = self.rel[:, :width].unsqueeze(1)  # [B, 1, width]
-            in_tree = (rel >= 0) & (rel < t)
-            tree = mask.gather(2, rel.clamp(0, t - 1).expand(B, K, width))  # [B, K, width]
-            full = (rel < 0) | (in_tree & tree)
-        return AttnMetadata(B, K, self.kv_slots[:, :width], full.unsqueeze(1), False, None, None)
 
 
 def _check_tree_shape(args) -> None:

@@ -166,7 +166,7 @@ def test_prefill_attended_request_by_request_equals_solo(path, solo, monkeypatch
     """Prefill batches attended one request at a time (the split forced on every batch): outputs equal each
     prompt's solo run, first without cached prefixes, then again with them (radix hits: chunks after a prefix),
     and with --enable-mixed-chunk (split prefill groups beside decode rows). The split really ran."""
-    from specserve.attention import backend
+    from specserve.attention import sdpa as backend
 
     monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 0)
     splits = []

@@ -12,7 +12,8 @@ import torch
 import transformers
 
 from specserve import Engine
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode
+from specserve.attention.sdpa import build_attn_metadata
 from specserve.cache.kv_pool import KVPool
 from specserve.models.gemma import GemmaForCausalLM, GemmaRMSNorm
 from specserve.models.loader import load_model

@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode
+from specserve.attention.sdpa import build_attn_metadata
 from specserve.cache.kv_pool import KVPool
 from specserve.models.loader import load_model
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from specserve import Engine
+from specserve.attention.sdpa import kv_bucket
 from specserve.models.cuda_graph import (
     EMULATE_ENV,
     CaptureChecker,
     GraphCaptureError,
     batch_bucket,
     graph_backend,
-    kv_bucket,
 )
 from specserve.test.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
@@ -81,7 +81,7 @@ def test_capture_checker_lets_graphable_ops_through():
 def test_a_failed_capture_falls_back_to_eager_and_serving_goes_on(monkeypatch, llama_dir, eager_random):
     """A forward that cannot be captured (here: a host read slipped into the attention) is logged, its bucket runs
     eagerly from then on, and every output is still right."""
-    from specserve.attention import backend
+    from specserve.attention import batch as backend
 
     real_attention = backend.attention
 

@@ -103,7 +103,7 @@ def test_prompt_catch_up_attended_request_by_request(target, plain, tmp_path, mo
     """The draft's extend over prompts may attend request by request, as the target's prefill does (forced here on
     every batch): outputs equal plain decoding, every request's accept figures equal those of a padded catch-up
     (float32: the draft's states are the same), and a draft extend of several requests was really split."""
-    from specserve.attention import backend
+    from specserve.attention import sdpa as backend
     from specserve.speculative import eagle
 
     head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self")

@@ -12,7 +12,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from specserve import Engine
-from specserve.attention import ForwardBatch, ForwardMode, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode
+from specserve.attention.sdpa import build_attn_metadata
 from specserve.cache.kv_pool import KVPool
 from specserve.config import ConfigError
 from specserve.models.loader import load_model

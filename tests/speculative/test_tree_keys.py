@@ -1,12 +1,11 @@
-"""TreeKeys: a draft tree's level attention, laid out once per tree (spec/eagle.py)."""
+"""TreeKeys: a draft tree's level attention under SDPA, laid out once per tree (attention/sdpa.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specserve.attention import build_attn_metadata
-from specserve.speculative.eagle import TreeKeys
+from specserve.attention.sdpa import TreeKeys, build_attn_metadata
 
 
 def _table(rows: int = 4, cols: int = 16) -> torch.Tensor:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.attention import ForwardBatch, ForwardMode, attention, build_attn_metadata
+from specserve.attention import ForwardBatch, ForwardMode, attention
+from specserve.attention.sdpa import SdpaBackend, build_attn_metadata
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 
 
@@ -138,7 +139,8 @@ def test_equal_extends_after_a_prefix_match_the_general_causal_mask():
 def test_mixed_groups_equal_separate_attention():
     """A mixed batch (two one-token decode rows, then a 3-token prefill chunk) attends each group on its own:
     the same outputs as the two groups' own attention calls, and the decode rows are not padded to the chunk."""
-    from specserve.attention import extend_inputs, mixed_attn_metadata
+    from specserve.attention import extend_inputs
+    from specserve.attention.sdpa import mixed_attn_metadata
 
     torch.manual_seed(2)
     H, Hkv, D = 4, 2, 8
@@ -150,7 +152,7 @@ def test_mixed_groups_equal_separate_attention():
         pool.k[0][table.req_to_token[row, :n]] = torch.randn(n, Hkv, D)
         pool.v[0][table.req_to_token[row, :n]] = torch.randn(n, Hkv, D)
     dec = build_attn_metadata(table.req_to_token[[0, 1]], [6, 4], [1, 1])
-    _, _, chunk_loc, pre = extend_inputs(table.req_to_token, [2], [2], [[7, 8, 9]])
+    _, _, chunk_loc, pre = extend_inputs(SdpaBackend(), table.req_to_token, [2], [2], [[7, 8, 9]])
     mixed = mixed_attn_metadata([(2, dec), (3, pre)])
     assert mixed.batch_size == 3 and mixed.max_q_len == 3 and dec.max_q_len == 1
     q, k, v = torch.randn(5, H, D), torch.randn(5, Hkv, D), torch.randn(5, Hkv, D)
@@ -200,7 +202,7 @@ def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
     carries decides. Checked against the per-query float32 reference and against SDPA's own GQA grouping (a batch
     with no policy), for ragged requests with tree masks and padded query rows, GQA groups of 2 and 4; a batch below
     FOLD_MIN_BATCH, float32, plain causal and the plain policy keep the kernel's path."""
-    from specserve.attention import backend
+    from specserve.attention import sdpa as backend
     from specserve.config import ServerArgs
     from specserve.platform import platform_policy
     from specserve.platform.cpu.policy import FOLD_MIN_BATCH
@@ -226,7 +228,8 @@ def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
         spans = enumerate(zip(lens, q_lens, strict=True))
         loc = torch.cat([table.req_to_token[row, n - ql : n] for row, (n, ql) in spans])  # the new tokens' slots
         fb = ForwardBatch(ForwardMode.TARGET_VERIFY, torch.zeros(T, dtype=torch.long),
-                          torch.zeros(T, dtype=torch.long), loc, md, pool, platform=cpu)
+                          torch.zeros(T, dtype=torch.long), loc, md, pool)
+        md.platform = cpu  # what the runner's backend gives the metadata it builds
         qb = torch.zeros(5, md.max_q_len, H, D, dtype=torch.bfloat16)
         assert cpu.folds_query_heads(qb, Hkv, masked=True)
         assert not cpu.folds_query_heads(qb[: FOLD_MIN_BATCH - 1], Hkv, masked=True)
@@ -243,14 +246,14 @@ def test_verify_attention_folds_query_heads_in_half_precision(monkeypatch):
                               visible, D**-0.5)
             torch.testing.assert_close(got[start : start + ql].float(), want, atol=2e-2, rtol=2e-2)
             start += ql
-        fb.platform, folded[:] = None, []  # the kernel's own grouping
+        md.platform, folded[:] = None, []  # the kernel's own grouping
         unfolded = attention(q, k, v, 0, fb, scale=D**-0.5)
         assert not folded
         torch.testing.assert_close(got.float(), unfolded.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_attended_slots_takes_only_the_attended_columns():
-    from specserve.attention import attended_slots
+    from specserve.attention.sdpa import attended_slots
 
     table = torch.arange(4 * 10).view(4, 10)  # 4 rows, a context of 10 columns
     got = attended_slots(table, torch.tensor([2, 0]), [3, 5])
@@ -261,7 +264,7 @@ def test_decode_metadata_hand_checked_and_equal_to_the_general_builder():
     """decode_attn_metadata (the plain decode step's builder): rows 2 and 0 of a 4 x 6 table holding 3 and 5 keys.
     Hand-checked slots and mask; the same fields as build_attn_metadata's one-query case; no mask when the lengths
     are equal."""
-    from specserve.attention import decode_attn_metadata
+    from specserve.attention.sdpa import decode_attn_metadata
 
     table = torch.arange(4 * 6).view(4, 6)
     rows, positions = torch.tensor([2, 0]), torch.tensor([2, 4])  # the new token is each request's last key
@@ -276,7 +279,7 @@ def test_decode_metadata_hand_checked_and_equal_to_the_general_builder():
 
 
 def test_padding_waste_hand_checked():
-    from specserve.attention.backend import padding_waste
+    from specserve.attention.sdpa import padding_waste
 
     # padded: 3 requests x 4 queries x 10 keys = 120 scores; their own: 4*10 + 1*3 + 2*6 = 55
     assert padding_waste([10, 3, 6], [4, 1, 2]) == 65
@@ -287,7 +290,8 @@ def test_per_request_groups_equal_padded_attention(monkeypatch):
     """A prefill batch split into one group per request (``extend_inputs(..., may_split=True)`` when padding would
     waste enough): a long prompt, a short one, a chunk after a cached prefix and a one-token chunk. Same outputs as
     the padded [B, Qmax, Kmax] attention, and no group is padded. Nested groups flatten inside a mixed batch."""
-    from specserve.attention import backend, extend_inputs, mixed_attn_metadata
+    from specserve.attention import extend_inputs
+    from specserve.attention import sdpa as backend
 
     monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 0)  # split whatever the padding
     torch.manual_seed(4)
@@ -301,8 +305,9 @@ def test_per_request_groups_equal_padded_attention(monkeypatch):
         pool.k[0][table.req_to_token[row, :s]] = torch.randn(s, Hkv, D)  # the cached prefix
         pool.v[0][table.req_to_token[row, :s]] = torch.randn(s, Hkv, D)
     tokens = [[5] * n for n in q_lens]
-    _, _, loc, padded = extend_inputs(table.req_to_token, rows, starts, tokens)
-    _, _, loc2, split = extend_inputs(table.req_to_token, rows, starts, tokens, may_split=True)
+    sdpa = backend.SdpaBackend()
+    _, _, loc, padded = extend_inputs(sdpa, table.req_to_token, rows, starts, tokens)
+    _, _, loc2, split = extend_inputs(sdpa, table.req_to_token, rows, starts, tokens, may_split=True)
     assert padded.groups is None and torch.equal(loc, loc2)
     assert [n for n, _ in split.groups] == q_lens
     assert [md.max_q_len for _, md in split.groups] == q_lens and split.groups[0][1].is_causal  # no prefix
@@ -315,21 +320,22 @@ def test_per_request_groups_equal_padded_attention(monkeypatch):
         return attention(q, k, v, 0, fb, scale=D**-0.5)
 
     torch.testing.assert_close(run(split), run(padded), atol=1e-5, rtol=1e-5)
-    nested = mixed_attn_metadata([(2, padded), (T, split)])
+    nested = backend.mixed_attn_metadata([(2, padded), (T, split)])
     assert len(nested.groups) == 1 + len(q_lens) and nested.batch_size == 2 * len(q_lens)
 
 
 def test_extend_splits_only_where_padding_wastes(monkeypatch):
     """The rule: split when padding wastes at least MIN_PADDING_PER_REQUEST scores per request on average."""
-    from specserve.attention import backend, extend_inputs
+    from specserve.attention import extend_inputs
+    from specserve.attention import sdpa as backend
 
     table = torch.arange(2 * 512).view(2, 512)
     tokens = [[1] * 100, [1] * 90]  # padded 2*100*100, their own 100*100 + 90*90: 1900 wasted, 950 per request
     monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 950)
-    assert extend_inputs(table, [0, 1], [0, 0], tokens, may_split=True)[3].groups is not None
-    assert extend_inputs(table, [0, 1], [0, 0], tokens)[3].groups is None  # a caller that may not split
+    assert extend_inputs(SdpaBackend(), table, [0, 1], [0, 0], tokens, may_split=True)[3].groups is not None
+    assert extend_inputs(SdpaBackend(), table, [0, 1], [0, 0], tokens)[3].groups is None  # a caller that may not split
     monkeypatch.setattr(backend, "MIN_PADDING_PER_REQUEST", 951)
-    assert extend_inputs(table, [0, 1], [0, 0], tokens, may_split=True)[3].groups is None
+    assert extend_inputs(SdpaBackend(), table, [0, 1], [0, 0], tokens, may_split=True)[3].groups is None
 
 
 def test_default_rule_splits_a_long_prompt_among_short_ones():
@@ -338,6 +344,6 @@ def test_default_rule_splits_a_long_prompt_among_short_ones():
     table = torch.arange(16 * 2048).view(16, 2048)
     rows = list(range(16))
     long_and_short = [[1] * 1024] + [[1] * 16] * 15  # padding: 16 x 1024 x 1024 scores for ~1.05M real ones
-    assert extend_inputs(table, rows, [0] * 16, long_and_short, may_split=True)[3].groups is not None
+    assert extend_inputs(SdpaBackend(), table, rows, [0] * 16, long_and_short, may_split=True)[3].groups is not None
     similar = [[1] * n for n in range(8, 128, 8)][:15] + [[1] * 128]  # the padding wastes ~2x, little per request
-    assert extend_inputs(table, rows, [0] * 16, similar, may_split=True)[3].groups is None
+    assert extend_inputs(SdpaBackend(), table, rows, [0] * 16, similar, may_split=True)[3].groups is None

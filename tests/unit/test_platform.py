@@ -55,7 +55,7 @@ def test_cpu_policy_sets_the_thread_count():
 
 
 def test_every_forward_attends_under_the_runners_policy(model_factory, tmp_path, monkeypatch):
-    from specserve.attention import backend
+    from specserve.attention import sdpa as backend
 
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
     head = make_eagle_head_dir(str(tmp_path / "head"), path, kind="self")

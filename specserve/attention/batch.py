@@ -1,0 +1,97 @@
+"""ForwardBatch: everything one model forward needs, and ``attention``, the call every attention layer makes.
+
+A forward runs over T flattened tokens belonging to B requests. Request b contributes ``q_len[b]`` new tokens
+that attend to ``kv_len[b]`` keys: its prefix (KV already in the pool) followed by the new tokens themselves
+(their KV is written to the pool first, then read back with the prefix). How the new tokens attend is described
+by the forward's attention metadata, which an attention backend (``specserve.attention.backend``) builds from a
+description of the batch and then runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.attention.backend import AttentionBackend, AttentionMetadata
+    from specserve.attention.training import StepKV
+    from specserve.cache.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (possibly a chunk, possibly after a cached prefix)
+    DECODE = "decode"  # one new token per request
+    TARGET_VERIFY = "target_verify"  # a draft tree per request, arbitrary mask
+    DRAFT_EXTEND = "draft_extend"
+    DRAFT_DECODE = "draft_decode"
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one model forward needs."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 slots receiving this forward's K/V
+    attn: AttentionMetadata  # built by the attention backend
+    kv_pool: KVPool | None  # None: a pool-free training forward (see specserve.attention.training)
+    logits_indices: torch.Tensor | None = None  # [R] token rows that need logits; None = every row
+    capture_layers: tuple[int, ...] = field(default_factory=tuple)  # residual stream at the INPUT of these layers
+    input_embeds: torch.Tensor | None = None  # [T, h] optional, replaces the embedding lookup
+    step_kv: StepKV | None = None  # pool-free forwards only: K/V of earlier unrolled draft steps
+    rope_rows: dict = field(default_factory=dict)  # RoPE cos/sin rows of this forward's positions, per rotary module
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the new tokens -> output [T, H*D].
+
+    Writes the new K/V into the pool at fb.out_cache_loc, then the metadata's backend attends over each request's
+    slots. Attention runs in the pool's dtype: a float32 draft may keep its KV in bf16, so its float32 queries are
+    cast to it and the output back.
+    """
+    if fb.kv_pool is None:
+        from specserve.attention.training import poolless_attention
+
+        return poolless_attention(q, k, v, layer_id, fb, scale)
+    k_buf, v_buf = fb.kv_pool.layer(layer_id)  # [S, Hkv, D]
+    k_buf[fb.out_cache_loc] = k.to(k_buf.dtype)
+    v_buf[fb.out_cache_loc] = v.to(v_buf.dtype)
+    out_dtype = q.dtype
+    return fb.attn.attend(q.to(k_buf.dtype), k_buf, v_buf, scale).to(out_dtype)
+
+
+def extend_inputs(backend: AttentionBackend, table: torch.Tensor, rows: list[int], starts: list[int],
+                  tokens: list[list[int]], may_split: bool = False):
+    """The pieces of an extend forward: requests that each append tokens[b] at positions starts[b].. of row
+    rows[b] of the req_to_token table (whose slots there are already written), attending causally over the row's
+    earlier slots -> (ids [T], positions [T], out_cache_loc [T], metadata).
+
+    may_split: the backend may attend request by request where that is cheaper; for eager forwards only (a
+    compiled one would unroll a loop whose length varies with the batch)."""
+    device = table.device
+    q_lens = [len(t) for t in tokens]
+    pieces = list(zip(rows, starts, q_lens, strict=True))
+    ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int64, device=device)  # [T]
+    positions = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(device)  # [T]
+    out_loc = torch.cat([table[r, s : s + n] for r, s, n in pieces])  # [T]
+    kv_lens = [s + n for _, s, n in pieces]
+    return ids, positions, out_loc, backend.extend(table, rows, kv_lens, q_lens, may_split)
+
+
+def extend_batch(backend: AttentionBackend, mode: ForwardMode, table: torch.Tensor, rows: list[int],
+                 starts: list[int], tokens: list[list[int]], kv_pool: KVPool, may_split: bool = False,
+                 **extra) -> ForwardBatch:
+    """ForwardBatch over ``extend_inputs`` (may_split as there); used for target prefill chunks and draft extends
+    alike. extra: ForwardBatch's optional fields."""
+    return ForwardBatch(mode, *extend_inputs(backend, table, rows, starts, tokens, may_split), kv_pool, **extra)
+
+
+def last_token_rows(q_lens: list[int], device) -> torch.Tensor:
+    """[B] row of each request's last token in a forward's flattened [T] rows."""
+    return torch.tensor(q_lens, device=device).cumsum(0) - 1
