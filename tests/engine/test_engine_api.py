@@ -236,8 +236,8 @@ def test_no_leak_after_mixed_work(model_factory):
 
 @pytest.mark.parametrize("chunk", [-1, 8])  # whole prompts / chunked prefill (the request is also `chunked`)
 def test_failing_prefill_aborts_its_requests_and_the_engine_keeps_serving(model_factory, monkeypatch, chunk):
-    """A prefill forward that raises ends the requests in it with an abort (they used to be in no list, so their
-    callers waited forever), gives back their KV, and later requests are served as before."""
+    """A prefill forward that raises ends the requests in it with an abort (while it runs they are in no queue, so
+    nothing else would answer their callers), gives back their KV, and later requests are served as before."""
     path = model_factory("llama", max_position_embeddings=1024)
     with Engine(model_path=path, max_total_tokens=2048, chunked_prefill_size=chunk) as e:
         want = [o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(8))]
