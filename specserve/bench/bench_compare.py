@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our engines compile their decode/verify/draft forwards (graphs are built in the warm-up)")
     p.add_argument("--eagle3-tree", default=None, metavar="S,K,N",
                    help="our EAGLE-3 tree: --speculative-num-steps, --speculative-eagle-topk, "
-                        "--speculative-num-draft-tokens (default: the engine's resolution, 5,4,8 on a Llama target)")
+                        "--speculative-num-draft-tokens (default: the engine's resolution: 8,3,12 for the bundled "
+                        "demo-eagle3 head, 5,4,8 for another head on a Llama target)")
     p.add_argument("--draft-stop-threshold", type=float, default=0.0,
                    help="--speculative-draft-stop-threshold of our EAGLE-3 and STANDALONE (default 0: off)")
     p.add_argument("--draft-score-temperature", type=float, default=1.0,

@@ -1,4 +1,4 @@
-"""The demo family's acceptance table (the one in the README): ``specserve eval-acceptance`` for every algorithm
+"""The demo family's acceptance table (the one in docs/benchmarks.md): ``specserve eval-acceptance`` for every algorithm
 on the bundled models, in one run, as a markdown table.
 
     python -m specserve.bench.demo_report [--num-prompts 8] [--max-new-tokens 64] [--dtype auto] [--json OUT]

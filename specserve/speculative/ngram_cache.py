@@ -76,7 +76,7 @@ def check_ngram_params(
     max_bfs_breadth: int,
     match_type: str,
 ) -> None:
-    """Raise ValueError when the NGRAM parameters break SGLang's rules (FORMATS.md, NGRAM)."""
+    """Raise ValueError when the NGRAM parameters break SGLang's rules (docs/formats.md, "NGRAM draft cache")."""
     if branch_length <= 1:
         raise ValueError(f"branch_length must be > 1, got {branch_length}")
     if not 0 < min_window <= max_window < branch_length:
