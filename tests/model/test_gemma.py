@@ -12,14 +12,14 @@ import torch
 import transformers
 
 from specserve import Engine
-from specserve.attention import ForwardBatch, ForwardMode
-from specserve.attention.sdpa import build_attn_metadata
+from specserve.attention import ForwardMode
 from specserve.cache.kv_pool import KVPool
 from specserve.models.gemma import GemmaForCausalLM, GemmaRMSNorm
 from specserve.models.loader import load_model
 from specserve.models.spec import UnsupportedModelError
 from specserve.speculative.accept_stats import accept_length
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy, hf_greedy
+from tests.model.helpers import assert_logits_match_transformers, forward_tokens
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 
@@ -74,16 +74,6 @@ def served(gemma_factory) -> str:
     return gemma_factory(initializer_range=0.2)
 
 
-def _forward(model, spec, pool, ids, start, slots, mode, capture_layers=()):
-    """Run tokens ids[start:] (a prefix of `start` tokens already cached) -> ModelOutput."""
-    n = len(ids) - start
-    md = build_attn_metadata(slots[None], [len(ids)], [n])
-    fb = ForwardBatch(mode, torch.tensor(ids[start:]), torch.arange(start, len(ids)), slots[start:len(ids)], md, pool,
-                      capture_layers=capture_layers)
-    with torch.inference_mode():
-        return model(fb)
-
-
 CASES = {
     "tied-gqa-headdim24": {},
     "untied-mha-bias": {"tie_word_embeddings": False, "num_key_value_heads": 4, "attention_bias": True},
@@ -97,18 +87,7 @@ def test_prefill_and_decode_logits_match_transformers(gemma_factory, case):
     ours, spec, _ = load_model(path, "float32")
     assert isinstance(ours, GemmaForCausalLM) and spec.head_dim == 24 and spec.hidden_act == "gelu_pytorch_tanh"
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    torch.manual_seed(1)
-    ids = torch.randint(0, spec.vocab_size, (40,)).tolist()
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]  # [40, V]
-    pool = KVPool(spec.num_layers, 64, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
-    slots = torch.randperm(64)[:40] + 1
-    prefill = _forward(ours, spec, pool, ids, 0, slots, ForwardMode.EXTEND).logits
-    torch.testing.assert_close(prefill, expected, atol=2e-5, rtol=1e-4)
-    _forward(ours, spec, pool, ids[:30], 0, slots, ForwardMode.EXTEND)
-    for p in range(30, 40):
-        step = _forward(ours, spec, pool, ids[: p + 1], p, slots, ForwardMode.DECODE).logits
-        torch.testing.assert_close(step[0], expected[p], atol=2e-5, rtol=1e-4)
+    assert_logits_match_transformers(ours, spec, ref)
 
 
 def test_scaled_embeddings_and_norms_match_transformers_in_bfloat16(gemma_factory):
@@ -121,7 +100,7 @@ def test_scaled_embeddings_and_norms_match_transformers_in_bfloat16(gemma_factor
     with torch.no_grad():
         hs = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states  # L+1 x [1, T, h]
     pool = KVPool(spec.num_layers, 32, spec.num_kv_heads, spec.head_dim, torch.bfloat16, "cpu")
-    out = _forward(ours, spec, pool, ids, 0, torch.arange(1, 21), ForwardMode.EXTEND, capture_layers=(0, 1))
+    out = forward_tokens(ours, pool, ids, 0, torch.arange(1, 21), ForwardMode.EXTEND, capture_layers=(0, 1))
     assert torch.equal(out.aux_hidden[0], hs[0][0])
     raw = ours.embed(torch.tensor(ids))  # embed() gives the unscaled table rows
     assert torch.equal(raw, ours.model.embed_tokens.weight[ids])
@@ -211,8 +190,8 @@ def test_released_style_config_loads(gemma, tmp_path):
     assert spec.hidden_act == "gelu_pytorch_tanh" and spec.tie_word_embeddings
     ids = list(range(3, 19))
     pool = KVPool(spec.num_layers, 32, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
-    a = _forward(ours, spec, pool, ids, 0, torch.arange(1, 17), ForwardMode.EXTEND).logits
-    b = _forward(base, spec, pool, ids, 0, torch.arange(1, 17), ForwardMode.EXTEND).logits
+    a = forward_tokens(ours, pool, ids, 0, torch.arange(1, 17), ForwardMode.EXTEND).logits
+    b = forward_tokens(base, pool, ids, 0, torch.arange(1, 17), ForwardMode.EXTEND).logits
     assert torch.equal(a, b)
     legacy = _edit_config(gemma, tmp_path / "legacy", hidden_act="gelu")  # "gelu" alone: still the tanh form
     assert load_model(legacy, "float32")[1].hidden_act == "gelu_pytorch_tanh"

@@ -10,6 +10,7 @@ from specserve.attention import ForwardBatch, ForwardMode
 from specserve.attention.sdpa import build_attn_metadata
 from specserve.cache.kv_pool import KVPool
 from specserve.models.loader import load_model
+from tests.model.helpers import assert_logits_match_transformers, forward_tokens
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -27,34 +28,13 @@ CASES = {
 }
 
 
-def _forward(model, spec, pool, ids, start, slots, mode):
-    """Run tokens ids[start:] (a prefix of `start` tokens already cached) -> logits [n, V]."""
-    n = len(ids) - start
-    md = build_attn_metadata(slots[None], [len(ids)], [n])
-    fb = ForwardBatch(mode, torch.tensor(ids[start:]), torch.arange(start, len(ids)), slots[start:len(ids)], md, pool)
-    with torch.inference_mode():
-        return model(fb).logits
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prefill_and_decode_logits_match_transformers(model_factory, case):
     arch, overrides = CASES[case]
     path = model_factory(arch, **overrides)
     ours, spec, _ = load_model(path, "float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    torch.manual_seed(1)
-    ids = torch.randint(0, spec.vocab_size, (40,)).tolist()
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]  # [40, V]
-    pool = KVPool(spec.num_layers, 64, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
-    slots = torch.randperm(64)[:40] + 1  # scattered slots: the pool is not contiguous
-    prefill = _forward(ours, spec, pool, ids, 0, slots, ForwardMode.EXTEND)
-    torch.testing.assert_close(prefill, expected, atol=2e-5, rtol=1e-4)
-    # prefix of 30 then decode the rest one token at a time, reusing the cache
-    _forward(ours, spec, pool, ids[:30], 0, slots, ForwardMode.EXTEND)
-    for p in range(30, 40):
-        step = _forward(ours, spec, pool, ids[: p + 1], p, slots, ForwardMode.DECODE)
-        torch.testing.assert_close(step[0], expected[p], atol=2e-5, rtol=1e-4)
+    assert_logits_match_transformers(ours, spec, ref)
 
 
 def test_hidden_state_capture_matches_transformers(model_factory):
@@ -87,8 +67,8 @@ def test_batched_mixed_lengths_match_single(model_factory):
     singles = []
     for s, p, row in zip(seqs, prefixes, slot_rows, strict=True):
         if p:
-            _forward(model, spec, pool, s[:p], 0, row, ForwardMode.EXTEND)
-        singles.append(_forward(model, spec, pool, s, p, row, ForwardMode.EXTEND))
+            forward_tokens(model, pool, s[:p], 0, row, ForwardMode.EXTEND)
+        singles.append(forward_tokens(model, pool, s, p, row, ForwardMode.EXTEND).logits)
     q_lens = [len(s) - p for s, p in zip(seqs, prefixes, strict=True)]
     ids = torch.tensor([t for s, p in zip(seqs, prefixes, strict=True) for t in s[p:]])
     pos = torch.cat([torch.arange(p, len(s)) for s, p in zip(seqs, prefixes, strict=True)])
