@@ -1,11 +1,18 @@
-"""EAGLE-2 proposer: a draft head fed the target's hidden states drafts a dynamic tree (``--speculative-algorithm
-EAGLE``, alias NEXTN).
+"""The EAGLE-2 tree drafter (``EagleProposer``) and ``--speculative-algorithm EAGLE`` (alias NEXTN): a draft network
+fed the target's hidden states drafts a dynamic tree.
 
-Draft KV layout (the EAGLE shift): the draft's KV at position i is computed from the target's hidden state at i
-and the token at i + 1. So after the target has produced its hidden states for positions [a, b) and the token at
-b is known, one draft *extend* over [a, b) brings the draft up to date; its output at the last position gives the
-draft distribution for the token after the root, i.e. the first level of the next tree (kept per request in a
-``DraftState``).
+Which network drafts is a ``DraftModel`` (``draft_models.py``), named by the proposer class's ``draft_model``: an
+EAGLE-1/2 head here, an EAGLE-3 head (``eagle3.py``), the target's own MTP layer (``mtp.py``, which ``select``
+picks for EAGLE without a draft path) or a standalone causal LM (``standalone.py``). Those classes differ only in
+their draft model and their start-up rules; the drafter owns the tree machinery, the draft KV pool (indexed by the
+target's slots) and the per-request ``DraftState``, and asks the draft model for its forward, its logits, what a
+catch-up extend covers and where the root's draft KV lives.
+
+Draft KV layout (the EAGLE shift; a standalone LM instead sees each token at its own position, ``root_offset``
+1): the draft's KV at position i is computed from the target's hidden state at i and the token at i + 1. So after
+the target has produced its hidden states for positions [a, b) and the token at b is known, one draft *extend*
+over [a, b) brings the draft up to date; its output at the last position gives the draft distribution for the
+token after the root, i.e. the first level of the next tree (kept per request in a ``DraftState``).
 
 Drafting one tree (``propose``), with S = num_steps, K = topk, N = num_draft_tokens:
   level 0: the stored top-K tokens (children of the root) with their probabilities;
@@ -16,8 +23,9 @@ Drafting one tree (``propose``), with S = num_steps, K = topk, N = num_draft_tok
   --speculative-draft-stop-threshold) once every best live path is less likely than the threshold
   (``drafting_can_stop``);
   then the best N-1 candidates + the root form the verify tree (``select_eagle_tree``).
-After verification, ``after_verify`` runs the draft extend over the accepted tokens with the target's hidden
-states at the accepted nodes (the draft-tree KV written while drafting is scratch and is dropped).
+After prefill and verification, ``after_prefill`` / ``after_verify`` run the draft extend the draft model describes
+(``DraftModel.prefill_catch_up`` / ``verify_catch_up``: with the EAGLE shift, the accepted tokens with the
+target's hidden states at the accepted nodes; the draft-tree KV written while drafting is scratch and is dropped).
 """
 
 from __future__ import annotations
@@ -30,11 +38,10 @@ import torch
 from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_token_rows
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
-from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
 from specserve.platform import PlatformPolicy
 from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
-from specserve.speculative.heads.eagle import EAGLE_HEADS
+from specserve.speculative.draft_models import CatchUp, DraftModel, EagleHeadDraft
 from specserve.speculative.token_map import HotVocabHead
 from specserve.speculative.tree import DraftTree, EagleCandidates, max_tree_nodes
 
@@ -57,17 +64,10 @@ TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_nu
 
 
 class EagleProposer(Proposer):
-    head_registry = EAGLE_HEADS
+    """The tree drafter; ``draft_model`` is the network it drafts with (an EAGLE-1/2 head here)."""
+
+    draft_model: type[DraftModel] = EagleHeadDraft
     uses_tree_flags = True
-    #: the draft's top-k ids map to target ids injectively (the target's own vocabulary, or a token map with no
-    #: repeats), so the children of a drafted node carry distinct tokens and select() need not merge duplicates
-    distinct_ids = True
-    #: draft position of the root: EAGLE's shift puts the token at position i + 1 into draft position i, so the
-    #: draft tree's level j sits at position root_pos + j - 1; a plain LM drafter (STANDALONE) uses offset 1.
-    root_offset = 0
-    #: the draft may keep its KV in another dtype and run its large forwards in it, where the platform says so
-    #: (``PlatformPolicy.draft_kv_dtype``: on CPU a float32 draft with MixedLinears, in bf16)
-    half_precision_calls = True
 
     def __init__(self, args, runner, kv) -> None:
         self.args, self.runner, self.kv = args, runner, kv
@@ -79,23 +79,51 @@ class EagleProposer(Proposer):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.stop_threshold = args.speculative_draft_stop_threshold
         self.score_temperature = args.speculative_draft_score_temperature  # greedy requests' (see _score_scale)
-        self.head, self.head_spec = self._load_head(args)
-        # FR-Spec: draft over the hot token ids only (config.py drops the flag for EAGLE3)
-        self.hot_head = self._make_hot_head(args.speculative_token_map) if args.speculative_token_map else None
-        kv_dtype = self.kv_dtype(self.platform, self.draft_dtype, runner.dtype)
-        self.half_dtype = None  # the dtype of large forwards when it is not the draft's (compute_dtype)
-        if self.platform.mixed_linears(self.draft_dtype, runner.dtype):
-            for module in (self.head, self.hot_head):
-                if module is not None:
-                    self.platform.mix_linears(module)
-            all_mixed = not any(isinstance(m, torch.nn.Linear) for m in self.head.modules())
-            if kv_dtype != self.draft_dtype and all_mixed:  # every matmul has its packed bf16 copy
-                self.half_dtype = kv_dtype
-        self.head.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
-        spec = self.head_spec
+        self.draft = self.draft_model(args, runner, self.topk)
+        self.draft.module.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
+        spec = self.draft.spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
-            self.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim, kv_dtype, self.device,
+            self.draft.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim,
+            self.draft.kv_dtype, self.device,
         )
+
+    # ------------------------------------------------------------------ the draft model's, as the proposer's
+    @property
+    def head(self):
+        """The draft network (an EAGLE head, the MTP layer or the standalone LM)."""
+        return self.draft.module
+
+    @property
+    def head_spec(self):
+        return self.draft.spec
+
+    @property
+    def hot_head(self) -> HotVocabHead | None:
+        return self.draft.hot_head
+
+    @property
+    def draft_dtype(self) -> torch.dtype:
+        return self.draft.dtype
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        return self.draft.half_dtype
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.draft.capture_layers
+
+    @property
+    def distinct_ids(self) -> bool:
+        return self.draft.distinct_ids
+
+    @property
+    def d2t_ids(self) -> torch.Tensor | None:
+        return self.draft.d2t_ids
+
+    @property
+    def root_offset(self) -> int:
+        return self.draft.root_offset
 
     # ------------------------------------------------------------------ start-up rules
     @classmethod
@@ -142,66 +170,15 @@ class EagleProposer(Proposer):
             f"({target_spec.architecture}) has no built-in MTP layers (num_nextn_predict_layers) to draft with"
         )
 
-    # ------------------------------------------------------------------ set-up
-    def _load_head(self, args):
-        if not args.speculative_draft_model_path:
-            raise ConfigError("--speculative-draft-model-path is required with --speculative-algorithm EAGLE")
-        path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
-        self.draft_dtype = self.runner.draft_memory.dtype  # resolved once, by memory_cost, for the KV capacity
-        head, spec, self.head_dir = load_model(
-            path, dtype_name(self.draft_dtype), self.device, revision, registry=self.head_registry,
-            load_format=args.load_format, seed=args.random_seed + 1,
-        )
-        if self.draft_dtype != self.runner.dtype:
-            logger.info("draft model runs in %s (target: %s)", dtype_name(self.draft_dtype),
-                        dtype_name(self.runner.dtype))
-        self._check_head(head, spec)
-        self.platform.pack_weights(head)
-        return head, spec
-
-    def _make_hot_head(self, path: str) -> HotVocabHead:
-        """FR-Spec: the LM head the drafts are scored with, restricted to the hot ids (EAGLE: the target's)."""
-        return HotVocabHead.for_target(path, self.runner, self.topk, dtype=self.draft_dtype)
-
-    @classmethod
-    def kv_layers(cls, draft_spec) -> int:
-        """Attention layers of the draft's KV pool (a draft model of this spec)."""
-        return 1  # EAGLE heads have one attention layer
-
     @classmethod
     def memory_cost(cls, args, target_spec, target_dtype: torch.dtype, platform: PlatformPolicy) -> DraftMemory:
-        """The draft model's weights and KV pool, from its config and the dtype it will run in, which the proposer
-        then loads it in: ``--speculative-draft-dtype``, or for auto the platform's choice
-        (``PlatformPolicy.draft_dtype``). A float32 draft's MixedLinears also hold bf16 copies: counted as 2 bytes per
-        parameter more (an upper bound)."""
-        path, revision = args.speculative_draft_model_path, args.speculative_draft_model_revision
-        params = count_parameters(path, revision, cls.head_registry)
-        flag = args.speculative_draft_dtype
-        dtype = platform.draft_dtype(target_dtype, params) if flag == "auto" else DTYPE_NAMES[flag]
-        spec = model_spec(path, revision, cls.head_registry)
-        bf16_copies = 2 * params if platform.mixed_linears(dtype, target_dtype) else 0
-        kv_dtype = cls.kv_dtype(platform, dtype, target_dtype)
-        return DraftMemory(params * dtype.itemsize + bf16_copies,
-                           KVPool.bytes_per_token(cls.kv_layers(spec), spec.num_kv_heads, spec.head_dim, kv_dtype),
-                           dtype)
+        """The draft model's weights and KV pool (``DraftModel.memory_cost``)."""
+        return cls.draft_model.memory_cost(args, target_spec, target_dtype, platform)
 
-    @classmethod
-    def kv_dtype(cls, platform: PlatformPolicy, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
-        """The draft KV's dtype: the platform's where this proposer's large calls may run in it (on CPU, bf16 for
-        a float32 draft with MixedLinears), else the draft's own."""
-        if cls.half_precision_calls:
-            return platform.draft_kv_dtype(draft_dtype, target_dtype)
-        return draft_dtype
-
-    def _check_head(self, head, spec) -> None:
-        if spec.hidden_size != self.runner.spec.hidden_size:
-            raise ConfigError(
-                f"--speculative-draft-model-path: the draft head's hidden_size {spec.hidden_size} does not fit the "
-                f"target's hidden_size {self.runner.spec.hidden_size}"
-            )
-
+    # ------------------------------------------------------------------ set-up
     def draft_slots_per_request(self) -> int:
-        return self.topk * (self.steps - 1)
+        """Tree scratch, plus the held root slot of a draft that keeps one."""
+        return self.topk * (self.steps - 1) + (1 if self.draft.holds_root_slot else 0)
 
     def max_positions_ahead(self) -> int:
         return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset
@@ -216,17 +193,14 @@ class EagleProposer(Proposer):
             return self.half_dtype
         return self.draft_dtype
 
-    def _forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+    def _forward(self, fb: ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h] (draft dtype)."""
-        embeds = self.target.embed(fb.input_ids).to(self.compute_dtype(fb.input_ids.shape[0]))
-        return self.head(fb, embeds, hidden).to(self.draft_dtype)
+        return self.draft.forward(fb, hidden, self.compute_dtype)
 
     def _draft_logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
-        draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
-        if self.hot_head is not None:
-            return self.hot_head(draft_hidden)
-        return self.target.compute_logits(draft_hidden.to(self.runner.dtype)), None
+        draft vocabulary is the target's): ``DraftModel.logits``."""
+        return self.draft.logits(draft_hidden)
 
     def _topk(self, draft_hidden: torch.Tensor, k: int | None = None,
               scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,16 +234,13 @@ class EagleProposer(Proposer):
         per_req = torch.tensor([inv if g else 1.0 for g in greedy], device=self.device)  # [B]
         return per_req.repeat_interleave(rows_per_req).unsqueeze(1)  # [B * rows_per_req, 1]
 
-    def _target_hidden(self, out, rows: torch.Tensor) -> torch.Tensor:
-        """The target hidden states the head consumes, at flattened forward rows [R] -> [R, h]."""
-        return out.hidden.index_select(0, rows)
-
     # ------------------------------------------------------------------ extend (catch up)
-    def _extend(self, reqs, starts: list[int], tokens: list[list[int]], hidden: torch.Tensor,
+    def _extend(self, reqs, starts: list[int], tokens: list[list[int]], hidden: torch.Tensor | None,
                 may_split: bool = False) -> torch.Tensor:
         """Draft extend: request b's positions [starts[b], starts[b] + len(tokens[b])) with those input tokens
-        and target hidden rows (concatenated, [T, h]). Writes the draft KV at the request's own slots.
-        may_split: attend request by request where padding would waste (prompt catch-ups, as the target's prefill).
+        and target hidden rows (concatenated, [T, h]; None for a draft that reads none). Writes the draft KV at the
+        request's own slots. may_split: attend request by request where padding would waste (prompt catch-ups, as
+        the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
         fb = extend_batch(self.runner.attn_backend, ForwardMode.DRAFT_EXTEND, self.kv.table,
                           [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
@@ -283,34 +254,51 @@ class EagleProposer(Proposer):
         for req, p_i, ids_i, h_i in zip(reqs, p.unbind(0), ids.unbind(0), last_hidden.unbind(0), strict=True):
             req.spec_state = DraftState(p_i, ids_i, h_i)
 
+    def _catch_up(self, c: CatchUp) -> None:
+        """Run the draft model's catch-up extend; the seeded requests get a new DraftState, and where the draft
+        holds a root slot, their root's draft KV goes to a freshly held slot (the target has none for it yet)."""
+        seeded = [r for r, s in zip(c.reqs, c.seeded, strict=True) if s]
+        held = None
+        if self.draft.holds_root_slot and seeded:
+            held = self.kv.alloc(len(seeded))
+            if held is None:
+                raise RuntimeError("no KV slot for the draft's root (the scheduler should have reserved it)")
+            table = self.kv.table
+            for i, req in enumerate(seeded):
+                table[req.req_pool_idx, req.seq_len - 1] = held[i]
+        last = self._extend(c.reqs, c.starts, c.tokens, c.hidden, c.may_split)
+        keep = [i for i, s in enumerate(c.seeded) if s]
+        if keep:
+            self._store_states(seeded, last[keep])
+            if held is not None:
+                for i, req in enumerate(seeded):
+                    req.spec_state.root_slot = held[i : i + 1]
+
     def after_prefill(self, chunks: list[PrefillChunk], out) -> None:
         chunks = [c for c in chunks if not c.req.finished]
         if not chunks:
             return
-        reqs = [c.req for c in chunks]
-        tokens = [c.req.fill_ids[c.start + 1 : c.start + c.length + 1] for c in chunks]
-        rows = torch.cat([torch.arange(c.row_offset, c.row_offset + c.length) for c in chunks]).to(self.device)
-        last = self._extend(reqs, [c.start for c in chunks], tokens, self._target_hidden(out, rows), may_split=True)
-        done = [i for i, c in enumerate(chunks) if c.completed]
-        if done:
-            self._store_states([reqs[i] for i in done], last[done])
+        self._catch_up(self.draft.prefill_catch_up(chunks, out))
 
     def after_verify(self, steps: list[VerifiedStep], out) -> None:
         if not steps:
             return
-        rows = torch.cat([
-            torch.tensor(s.accepted_nodes[: len(s.new_tokens)]) + s.row_offset for s in steps
-        ]).to(self.device)
-        reqs = [s.req for s in steps]
-        last = self._extend(reqs, [s.root_pos for s in steps], [s.new_tokens for s in steps],
-                            self._target_hidden(out, rows))
-        self._store_states(reqs, last)
+        for s in steps:
+            self._free_root_slot(s.req)
+        self._catch_up(self.draft.verify_catch_up(steps, out))
+
+    def _free_root_slot(self, req) -> None:
+        state = req.spec_state
+        if state is not None and state.root_slot is not None:
+            self.kv.free(state.root_slot)
+            state.root_slot = None
 
     def release(self, req) -> None:
+        self._free_root_slot(req)
         req.spec_state = None
 
     def draft_modules(self) -> list:
-        return [self.head]
+        return self.draft.draft_modules()
 
     # ------------------------------------------------------------------ drafting
     def propose(self, reqs, shape: TreeShape | None = None) -> DraftTree:

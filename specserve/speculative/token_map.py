@@ -12,7 +12,7 @@ Three parts:
   the ``size`` ids with the highest counts, ties broken by the lower id; the target's EOS ids are always in
   the map (``include_eos``), because a draft that cannot propose EOS cannot draft the end of an answer;
 - ``HotVocabHead``: the target LM head restricted to the hot rows, plugged into
-  ``EagleProposer._draft_logits`` (returns ``(logits [R, Vh], hot ids [Vh])``).
+  ``DraftModel.logits`` of the EAGLE-1/2, MTP and standalone drafts (returns ``(logits [R, Vh], hot ids [Vh])``).
 
 Getting the hot rows without a second copy of the full LM head (``lm_head_rows``): a plain ``nn.Linear`` head is
 indexed directly; a tied head is read through the (never packed) input embedding; an untied head that was

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.training import StepKV, train_batch
-from specserve.speculative.eagle3 import eagle3_capture_layers
+from specserve.speculative.draft_models import eagle3_capture_layers
 from specserve.speculative.heads.eagle import EagleHead
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.train.corpus import sample_windows

@@ -70,9 +70,10 @@ PEAKY = 20.0  # random heads' distributions are near uniform; scaled logits make
 
 def _run_recording_trees(target: str, kw: dict, params, peaky: bool = True) -> tuple[list[dict], list]:
     """Outputs and every verified tree (tokens, parents) of a run, one request at a time. peaky: the draft's logits
-    are multiplied by PEAKY (any draft is allowed: verification decides)."""
+    are multiplied by PEAKY (any draft is allowed: verification decides). Every step speculates (no timing-based
+    plain steps), so two runs verify comparable sequences of trees."""
     trees = []
-    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+    with Engine(model_path=target, max_total_tokens=4096, disable_speculative_auto_off=True, **kw) as e:
         prop = e.loop.scheduler.decoder.proposer
         propose, draft_logits = prop.propose, prop._draft_logits
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.speculative.eagle3 import eagle3_capture_layers
+from specserve.speculative.draft_models import eagle3_capture_layers
 from specserve.test.tiny import make_eagle3_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
