@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -36,6 +37,12 @@ from specserve.speculative.base import PrefillChunk
 
 logger = logging.getLogger(__name__)
 
+
+
+def _weak_method(method):
+    """A callable running ``method`` without keeping its object alive."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 def _aborted() -> dict:
@@ -73,8 +80,10 @@ class Scheduler:
         self._extra_outputs: list[ReqOutput] = []  # outputs made outside a step (retraction failures, a drain)
         self.prefilling: list[tuple[Req, int, int]] = []  # the prefill batch while it runs (see step)
         self.context_len = self.runner.context_len
+        # the processor calls back into the scheduler through a weak reference: a scheduler held in a reference cycle
+        # would keep its KV pools alive after its engine is gone, until a full garbage collection
         self.outputs = OutputProcessor(args.stream_interval, self.context_len, self.runner.spec.vocab_size,
-                                       self.device, self._release)
+                                       self.device, _weak_method(self._release))
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
         self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, verify-step tokens, verify count)
 

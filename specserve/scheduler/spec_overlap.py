@@ -29,6 +29,7 @@ of batch-aware speculation, a retraction, an abort.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 class OverlapPipeline:
     def __init__(self, spec: SpecDecoder) -> None:
-        self.spec = spec
+        self.spec = weakref.proxy(spec)  # the decoder owns the pipeline: no reference cycle keeping both alive
         self.platform = spec.runner.platform
         self.pending: StepRecord | None = None  # the last forward part, its outputs not processed yet
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-forward")
