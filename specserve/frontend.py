@@ -319,7 +319,17 @@ def prepare_requests(
         for name, values in fields:
             sp[name] = values[i]
         prepared.extend(factory.build(ids, factory.params(sp, len(ids)), r))
+    _check_unique_rids(prepared)
     return prepared, not batched and len(prepared) == 1
+
+
+def _check_unique_rids(prepared: list[PreparedRequest]) -> None:
+    """Every request of a batch needs its own rid: outputs, aborts and results are routed by it."""
+    seen: set[str] = set()
+    for p in prepared:
+        if p.req.rid in seen:
+            raise RequestError(f"rid {p.req.rid!r} is used by two requests of the batch; give each its own", "rid")
+        seen.add(p.req.rid)
 
 
 def _per_prompt(name: str, value, n: int) -> tuple[str, list]:

@@ -68,12 +68,36 @@ async def parse_body(request: Request, model: type[M]) -> M:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError as e:
+        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from e
     if not isinstance(data, dict):
         raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
+    if (where := _lone_surrogate(data)) is not None:
+        raise APIError(400, "the body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                       "which is not a Unicode character", param=where, code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from e
+
+
+def _lone_surrogate(data) -> str | None:
+    """The top-level field (or "body") holding a string that is not valid Unicode (JSON may escape half of a
+    UTF-16 surrogate pair alone), or None. Walks the parsed body without recursion."""
+    stack = [(data, None)]
+    while stack:
+        value, field = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return field or "body"
+        elif isinstance(value, dict):
+            stack.extend((v, field or k) for k, v in value.items())
+            stack.extend((k, field or k) for k in value)
+        elif isinstance(value, list):
+            stack.extend((v, field) for v in value)
+    return None
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -44,6 +44,7 @@ BAD_JSON = [
      "sampling_params"),
     ("unknown /generate field", "/generate", {"text": "x", "bogus": 1}, 400, "bogus"),
     ("both text and input_ids", "/generate", {"text": "x", "input_ids": [3]}, 400, "prompt"),
+    ("one rid for two requests of a batch", "/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, 400, "rid"),
 ]
 
 
@@ -79,6 +80,22 @@ def test_malformed_json(server, path):
     assert assert_error_body(r, 400)["code"] == "invalid_json"
     r = server.post(path, data=b'["a list"]', headers={"Content-Type": "application/json"})
     assert_error_body(r, 400)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("path,field,value", [
+    (CHAT, "messages", '[{"role": "user", "content": "a\\ud800b"}]'),
+    (COMPLETIONS, "prompt", '"a\\udfffb"'),
+    ("/generate", "text", '["fine", "a\\ud800b"]'),
+])
+def test_lone_surrogates_and_deep_nesting_are_bad_requests(server, path, field, value):
+    """JSON may escape half of a UTF-16 surrogate pair alone, which is no Unicode character; and a body nested
+    deeper than the parser recurses. Both are the client's error (400), not the server's."""
+    json_type = {"Content-Type": "application/json"}
+    r = server.post(path, data=f'{{"{field}": {value}, "max_tokens": 2}}'.encode(), headers=json_type)
+    assert "surrogate" in assert_error_body(r, 400, field)["message"]
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert assert_error_body(server.post(path, data=deep, headers=json_type), 400)["code"] == "invalid_json"
     assert_still_serving(server)
 
 
