@@ -3,8 +3,9 @@
 It owns the slot allocator, the ``req_to_token`` table and the radix (prefix) cache, and keeps them consistent:
 a request is *admitted* (a table row, its cached prefix locked), *extended* (fresh slots for new tokens written
 into its row), *trimmed* (slots past its end freed) and *released* (its KV handed to the radix cache, duplicates
-freed). The scheduler and both decode steps (plain and speculative) go through it; none of them touches the
-allocator, the table or the radix tree directly.
+freed). The scheduler, both decode steps (plain and speculative) and the drafters go through it; none of them
+touches the allocator, the table or the radix tree directly (the attention backend reads the table and lays a draft
+tree's scratch slots into it: ``AttentionBackend.draft_tree``).
 
 Request fields it maintains: ``req_pool_idx`` (table row or None), ``kv_len`` (positions whose slots are in the
 row and hold computed KV), ``prefix_len`` (of those, how many came from the radix cache), ``last_node`` (the

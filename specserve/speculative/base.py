@@ -87,8 +87,6 @@ class Proposer(ABC):
 
     #: --speculative-draft-model-path must be given
     needs_draft_model: bool = False
-    #: it drafts with the tree flags (--speculative-num-steps / --speculative-eagle-topk): all three or none
-    uses_tree_flags: bool = False
 
     # ------------------------------------------------------------------ start-up rules (class methods)
     @classmethod

@@ -67,7 +67,6 @@ class EagleProposer(Proposer):
     """The tree drafter; ``draft_model`` is the network it drafts with (an EAGLE-1/2 head here)."""
 
     draft_model: type[DraftModel] = EagleHeadDraft
-    uses_tree_flags = True
 
     def __init__(self, args, runner, kv) -> None:
         self.args, self.runner, self.kv = args, runner, kv
@@ -263,9 +262,7 @@ class EagleProposer(Proposer):
             held = self.kv.alloc(len(seeded))
             if held is None:
                 raise RuntimeError("no KV slot for the draft's root (the scheduler should have reserved it)")
-            table = self.kv.table
-            for i, req in enumerate(seeded):
-                table[req.req_pool_idx, req.seq_len - 1] = held[i]
+            self.kv.write(*self.kv.cells(seeded, [r.seq_len - 1 for r in seeded], [1] * len(seeded)), held)
         last = self._extend(c.reqs, c.starts, c.tokens, c.hidden, c.may_split)
         keep = [i for i, s in enumerate(c.seeded) if s]
         if keep:
