@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.bench.report import format_table, missing_extra, plot_bars, write_jsonl
+from specserve.bench.report import format_table, plot_bars, report_missing_extra, write_jsonl
 
 SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
 DTYPES = ("float32", "bfloat16")
@@ -460,9 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    problem = missing_extra("matplotlib")
-    if problem:
-        print(f"specserve bench-compare: error: {problem}", file=sys.stderr)
+    if report_missing_extra("specserve bench-compare", "matplotlib"):
         return 2
     try:
         rows = run_bench(args)

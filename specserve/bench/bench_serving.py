@@ -36,7 +36,14 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from specserve.bench.report import format_table, import_extra, missing_extra, percentiles, plot_lines, write_jsonl
+from specserve.bench.report import (
+    format_table,
+    import_extra,
+    percentiles,
+    plot_lines,
+    report_missing_extra,
+    write_jsonl,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30000"
 HELD_OUT = "held-out"
@@ -485,9 +492,7 @@ def main(argv: list[str]) -> int:
         ns = parse_args(argv)
     except SystemExit as e:  # argparse printed the message naming the flag
         return int(e.code or 0)
-    problem = missing_extra("openai", "matplotlib")
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    if report_missing_extra("specserve bench-serving", "openai", "matplotlib"):
         return 2
     try:
         prompts = for_api(load_dataset(ns.dataset, ns.num_prompts, ns.random_input_len, ns.seed), ns.api)

@@ -518,16 +518,14 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
 
 
 def main(argv: list[str]) -> int:
-    from specserve.bench.report import missing_extra
+    from specserve.bench.report import report_missing_extra
     from specserve.models.loader import ModelLoadError
 
     try:
         ns = parse_args(argv)
     except SystemExit as e:  # argparse printed the message naming the flag
         return int(e.code or 0)
-    problem = missing_extra("matplotlib")
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    if report_missing_extra("specserve bench-speculative", "matplotlib"):
         return 2
     try:
         grid = check_args(ns)

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 BENCH_EXTRA = "pip install 'specserve[bench]'"
@@ -24,6 +25,15 @@ def missing_extra(*modules: str) -> str | None:
     if not missing:
         return None
     return f"{' and '.join(missing)} not installed (needed by the benchmark commands): {BENCH_EXTRA}"
+
+
+def report_missing_extra(prog: str, *modules: str) -> bool:
+    """True (after printing an argparse-style error naming the install command) when a module of the ``bench``
+    extra is missing: the benchmark commands then exit 2 before running anything."""
+    problem = missing_extra(*modules)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def import_extra(module: str):
