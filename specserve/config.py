@@ -79,7 +79,32 @@ class ServerArgs:
     # --- server ---
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
     port: int = field(default=30000, metadata={"help": "Port to listen on."})
-    api_key: str | None = field(default=None, metadata={"help": "Require this bearer key on every request."})
+    api_key: str | None = field(default=None, metadata={
+        "help": "Require this bearer key on every request except /health and /metrics. Several keys, comma-separated, "
+                "are separate clients: a request can be aborted only with the key that made it."})
+    admin_api_key: str | None = field(default=None, metadata={
+        "help": "The key for the admin endpoints (/flush_cache, /abort_request with abort_all or another client's "
+                "rid) and for paths and pids in /get_server_info and /v1/models. It also opens every client endpoint. "
+                "Unset: the --api-key holders are admins (no key at all: everyone)."})
+    max_request_bytes: int = field(default=16 * 1024 * 1024, metadata={
+        "help": "Largest request body in bytes; a larger one gets 413 before it is read."})
+    max_request_samples: int = field(default=256, metadata={
+        "help": "Most samples one request may ask for (prompts in a batch x n)."})
+    max_stop_strings: int = field(default=64, metadata={"help": "Most stop strings per request."})
+    max_stop_string_chars: int = field(default=512, metadata={"help": "Longest stop string, in characters."})
+    max_top_logprobs: int = field(default=20, metadata={
+        "help": "Most top logprobs per position a request may ask for (top_logprobs_num / top_logprobs)."})
+    tokenizer_worker_num: int = field(default=4, metadata={
+        "help": "Threads that tokenize, detokenize and render chat templates, off the server's event loop (SGLang's "
+                "flag counts processes; here they are threads: the tokenizer releases the GIL)."})
+    chat_template_timeout: float = field(default=5.0, metadata={
+        "help": "Seconds a chat template may take to render one request; a slower one gets 400."})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "Let requests bring their own Jinja chat template (chat_template_kwargs.chat_template). Off: such a "
+                "request gets 400, since a template is code that runs in the server."})
+    graceful_shutdown_timeout: float = field(default=120.0, metadata={
+        "help": "On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut; requests still "
+                "sending their body are cut at once."})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error|critical."})
     enable_metrics: bool = field(default=False, metadata={"help": "Serve Prometheus metrics at /metrics."})
     stream_interval: int = field(default=1, metadata={
@@ -184,6 +209,7 @@ class ServerArgs:
         self._validate_sglang_only()
         require_positive(self, "num_threads", allow_none=True)
         require_positive(self, "stream_interval")
+        self._validate_server_limits()
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
@@ -199,6 +225,22 @@ class ServerArgs:
             logger.warning("--enable-mixed-chunk is turned off: speculative steps do not take a prefill chunk")
             self.enable_mixed_chunk = False
         return self
+
+    def _validate_server_limits(self) -> None:
+        for name in ("max_request_bytes", "max_request_samples", "max_stop_strings", "max_stop_string_chars",
+                     "tokenizer_worker_num"):
+            require_positive(self, name)
+        if self.max_top_logprobs < 0:
+            raise ConfigError(f"--max-top-logprobs must be >= 0, got {self.max_top_logprobs}")
+        for name in ("chat_template_timeout", "graceful_shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{flag_name(name)} must be > 0 seconds, got {getattr(self, name)}")
+        for name in ("api_key", "admin_api_key"):
+            value = getattr(self, name)
+            if value is not None and not all(k.strip() for k in value.split(",")):
+                raise ConfigError(f"{flag_name(name)} has an empty key")
+        if self.admin_api_key is not None and "," in self.admin_api_key:
+            raise ConfigError("--admin-api-key takes one key")
 
     def _validate_sglang_only(self) -> None:
         """Flags SGLang's launch commands pass whose GPU machinery specserve does not have: checked, then mapped onto

@@ -342,18 +342,28 @@ def _async_deliver(loop: asyncio.AbstractEventLoop):
     return bind
 
 
-SECRET_FIELDS = ("api_key",)
+SECRET_FIELDS = ("api_key", "admin_api_key")
+# where things live on the server's machine, and its process ids: the admin's to see (server/auth.py)
+PRIVATE_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "speculative_token_map",
+                  "chat_template", "worker_pid")
+HIDDEN = "(hidden: admin key only)"
 
 
-def server_info(args: ServerArgs, state: dict) -> dict:
-    """/server_info and Engine.get_server_info(): arguments (secrets hidden), then the runtime state."""
+def server_info(args: ServerArgs, state: dict, private: bool = True) -> dict:
+    """/server_info and Engine.get_server_info(): arguments (secrets hidden), then the runtime state.
+    private=False hides paths and pids too (a server's non-admin callers)."""
     from specserve.version import __version__
 
-    shown = dataclasses.asdict(args)
+    shown = {**dataclasses.asdict(args), **state}
     for name in SECRET_FIELDS:
         if shown.get(name) is not None:
             shown[name] = "***"
-    return {**shown, **state, "internal_states": [state], "version": __version__}
+    if not private:
+        for name in PRIVATE_FIELDS:
+            if shown.get(name) is not None:
+                shown[name] = HIDDEN
+        state = {k: shown[k] for k in state}
+    return {**shown, "internal_states": [state], "version": __version__}
 
 
 def _server_info(s: Scheduler) -> dict:

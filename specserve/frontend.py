@@ -14,6 +14,7 @@ import itertools
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,10 @@ class RequestFactory:
         self.tokenizer, self.vocab_size, self.context_len = tokenizer, vocab_size, context_len
         self.eos_ids, self.random_seed, self.device = eos_ids, random_seed, device
         self._counter = itertools.count()
+        # a server's per-request limits (specserve.request_limits.RequestLimits), checked before any tokenizing,
+        # and its admission check for that many samples (raises when there is no room); None: no limits
+        self.limits = None
+        self.admit: Callable[[int], None] | None = None
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -301,13 +306,15 @@ def prepare_requests(
         raise RequestError("give exactly one of prompt and input_ids", "prompt")
     batched = isinstance(prompt, list) if prompt is not None else bool(input_ids) and isinstance(input_ids[0], list)
     prompts = (prompt if batched else [prompt]) if prompt is not None else None
+    n_prompts = len(prompts) if prompts is not None else len(input_ids) if batched else 1
+    if n_prompts == 0:
+        raise RequestError("the batch is empty", "prompt")
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n_prompts
+    if len(sps) != n_prompts:
+        raise RequestError("sampling_params has a different length than the batch", "sampling_params")
+    _check_limits(factory, prompts, n_prompts, sps, request_fields)
     ids_list = [factory.tokenize(p) for p in prompts] if prompts is not None else (
         input_ids if batched else [input_ids])
-    if not ids_list:
-        raise RequestError("the batch is empty", "prompt")
-    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
-    if len(sps) != len(ids_list):
-        raise RequestError("sampling_params has a different length than the batch", "sampling_params")
     rids = _batch_rids(rid, len(ids_list), batched)
     fields = [_per_prompt(name, value, len(ids_list)) for name, value in request_fields.items() if value is not None]
     prepared: list[PreparedRequest] = []
@@ -321,6 +328,16 @@ def prepare_requests(
         prepared.extend(factory.build(ids, factory.params(sp, len(ids)), r))
     _check_unique_rids(prepared)
     return prepared, not batched and len(prepared) == 1
+
+
+def _check_limits(factory: RequestFactory, prompts: list[str] | None, n_prompts: int, sps: list,
+                  request_fields: dict) -> None:
+    """The server's limits and admission, before anything is tokenized or built (no-op for the Engine)."""
+    if factory.limits is None:
+        return
+    samples = factory.limits.check(prompts, n_prompts, sps, request_fields)
+    if factory.admit is not None:
+        factory.admit(samples)
 
 
 def _check_unique_rids(prepared: list[PreparedRequest]) -> None:

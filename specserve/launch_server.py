@@ -6,8 +6,9 @@ any failure before serving exits with code 2 and one line naming the flag or the
 is loaded and the port is listening, one line with the URL is logged.
 
 SIGTERM / SIGINT: the listening socket closes (new connections are refused, new requests on open
-connections get 503), in-flight requests run to completion (at most ``DRAIN_TIMEOUT_S``), the worker is
-stopped and the process exits 0 leaving no child process.
+connections get 503, and requests still sending their body are cut with 503), in-flight requests run to completion
+(at most ``--graceful-shutdown-timeout`` seconds, then they are cut), the worker is stopped and the process exits 0
+leaving no child process.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from specserve.config import LOG_LEVELS, ConfigError, ServerArgs
 from specserve.server.worker import LOG_FORMAT
 
 logger = logging.getLogger("specserve.server")
-
-DRAIN_TIMEOUT_S = 600
 
 
 def parse_args(argv: list[str] | None, prog: str,
@@ -89,8 +88,8 @@ def run_server(args: ServerArgs) -> int:
         return 2
     app = create_app(manager)
     config = uvicorn.Config(app, log_config=None, log_level=uvicorn_log_level(args.log_level),
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
-                            lifespan="on")
+                            access_log=args.log_level == "debug", lifespan="on",
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     server = _Server(config, manager, server_url(args.host, args.port))
     manager.on_worker_exit = server.request_exit
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it drained on: already handled
@@ -118,7 +117,10 @@ class _Server(uvicorn.Server):
         if not self.manager.draining:
             logger.info("received %s: draining %d in-flight requests, refusing new ones",
                         signal.Signals(sig).name, self.manager.num_inflight)
-        self.manager.draining = True
+        self.manager.draining = True  # at once; the event that cuts body reads is set on the loop
+        loop = self.manager.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.manager.start_draining)
         super().handle_exit(sig, frame)
 
     def request_exit(self) -> None:

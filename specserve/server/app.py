@@ -1,37 +1,16 @@
-"""The FastAPI application: routers, OpenAI-style errors, the API-key check, and the worker's lifecycle."""
+"""The FastAPI application: routers, OpenAI-style errors, the API keys, and the worker's lifecycle."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 
 from fastapi import FastAPI
 
 from specserve.server import native_api, openai_api
-from specserve.server.errors import APIError, error_response, install_error_handlers
+from specserve.server.auth import AuthMiddleware, Keys
+from specserve.server.errors import install_error_handlers
 from specserve.server.manager import RequestManager
-
-# Paths served without the API key (SGLang exempts health checks and metrics too)
-PUBLIC_PREFIXES = ("/health", "/metrics")
-
-
-class APIKeyMiddleware:
-    """Pure ASGI middleware (it must not wrap the receive channel: disconnects are watched there)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"].startswith(PUBLIC_PREFIXES):
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            return await self.app(scope, receive, send)
-        message = "missing API key" if not given else "incorrect API key"
-        response = error_response(APIError(401, f"{message}: send 'Authorization: Bearer <key>'",
-                                           code="invalid_api_key"))
-        await response(scope, receive, send)
 
 
 def create_app(manager: RequestManager) -> FastAPI:
@@ -47,11 +26,15 @@ def create_app(manager: RequestManager) -> FastAPI:
 
     app = FastAPI(title="specserve", version=_version(), lifespan=lifespan)
     app.state.manager = manager
+    # what parse_body needs: the body size limit, and the event that cuts body reads short when draining starts
+    app.state.max_request_bytes = manager.args.max_request_bytes
+    app.state.stop_reading = manager.drain_started
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
-    if manager.args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=manager.args.api_key)
+    keys = Keys(manager.args.api_key, manager.args.admin_api_key)
+    if keys.configured:
+        app.add_middleware(AuthMiddleware, keys=keys)
     return app
 
 

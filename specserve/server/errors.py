@@ -3,6 +3,7 @@ strict JSON body parser every POST endpoint uses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import TypeVar
@@ -18,6 +19,8 @@ from specserve.frontend import RequestError
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+
+BODY_READ_TIMEOUT_S = 60.0  # a client that has not finished sending its body by then is cut (408)
 
 # SGLang sampling names -> the OpenAI request field a client sent
 OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -63,7 +66,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if ctype != "application/json":
         raise APIError(400, f"Content-Type must be application/json, got {ctype or 'none'!r}",
                        code="invalid_content_type")
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
@@ -79,6 +82,47 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from e
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, at most ``app.state.max_request_bytes`` of it (413 beyond: the body is not kept).
+    A body that takes longer than BODY_READ_TIMEOUT_S to arrive gets 408, and one still arriving when the server
+    starts draining gets 503 at once: a stalled client can neither hold a connection nor hold up a shutdown."""
+    state = request.app.state
+    limit = getattr(state, "max_request_bytes", None)
+    declared = request.headers.get("content-length", "")
+    if limit is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    reading = asyncio.ensure_future(_read_limited(request, limit))
+    stop = getattr(state, "stop_reading", None)
+    waiting = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    try:
+        done, _ = await asyncio.wait({reading, waiting} - {None}, timeout=BODY_READ_TIMEOUT_S,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (reading, waiting):
+            if task is not None and not task.done():
+                task.cancel()
+    if reading in done:
+        return reading.result()
+    if waiting is not None and waiting in done:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    raise APIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s", code="timeout")
+
+
+async def _read_limited(request: Request, limit: int | None) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
+                    code="request_too_large")
 
 
 def _lone_surrogate(data) -> str | None:

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from specserve.frontend import PreparedRequest, RequestError
+from specserve.server.auth import caller
 from specserve.server.errors import APIError, from_request_error
 from specserve.server.manager import Job, Overloaded, RequestManager
 
@@ -23,13 +24,13 @@ DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def submit_job(manager: RequestManager, build: Callable[[], list[PreparedRequest]], rid: str, stream: bool,
-                     openai_names: bool = False) -> Job:
-    """Builds the prepared requests on the tokenizer thread, then submits them as one job. Invalid input
-    raises APIError 400 (parameter names in OpenAI's spelling for the OpenAI endpoints); no room, 503."""
+async def submit_job(request: Request, manager: RequestManager, build: Callable[[], list[PreparedRequest]], rid: str,
+                     stream: bool, openai_names: bool = False) -> Job:
+    """Builds the prepared requests on the tokenizer pool, then submits them as one job of the caller. Invalid
+    input raises APIError 400 (parameter names in OpenAI's spelling for the OpenAI endpoints); no room, 503."""
     try:
         prepared = await manager.run_in_tokenizer(build)
-        return manager.submit(rid, prepared, stream)
+        return manager.submit(rid, prepared, stream, owner=caller(request).principal)
     except RequestError as e:
         raise from_request_error(e, openai_names=openai_names) from e
     except Overloaded as e:
@@ -47,7 +48,7 @@ async def _abort_on_disconnect(request: Request, manager: RequestManager, job: J
         message = await request.receive()
         if message["type"] == "http.disconnect":
             if not job.done.is_set():
-                manager.abort(job.rid)
+                manager.abort_job(job)
             return
 
 
@@ -77,6 +78,6 @@ def stream_response(request: Request, manager: RequestManager, job: Job, events:
                 yield event
         finally:
             if not job.done.is_set():
-                manager.abort(job.rid)
+                manager.abort_job(job)
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -7,8 +7,10 @@ iterate the job's chunks. Outputs arrive from the worker on a reader thread and 
 loop; detokenization happens when a job's consumer applies them, so the model loop never waits for text.
 
 Admission: with ``--max-queued-requests`` set, at most max-running + max-queued samples may be in flight;
-beyond that ``submit`` raises ``Overloaded`` at once (the endpoint answers 503). While draining (SIGTERM)
-or after the worker died every new request is refused the same way.
+beyond that ``submit`` raises ``Overloaded`` at once (the endpoint answers 503). The same check runs before a
+request is tokenized or built (``check_room``, with the per-request limits of ``request_limits``), so a request
+with no room costs nothing. While draining (SIGTERM) or after the worker died every new request is refused the
+same way.
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ import torch
 
 from specserve.config import ConfigError, ServerArgs
 from specserve.engine import load_tokenizer
-from specserve.frontend import PreparedRequest, RequestError, RequestFactory, RequestState, merge_outputs
+from specserve.frontend import (
+    PreparedRequest,
+    RequestError,
+    RequestFactory,
+    RequestState,
+    merge_outputs,
+    prepare_requests,
+)
 from specserve.models.loader import ModelLoadError, resolve_model_path
 from specserve.request import ReqOutput
+from specserve.request_limits import RequestLimits
+from specserve.server import openai_format as fmt
 from specserve.server.metrics import ServerMetrics
 from specserve.server.worker import ReqSpec
 from specserve.server.worker_client import WorkerProcess
@@ -47,11 +58,19 @@ class Overloaded(Exception):
         self.reason = reason
 
 
-class Job:
-    """The samples of one HTTP request (prompts x n), as submitted together."""
+def scoped(owner: str | None, rid: str) -> str:
+    """A client's rid as the worker knows it: in the client's own namespace (see server/auth.py)."""
+    return rid if owner is None else f"{owner}/{rid}"
 
-    def __init__(self, rid: str, prepared: list[PreparedRequest], stream: bool) -> None:
-        self.rid = rid
+
+class Job:
+    """The samples of one HTTP request (prompts x n), as submitted together.
+
+    rid is the client's; key (the rid in its owner's namespace) is what the manager and the worker know it by."""
+
+    def __init__(self, rid: str, key: str, prepared: list[PreparedRequest], stream: bool,
+                 run: Callable[..., Any]) -> None:
+        self.rid, self.key, self.run = rid, key, run  # run(fn, *args): off the event loop (the tokenizer pool)
         self.created = time.monotonic()
         self.states: list[RequestState] = [p.state for p in prepared]
         self.rids = [p.req.rid for p in prepared]
@@ -82,8 +101,12 @@ class Job:
             self._done_callbacks.append(cb)
 
     async def results(self) -> list[dict]:
-        """Non-streaming: waits for every sample, detokenizes each in one call, returns the result dicts."""
+        """Non-streaming: waits for every sample, detokenizes each in one call (on the tokenizer pool), returns the
+        result dicts."""
         await self.done.wait()
+        return await self.run(self._apply_buffered)
+
+    def _apply_buffered(self) -> list[dict]:
         for state, outs in zip(self.states, self._buffered, strict=True):
             state.apply_all(outs)
         return [s.result() for s in self.states]
@@ -98,15 +121,18 @@ class Job:
             by_index: dict[int, list[ReqOutput]] = {}
             for index, out in batch:
                 by_index.setdefault(index, []).append(out)
-            yield [(i, self.states[i].apply(outs[0] if len(outs) == 1 else merge_outputs(outs)))
-                   for i, outs in sorted(by_index.items())]
+            yield await self.run(self._apply_chunks, by_index)
+
+    def _apply_chunks(self, by_index: dict[int, list[ReqOutput]]) -> list[tuple[int, dict]]:
+        return [(i, self.states[i].apply(outs[0] if len(outs) == 1 else merge_outputs(outs)))
+                for i, outs in sorted(by_index.items())]
 
 
 class RequestManager:
     def __init__(self, args: ServerArgs) -> None:
         """Starts the model worker and loads the tokenizer meanwhile; blocks until the model is loaded."""
         self.args = args
-        self.served_model_name = args.served_model_name or args.model_path
+        self.served_model_name = served_model_name(args)
         self.worker = WorkerProcess(args)
         try:
             self.tokenizer = self._load_tokenizer()
@@ -117,17 +143,22 @@ class RequestManager:
         self.context_len: int = self.info["context_length"]
         self.factory = RequestFactory(self.tokenizer, self.info["vocab_size"], self.context_len,
                                       set(self.info["eos_token_ids"]), args.random_seed, torch.device("cpu"))
+        self.limits = RequestLimits.from_args(args, self.context_len, self.tokenizer)
+        self.factory.limits, self.factory.admit = self.limits, self.check_room
         queued = args.max_queued_requests
         self.capacity = None if queued is None else self.info["max_running_requests"] + queued
         self.metrics = ServerMetrics() if args.enable_metrics else None
         self.draining = False
+        self.drain_started = asyncio.Event()  # set with draining: cuts short the bodies still being read
         self.worker_alive = True
         self.on_worker_exit: Callable[[], Any] | None = None
         self._routes: dict[str, tuple[Job, int]] = {}  # sample rid -> (job, index)
         self._jobs: dict[str, Job] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tokenizer")
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=args.tokenizer_worker_num,
+                                                  thread_name_prefix="specserve-tokenizer")
+        self._health: asyncio.Task | None = None  # the /health_generate probe in flight, shared by its callers
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _load_tokenizer(self):
@@ -146,8 +177,13 @@ class RequestManager:
         self.loop = loop
         self.worker.start_reader(self._from_reader, self._reader_exited)
 
-    async def shutdown(self) -> None:
+    def start_draining(self) -> None:
+        """Refuse new requests and cut short bodies still arriving; in-flight requests run on."""
         self.draining = True
+        self.drain_started.set()
+
+    async def shutdown(self) -> None:
+        self.start_draining()
         code = await asyncio.to_thread(self.worker.stop)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         logger.info("model worker stopped (exit code %s)", code)
@@ -161,24 +197,33 @@ class RequestManager:
         """Runs fn(*args) (tokenization, chat templates, request building) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    def submit(self, rid: str, prepared: list[PreparedRequest], stream: bool, bypass_limit: bool = False) -> Job:
-        self._check_admission(len(prepared), bypass_limit)
-        if rid in self._jobs or any(p.req.rid in self._routes for p in prepared):
+    def submit(self, rid: str, prepared: list[PreparedRequest], stream: bool, owner: str | None = None) -> Job:
+        """Admits the samples of one request as a job; owner: the caller's rid namespace (server/auth.py)."""
+        self._check_admission(len(prepared))
+        key = scoped(owner, rid)
+        for p in prepared:
+            p.req.rid = scoped(owner, p.req.rid)
+        if key in self._jobs or any(p.req.rid in self._routes for p in prepared):
             raise RequestError(f"a request with rid {rid!r} is already running", "rid")
-        job = Job(rid, prepared, stream)
-        self._jobs[rid] = job
+        job = Job(rid, key, prepared, stream, self.run_in_tokenizer)
+        self._jobs[key] = job
         for i, p in enumerate(prepared):
             self._routes[p.req.rid] = (job, i)
             p.req.stream = stream  # a non-streaming job reads only finished results (Req.stream)
         self.worker.send(("add", [ReqSpec.from_req(p.req) for p in prepared]))
         return job
 
-    def _check_admission(self, n: int, bypass_limit: bool) -> None:
+    def check_room(self, n: int) -> None:
+        """Raises Overloaded unless n more samples may be admitted now. Called before a request is tokenized or
+        built (from a tokenizer thread), and again when it is submitted."""
+        self._check_admission(n)
+
+    def _check_admission(self, n: int) -> None:
         if self.draining:
             self._reject("the server is shutting down", "shutting_down")
         if not self.worker_alive:
             self._reject("the model worker is not running", "worker_down")
-        if not bypass_limit and self.capacity is not None and len(self._routes) + n > self.capacity:
+        if self.capacity is not None and len(self._routes) + n > self.capacity:
             self._reject(f"the server is at capacity ({self.capacity} requests running or queued; "
                          "--max-running-requests + --max-queued-requests); retry later", "queue_full")
 
@@ -187,14 +232,26 @@ class RequestManager:
             self.metrics.rejected.labels(reason).inc()
         raise Overloaded(message, reason)
 
-    def abort(self, rid: str) -> bool:
-        """Aborts a job (by its rid) or one sample (by its sample rid). False when nothing matched."""
-        job = self._jobs.get(rid)
-        rids = [r for r in job.rids if r in self._routes] if job is not None else (
-            [rid] if rid in self._routes else [])
+    def abort(self, rid: str, owner: str | None = None, any_owner: bool = False) -> int:
+        """Aborts a job (by its client rid) or one sample (by its sample rid) of `owner`, or of any owner (the
+        admin). -> the number of samples aborted (0: nothing of the caller's is running under that rid)."""
+        if any_owner:
+            jobs = [j for j in self._jobs.values() if j.rid == rid]
+            samples = [r for r, (j, i) in self._routes.items() if j.states[i].rid == rid]
+        else:
+            job = self._jobs.get(scoped(owner, rid))
+            jobs = [job] if job is not None else []
+            samples = [scoped(owner, rid)] if scoped(owner, rid) in self._routes else []
+        rids = {r for j in jobs for r in j.rids if r in self._routes} | set(samples)
         for r in rids:
             self.worker.send(("abort", r))
-        return bool(rids)
+        return len(rids)
+
+    def abort_job(self, job: Job) -> None:
+        """Aborts what is still running of a job (its client left)."""
+        for r in job.rids:
+            if r in self._routes:
+                self.worker.send(("abort", r))
 
     def abort_all(self) -> int:
         rids = list(self._routes)
@@ -214,6 +271,31 @@ class RequestManager:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
+
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None, continue_final: bool = False
+                    ) -> list[int]:
+        """Chat messages -> prompt ids through this server's chat template, within its limits (call it on the
+        tokenizer pool). A template brought by the request is code: refused unless --trust-request-chat-template."""
+        if template_kwargs and "chat_template" in template_kwargs and not self.args.trust_request_chat_template:
+            raise RequestError("this server renders chats with its own template only; a request's "
+                               "chat_template_kwargs.chat_template needs --trust-request-chat-template",
+                               "chat_template_kwargs")
+        return fmt.render_chat(self.tokenizer, messages, template_kwargs, continue_final,
+                               timeout=self.args.chat_template_timeout, check_chars=self.limits.check_prompt_chars)
+
+    async def health_generate(self, timeout: float) -> dict:
+        """A one-token greedy generation through the whole stack, admitted like any request (503 when there is no
+        room). Concurrent callers share the one in flight, so probes cannot pile work onto the model."""
+        if self._health is None or self._health.done():
+            self._health = asyncio.ensure_future(asyncio.wait_for(self._generate_one(), timeout))
+        return await asyncio.shield(self._health)
+
+    async def _generate_one(self) -> dict:
+        tok = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
+        prepared, _ = await self.run_in_tokenizer(
+            prepare_requests, self.factory, None, {"max_new_tokens": 1, "temperature": 0}, [tok])
+        job = self.submit(prepared[0].req.rid, prepared, stream=False, owner="health")
+        return (await job.results())[0]
 
     # ------------------------------------------------------------------ worker messages
     def _from_reader(self, msg: tuple) -> None:  # reader thread
@@ -251,7 +333,7 @@ class RequestManager:
             if out.finished_reason is not None:
                 del self._routes[out.rid]
                 if job.done.is_set():
-                    self._jobs.pop(job.rid, None)
+                    self._jobs.pop(job.key, None)
 
     def _on_worker_exit(self) -> None:
         """The worker is gone: fail every open request and its pending calls."""
@@ -272,6 +354,16 @@ class RequestManager:
     async def server_info(self) -> dict:
         state = await self.call("server_info")
         return {**state, "num_inflight_reqs": self.num_inflight, "draining": self.draining}
+
+
+def served_model_name(args: ServerArgs) -> str:
+    """--served-model-name, else the model path as given (SGLang's rule), except that with an admin key a local
+    folder is served under its own name: its path on this machine is the admin's to see."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.admin_api_key and os.path.exists(args.model_path):
+        return os.path.basename(os.path.normpath(args.model_path))
+    return args.model_path
 
 
 def read_chat_template(value: str) -> str:

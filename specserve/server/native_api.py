@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -12,10 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specserve.engine import server_info
 from specserve.frontend import WEIGHT_VERSION, PreparedRequest, RequestError, prepare_requests
+from specserve.server.auth import caller, require_admin
 from specserve.server.errors import APIError, from_request_error, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, Overloaded, RequestManager
-from specserve.server.openai_format import render_chat
 from specserve.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 router = APIRouter()
@@ -42,7 +41,7 @@ async def generate(request: Request):
                                       **req.logprob_fields()))
         return built[0][0]
 
-    job = await submit_job(manager, build, rid, req.stream)
+    job = await submit_job(request, manager, build, rid, req.stream)
     prepared, single = built[0]
     prompts = [p.req.origin_input_ids for p in prepared] if req.return_prompt_token_ids else None
     if req.stream:
@@ -85,7 +84,7 @@ async def tokenize(request: Request) -> dict:
     def run():
         if req.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return render_chat(tok, messages, None)
+            return manager.render_chat(messages, None)
         if isinstance(req.prompt, list):
             return [tok.encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt]
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -124,17 +123,14 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """Runs a one-token generation through the whole stack."""
-    manager = _manager(request)
-    tok = manager.tokenizer.bos_token_id if manager.tokenizer.bos_token_id is not None else 0
+    """Runs a one-token generation through the whole stack (counted against the queue; concurrent probes share
+    one generation)."""
     try:
-        prepared, _ = prepare_requests(manager.factory, None, {"max_new_tokens": 1, "temperature": 0}, [tok])
-        job = manager.submit(prepared[0].req.rid, prepared, stream=False, bypass_limit=True)
-        results = await asyncio.wait_for(job.results(), HEALTH_GENERATE_TIMEOUT_S)
+        result = await _manager(request).health_generate(HEALTH_GENERATE_TIMEOUT_S)
     except (Overloaded, TimeoutError) as e:
         raise APIError(503, f"health generation failed: {e or 'timed out'}", code="unavailable") from e
-    if results[0]["meta_info"]["completion_tokens"] != 1:
-        raise APIError(503, f"health generation failed: {results[0]['meta_info']['finish_reason']}",
+    if result["meta_info"]["completion_tokens"] != 1:
+        raise APIError(503, f"health generation failed: {result['meta_info']['finish_reason']}",
                        code="unavailable")
     return Response(status_code=200)
 
@@ -144,9 +140,10 @@ async def health_generate(request: Request) -> Response:
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict:
     m = _manager(request)
+    admin = caller(request).admin  # where the model was loaded from is the admin's to see
     return {
-        "model_path": m.args.model_path,
-        "tokenizer_path": m.args.tokenizer_path or m.info["model_dir"],
+        "model_path": m.args.model_path if admin else m.served_model_name,
+        "tokenizer_path": (m.args.tokenizer_path or m.info["model_dir"]) if admin else m.served_model_name,
         "served_model_name": m.served_model_name,
         "is_generation": True,
         "preferred_sampling_params": None,
@@ -163,15 +160,17 @@ async def get_model_info(request: Request) -> dict:
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict:
-    """Server arguments (secrets hidden) and the worker's runtime state. The state is also under
-    "internal_states" (a one-element list) where SGLang clients look for e.g. avg_spec_accept_length."""
+    """Server arguments (secrets hidden; paths and pids shown to the admin only) and the worker's runtime state.
+    The state is also under "internal_states" (a one-element list) where SGLang clients look for e.g.
+    avg_spec_accept_length."""
     m = _manager(request)
-    return server_info(m.args, await m.server_info())
+    return server_info(m.args, await m.server_info(), private=caller(request).admin)
 
 
 # ---------------------------------------------------------------------------------------------- control
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
+    require_admin(request, "flushing the cache")
     if not await _manager(request).call("flush_cache"):
         raise APIError(400, "the cache was not flushed: requests are running or queued; retry when idle",
                        code="busy")
@@ -180,13 +179,17 @@ async def flush_cache(request: Request) -> Response:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> dict:
+    """Aborts the caller's request by rid (any client's for the admin), or every request (admin only).
+    -> {"aborted": number of samples aborted}; 0 when the caller has nothing running under that rid."""
     manager = _manager(request)
     req = await parse_body(request, AbortRequest)
+    who = caller(request)
     if req.abort_all:
+        require_admin(request, "abort_all")
         return {"aborted": manager.abort_all()}
     if req.rid is None:
         raise APIError(400, "give rid or abort_all", param="rid")
-    return {"aborted": int(manager.abort(req.rid))}
+    return {"aborted": manager.abort(req.rid, owner=who.principal, any_owner=who.admin)}
 
 
 @router.get("/metrics")

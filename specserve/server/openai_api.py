@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 
 from specserve.frontend import PreparedRequest, prepare_requests
 from specserve.server import openai_format as fmt
+from specserve.server.auth import caller
 from specserve.server.errors import APIError, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, RequestManager
@@ -35,13 +36,16 @@ def _manager(request: Request) -> RequestManager:
     return request.app.state.manager
 
 
-def _model_card(m: RequestManager) -> ModelCard:
-    return ModelCard(id=m.served_model_name, root=m.args.model_path, max_model_len=m.context_len)
+def _model_card(request: Request) -> ModelCard:
+    """The served model; its root (where it was loaded from) is shown to the admin only."""
+    m = _manager(request)
+    root = m.args.model_path if caller(request).admin else m.served_model_name
+    return ModelCard(id=m.served_model_name, root=root, max_model_len=m.context_len)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(_manager(request))])
+    return ModelList(data=[_model_card(request)])
 
 
 @router.get("/v1/models/{model:path}")
@@ -51,7 +55,7 @@ async def retrieve_model(request: Request, model: str) -> ModelCard:
     if model != m.served_model_name:
         raise APIError(404, f"The model {model!r} does not exist; this server serves {m.served_model_name!r}",
                        param="model", code="model_not_found")
-    return _model_card(m)
+    return _model_card(request)
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -63,11 +67,10 @@ async def chat_completions(request: Request):
 
     def build() -> list[PreparedRequest]:
         fmt.check_chat_supported(req)
-        ids = fmt.render_chat(manager.tokenizer, fmt.chat_messages(req), req.chat_template_kwargs,
-                              req.continue_final_message)
+        ids = manager.render_chat(fmt.chat_messages(req), req.chat_template_kwargs, req.continue_final_message)
         return prepare_requests(manager.factory, None, fmt.chat_sampling_params(req), ids, rid=rid)[0]
 
-    job = await submit_job(manager, build, rid, req.stream, openai_names=True)
+    job = await submit_job(request, manager, build, rid, req.stream, openai_names=True)
     model = manager.served_model_name  # any name is accepted (SGLang's rule); the answer names the model
     if req.stream:
         return stream_response(request, manager, job, _chat_events(manager, req, job, model))
@@ -140,7 +143,7 @@ async def completions(request: Request):
         fmt.check_completion_supported(req)
         return prepare_requests(manager.factory, texts, fmt.completion_sampling_params(req), ids, rid=rid)[0]
 
-    job = await submit_job(manager, build, rid, req.stream, openai_names=True)
+    job = await submit_job(request, manager, build, rid, req.stream, openai_names=True)
     model = manager.served_model_name  # any name is accepted (SGLang's rule); the answer names the model
     echoes = _echo_texts(manager, req, texts, ids)
     if req.stream:

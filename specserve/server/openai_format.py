@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from specserve.frontend import RequestError, token_text
@@ -78,20 +81,62 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None,
-                continue_final: bool = False) -> list[int]:
+                continue_final: bool = False, timeout: float | None = None,
+                check_chars: Callable[[int], None] | None = None) -> list[int]:
     """Chat messages -> prompt token ids through the tokenizer's chat template (or --chat-template).
-    continue_final: the last message is an assistant turn to continue (no end of turn, no new turn)."""
+    continue_final: the last message is an assistant turn to continue (no end of turn, no new turn).
+    timeout: seconds the template may run (RequestError beyond); check_chars(n): raises when the rendered text
+    of n characters is too long to tokenize (before it is tokenized)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; start the server with --chat-template", "messages")
     if continue_final and messages[-1]["role"] != "assistant":
         raise RequestError("continue_final_message needs the last message to be the assistant's",
                            "continue_final_message")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
+
+    def render() -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
                                              continue_final_message=continue_final, **(template_kwargs or {}))
+
+    try:
+        text = render() if timeout is None else call_with_deadline(render, timeout)
+    except TemplateTimeout as e:
+        raise RequestError(f"the chat template took longer than {timeout:g} s to render these messages "
+                           "(--chat-template-timeout)", "messages") from e
     except Exception as e:  # noqa: BLE001 - a template may raise anything (e.g. "roles must alternate")
         raise RequestError(f"the chat template failed on these messages: {e}", "messages") from e
+    if check_chars is not None:
+        check_chars(len(text))
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+class TemplateTimeout(Exception):
+    """A Jinja template ran past its deadline."""
+
+
+JINJA_FILENAME = "<template>"  # the file name of code Jinja compiles from a string (chat templates are)
+
+
+def call_with_deadline(fn: Callable[[], Any], seconds: float) -> Any:
+    """fn() on this thread, interrupted with TemplateTimeout once `seconds` have passed while it is inside
+    Jinja-compiled code. A template is Python code that loops without calling anything we could time, so a
+    trace function (this thread only) checks the clock on each line the template runs; other code runs
+    untraced. Costs a few microseconds per template line."""
+    deadline = time.monotonic() + seconds
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateTimeout
+        return on_line
+
+    def on_call(frame, event, arg):
+        return on_line(frame, event, arg) if frame.f_code.co_filename == JINJA_FILENAME else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
 
 
 # ---------------------------------------------------------------------------------------------- results

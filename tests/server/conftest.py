@@ -47,12 +47,14 @@ def server_env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
 
 
-def start_server(model_dir: str, log_path: str, *extra: str, api_key: str | None = None) -> Server:
+def start_server(model_dir: str, log_path: str, *extra: str, api_key: str | None = None,
+                 api_keys: str | None = None) -> Server:
+    """api_key: the key the tests send; api_keys: the server's --api-key value when it holds several keys."""
     port = free_port()
     cmd = [sys.executable, "-m", "specserve.launch_server", "--model-path", model_dir, "--port", str(port),
            "--num-threads", "1", *extra]
-    if api_key:
-        cmd += ["--api-key", api_key]
+    if api_keys or api_key:
+        cmd += ["--api-key", api_keys or api_key]
     log = open(log_path, "w")  # noqa: SIM115 - the server writes it for its whole life
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env())
     log.close()

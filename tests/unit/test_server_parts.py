@@ -184,8 +184,11 @@ def test_job_merges_piled_up_outputs(factory):
     assert not single and [p.req.rid for p in prepared] == ["job-0", "job-1"]
     ids = factory.tokenize(" abc def")[:2]
 
+    async def inline(fn, *args):  # the manager runs these on its tokenizer pool
+        return fn(*args)
+
     async def run() -> list:
-        job = Job("job", prepared, stream=True)
+        job = Job("job", "job", prepared, stream=True, run=inline)
         job.push(0, _out("job-0", [ids[0]]))
         job.push(0, _out("job-0", [ids[1]], {"type": "length"}))
         job.push(1, _out("job-1", [ids[0]], {"type": "length"}))
