@@ -69,7 +69,8 @@ def test_bench_omp_runs_end_to_end():
     assert any(r.startswith("| softmax+top4") for r in rows)
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert all(float(v) > 0 for v in cells[1:]), row
+        assert all(float(v) > 0 for v in cells[1:-1]), row  # times
+        assert float(cells[-1]) >= 0, row  # a ratio, printed to 2 decimals: 0.00 on a very noisy machine
 
 
 def test_keep_pools_switch_turns_the_release_off(monkeypatch):
