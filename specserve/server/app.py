@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from specserve.server import native_api, openai_api
 from specserve.server.errors import APIError, error_response, install_error_handlers
 from specserve.server.manager import RequestManager
+from specserve.server.openapi import install_openapi
 
 # Paths served without the API key (SGLang exempts health checks and metrics too)
 PUBLIC_PREFIXES = ("/health", "/metrics")
@@ -50,6 +51,7 @@ def create_app(manager: RequestManager) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    install_openapi(app)
     if manager.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=manager.args.api_key)
     return app

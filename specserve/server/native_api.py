@@ -16,6 +16,7 @@ from specserve.server.errors import APIError, from_request_error, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, Overloaded, RequestManager
 from specserve.server.openai_format import render_chat
+from specserve.server.openapi import SSE, TEXT, documented
 from specserve.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 router = APIRouter()
@@ -28,7 +29,7 @@ def _manager(request: Request) -> RequestManager:
 
 
 # ---------------------------------------------------------------------------------------------- generate
-@router.post("/generate")
+@router.post("/generate", **documented(GenerateRequest, content=SSE))
 async def generate(request: Request):
     """Like ``Engine.generate``: one result dict, or a list for a batch / n > 1. Streaming sends the
     cumulative result so far as each event (SGLang's format), with "index" for a batch, then [DONE]."""
@@ -71,8 +72,8 @@ async def _generate_events(job: Job, single: bool, prompts: list[list[int]] | No
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
-@router.post("/tokenize")
-@router.post("/v1/tokenize")
+@router.post("/tokenize", **documented(TokenizeRequest, errors=(400, 401)))
+@router.post("/v1/tokenize", **documented(TokenizeRequest, errors=(400, 401)))
 async def tokenize(request: Request) -> dict:
     """A prompt -> {"tokens", "count", "max_model_len"} (a list of each for a list of prompts); chat messages
     are rendered through the chat template first, as /v1/chat/completions does."""
@@ -98,8 +99,8 @@ async def tokenize(request: Request) -> dict:
     return {"tokens": ids, "count": count, "max_model_len": manager.context_len}
 
 
-@router.post("/detokenize")
-@router.post("/v1/detokenize")
+@router.post("/detokenize", **documented(DetokenizeRequest, errors=(400, 401)))
+@router.post("/v1/detokenize", **documented(DetokenizeRequest, errors=(400, 401)))
 async def detokenize(request: Request) -> dict:
     manager = _manager(request)
     req = await parse_body(request, DetokenizeRequest)
@@ -113,7 +114,7 @@ async def detokenize(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- health
-@router.get("/health")
+@router.get("/health", response_class=Response, **documented(errors=(503,)))
 async def health(request: Request) -> Response:
     manager = _manager(request)
     if manager.draining or not manager.worker_alive:
@@ -122,7 +123,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", response_class=Response, **documented(errors=(503,)))
 async def health_generate(request: Request) -> Response:
     """Runs a one-token generation through the whole stack."""
     manager = _manager(request)
@@ -140,8 +141,8 @@ async def health_generate(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------------------------------- info
-@router.get("/model_info")
-@router.get("/get_model_info")
+@router.get("/model_info", **documented(errors=(401,)))
+@router.get("/get_model_info", **documented(errors=(401,)))
 async def get_model_info(request: Request) -> dict:
     m = _manager(request)
     return {
@@ -160,8 +161,8 @@ async def get_model_info(request: Request) -> dict:
     }
 
 
-@router.get("/server_info")
-@router.get("/get_server_info")
+@router.get("/server_info", **documented(errors=(401,)))
+@router.get("/get_server_info", **documented(errors=(401,)))
 async def get_server_info(request: Request) -> dict:
     """Server arguments (secrets hidden) and the worker's runtime state. The state is also under
     "internal_states" (a one-element list) where SGLang clients look for e.g. avg_spec_accept_length."""
@@ -170,7 +171,8 @@ async def get_server_info(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- control
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache", response_class=Response, **documented(errors=(400, 401)))
+@router.post("/flush_cache", response_class=Response, **documented(errors=(400, 401)))
 async def flush_cache(request: Request) -> Response:
     if not await _manager(request).call("flush_cache"):
         raise APIError(400, "the cache was not flushed: requests are running or queued; retry when idle",
@@ -178,7 +180,7 @@ async def flush_cache(request: Request) -> Response:
     return Response("Cache flushed.\n", status_code=200)
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", **documented(AbortRequest, errors=(400, 401)))
 async def abort_request(request: Request) -> dict:
     manager = _manager(request)
     req = await parse_body(request, AbortRequest)
@@ -189,7 +191,7 @@ async def abort_request(request: Request) -> dict:
     return {"aborted": int(manager.abort(req.rid))}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, **documented(errors=(404,), content=TEXT))
 async def metrics(request: Request) -> Response:
     manager = _manager(request)
     if manager.metrics is None:
