@@ -11,6 +11,7 @@ from specserve.server import native_api, openai_api
 from specserve.server.auth import AuthMiddleware, Keys
 from specserve.server.errors import install_error_handlers
 from specserve.server.manager import RequestManager
+from specserve.server.openapi import install_openapi
 
 
 def create_app(manager: RequestManager) -> FastAPI:
@@ -32,6 +33,7 @@ def create_app(manager: RequestManager) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    install_openapi(app)
     keys = Keys(manager.args.api_key, manager.args.admin_api_key)
     if keys.configured:
         app.add_middleware(AuthMiddleware, keys=keys)

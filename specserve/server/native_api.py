@@ -15,6 +15,7 @@ from specserve.server.auth import caller, require_admin
 from specserve.server.errors import APIError, from_request_error, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, Overloaded, RequestManager
+from specserve.server.openapi import SSE, TEXT, documented
 from specserve.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 
 router = APIRouter()
@@ -27,7 +28,7 @@ def _manager(request: Request) -> RequestManager:
 
 
 # ---------------------------------------------------------------------------------------------- generate
-@router.post("/generate")
+@router.post("/generate", **documented(GenerateRequest, content=SSE))
 async def generate(request: Request):
     """Like ``Engine.generate``: one result dict, or a list for a batch / n > 1. Streaming sends the
     cumulative result so far as each event (SGLang's format), with "index" for a batch, then [DONE]."""
@@ -70,8 +71,8 @@ async def _generate_events(job: Job, single: bool, prompts: list[list[int]] | No
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
-@router.post("/tokenize")
-@router.post("/v1/tokenize")
+@router.post("/tokenize", **documented(TokenizeRequest, errors=(400, 401)))
+@router.post("/v1/tokenize", **documented(TokenizeRequest, errors=(400, 401)))
 async def tokenize(request: Request) -> dict:
     """A prompt -> {"tokens", "count", "max_model_len"} (a list of each for a list of prompts); chat messages
     are rendered through the chat template first, as /v1/chat/completions does."""
@@ -97,8 +98,8 @@ async def tokenize(request: Request) -> dict:
     return {"tokens": ids, "count": count, "max_model_len": manager.context_len}
 
 
-@router.post("/detokenize")
-@router.post("/v1/detokenize")
+@router.post("/detokenize", **documented(DetokenizeRequest, errors=(400, 401)))
+@router.post("/v1/detokenize", **documented(DetokenizeRequest, errors=(400, 401)))
 async def detokenize(request: Request) -> dict:
     manager = _manager(request)
     req = await parse_body(request, DetokenizeRequest)
@@ -112,7 +113,7 @@ async def detokenize(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- health
-@router.get("/health")
+@router.get("/health", response_class=Response, **documented(errors=(503,)))
 async def health(request: Request) -> Response:
     manager = _manager(request)
     if manager.draining or not manager.worker_alive:
@@ -121,7 +122,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", response_class=Response, **documented(errors=(503,)))
 async def health_generate(request: Request) -> Response:
     """Runs a one-token generation through the whole stack (counted against the queue; concurrent probes share
     one generation)."""
@@ -136,8 +137,8 @@ async def health_generate(request: Request) -> Response:
 
 
 # ---------------------------------------------------------------------------------------------- info
-@router.get("/model_info")
-@router.get("/get_model_info")
+@router.get("/model_info", **documented(errors=(401,)))
+@router.get("/get_model_info", **documented(errors=(401,)))
 async def get_model_info(request: Request) -> dict:
     m = _manager(request)
     admin = caller(request).admin  # where the model was loaded from is the admin's to see
@@ -157,8 +158,8 @@ async def get_model_info(request: Request) -> dict:
     }
 
 
-@router.get("/server_info")
-@router.get("/get_server_info")
+@router.get("/server_info", **documented(errors=(401,)))
+@router.get("/get_server_info", **documented(errors=(401,)))
 async def get_server_info(request: Request) -> dict:
     """Server arguments (secrets hidden; paths and pids shown to the admin only) and the worker's runtime state.
     The state is also under "internal_states" (a one-element list) where SGLang clients look for e.g.
@@ -168,7 +169,8 @@ async def get_server_info(request: Request) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- control
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache", response_class=Response, **documented(errors=(400, 401, 403)))
+@router.post("/flush_cache", response_class=Response, **documented(errors=(400, 401, 403)))
 async def flush_cache(request: Request) -> Response:
     require_admin(request, "flushing the cache")
     if not await _manager(request).call("flush_cache"):
@@ -177,7 +179,7 @@ async def flush_cache(request: Request) -> Response:
     return Response("Cache flushed.\n", status_code=200)
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", **documented(AbortRequest, errors=(400, 401, 403)))
 async def abort_request(request: Request) -> dict:
     """Aborts the caller's request by rid (any client's for the admin), or every request (admin only).
     -> {"aborted": number of samples aborted}; 0 when the caller has nothing running under that rid."""
@@ -192,7 +194,7 @@ async def abort_request(request: Request) -> dict:
     return {"aborted": manager.abort(req.rid, owner=who.principal, any_owner=who.admin)}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, **documented(errors=(404,), content=TEXT))
 async def metrics(request: Request) -> Response:
     manager = _manager(request)
     if manager.metrics is None:

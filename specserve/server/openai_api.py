@@ -14,6 +14,7 @@ from specserve.server.auth import caller
 from specserve.server.errors import APIError, parse_body
 from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, wait_results
 from specserve.server.manager import Job, RequestManager
+from specserve.server.openapi import SSE, documented
 from specserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -43,12 +44,12 @@ def _model_card(request: Request) -> ModelCard:
     return ModelCard(id=m.served_model_name, root=root, max_model_len=m.context_len)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", **documented(errors=(401,)))
 async def list_models(request: Request) -> ModelList:
     return ModelList(data=[_model_card(request)])
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", **documented(errors=(401, 404)))
 async def retrieve_model(request: Request, model: str) -> ModelCard:
     """The served model's card; 404 for any other name (requests may name any model: see the endpoints)."""
     m = _manager(request)
@@ -59,7 +60,7 @@ async def retrieve_model(request: Request, model: str) -> ModelCard:
 
 
 # ---------------------------------------------------------------------------------------------- chat
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **documented(ChatCompletionRequest, ChatCompletionResponse, content=SSE))
 async def chat_completions(request: Request):
     manager = _manager(request)
     req = await parse_body(request, ChatCompletionRequest)
@@ -132,7 +133,7 @@ def _prompt_inputs(prompt) -> tuple[str | list[str] | None, list[int] | list[lis
     return None, prompt
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **documented(CompletionRequest, CompletionResponse, content=SSE))
 async def completions(request: Request):
     manager = _manager(request)
     req = await parse_body(request, CompletionRequest)

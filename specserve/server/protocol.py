@@ -8,12 +8,14 @@ extras), unknown fields of the native request are rejected (as SGLang's dataclas
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_serializer
 
 from specserve.frontend import WEIGHT_VERSION
+from specserve.sampling.params import ALIASES, UNSUPPORTED_FIELDS, SamplingParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -21,12 +23,13 @@ MAX_TOP_LOGPROBS = 20
 
 def _only(*allowed: Any, why: str = "is not supported by this server"):
     """A field SGLang accepts that specserve does not honour (yet): its "off" values pass, anything else is a 400
-    naming the field, so a request never silently loses what it asked for."""
+    naming the field, so a request never silently loses what it asked for. The OpenAPI document lists the
+    values it accepts."""
     def check(value: Any) -> Any:
         if value not in allowed:
             raise ValueError(f"{why} (accepted: {', '.join(repr(a) for a in allowed)})")
         return value
-    return Annotated[Any, AfterValidator(check)]
+    return Annotated[Any, AfterValidator(check), WithJsonSchema({"enum": list(allowed), "description": why})]
 
 
 _Off = _only(None)
@@ -142,6 +145,18 @@ class CompletionRequest(_SamplingFields):
     return_token_ids: _OffBool = False
 
 
+def _sampling_params_schema() -> dict:
+    """The JSON schema of /generate's sampling_params (one dict, or one per prompt): the keys
+    ``SamplingParams.from_dict`` reads (it validates them, not this model), SGLang's aliases, and the SGLang
+    keys accepted only as null."""
+    fields = TypeAdapter(SamplingParams).json_schema()["properties"]
+    keys = {f.name: fields[f.name] for f in dataclasses.fields(SamplingParams) if f.init}
+    keys |= {alias: keys[name] for alias, name in ALIASES.items()}
+    keys |= {name: {"enum": [None], "description": why} for name, why in UNSUPPORTED_FIELDS.items()}
+    one = {"type": "object", "properties": keys, "additionalProperties": False}
+    return {"anyOf": [one, {"type": "array", "items": one}, {"type": "null"}]}
+
+
 class GenerateRequest(_OffExtras):
     """SGLang's native ``/generate`` input (``GenerateReqInput``): its fields, with SGLang's defaults; the ones
     specserve does not honour yet are accepted only at their off value."""
@@ -150,7 +165,8 @@ class GenerateRequest(_OffExtras):
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: Annotated[dict[str, Any] | list[dict[str, Any]] | None,
+                               WithJsonSchema(_sampling_params_schema())] = None
     stream: bool = False
     rid: str | list[str] | None = None
     # logprobs: one value, or a list of one per prompt
