@@ -533,7 +533,7 @@ async def watch(traffic: Traffic, worker: int, args: argparse.Namespace, start: 
     from tqdm import tqdm
 
     with tqdm(total=round(args.duration), unit="s", desc="soak", disable=True if args.no_progress else None,
-              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s {postfix}") as bar:
+              bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} s{postfix}") as bar:
         next_sample = 0.0
         while True:
             elapsed = time.monotonic() - start
@@ -544,7 +544,7 @@ async def watch(traffic: Traffic, worker: int, args: argparse.Namespace, start: 
                 rss.samples.append((elapsed, rss_bytes(worker)))
                 next_sample += RSS_SAMPLE_EVERY_S
             bar.update(min(round(elapsed), bar.total) - bar.n)
-            bar.set_postfix(requests=traffic.tally.total(), failed=failures(traffic.tally), refresh=False)
+            bar.set_postfix({"requests": traffic.tally.total(), "failed": failures(traffic.tally)}, refresh=False)
             await asyncio.sleep(TICK_S)
 
 
