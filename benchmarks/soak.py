@@ -89,6 +89,8 @@ OVERLOAD = "503"  # the documented overload answer
 SERVER_ERROR = "5xx"  # any other 5xx: a failure
 ERROR = "error"  # anything else unexpected: a failure
 OUTCOMES = (OK, CUT, ABORTED, FINISHED, REJECTED, OVERLOAD, SERVER_ERROR, ERROR)
+FAILURES = (SERVER_ERROR, ERROR)
+OVERLOAD_BACKOFF_S = 0.5  # a client told the server is full waits, as a well-behaved one does (no 503 storm)
 MAX_ERRORS_KEPT = 20
 LONG_TOKENS = 1024
 
@@ -297,21 +299,24 @@ class Traffic:
             await asyncio.sleep(IDLE_POLL_S)
         raise RuntimeError("the server stayed busy; could not flush its prefix cache")
 
-    async def run(self, kind: str, rng: random.Random) -> None:
-        """One request of `kind`, its outcome tallied (a failure is an outcome, never an exception here)."""
+    async def run(self, kind: str, rng: random.Random) -> str:
+        """One request of `kind`; its outcome, tallied (a failure is an outcome, never an exception here)."""
         import httpx
         import openai
 
+        detail = None
         try:
-            self.tally.add(kind, await self.kinds[kind][1](rng))
+            outcome = await self.kinds[kind][1](rng)
         except StatusError as e:
-            self.tally.add(kind, status_outcome(e.status, e.code), str(e))
+            outcome, detail = status_outcome(e.status, e.code), str(e)
         except openai.APIStatusError as e:
-            self.tally.add(kind, status_outcome(e.status_code, e.code), f"HTTP {e.status_code}: {e.message[:200]}")
+            outcome, detail = status_outcome(e.status_code, e.code), f"HTTP {e.status_code}: {e.message[:200]}"
         except (httpx.TimeoutException, openai.APITimeoutError) as e:
-            self.tally.add(kind, ERROR, f"no answer within {REQUEST_TIMEOUT_S}s: {type(e).__name__}")
+            outcome, detail = ERROR, f"no answer within {REQUEST_TIMEOUT_S}s: {type(e).__name__}"
         except Exception as e:  # a connection error, a malformed answer: counted, and the soak goes on
-            self.tally.add(kind, ERROR, f"{type(e).__name__}: {e}")
+            outcome, detail = ERROR, f"{type(e).__name__}: {e}"
+        self.tally.add(kind, outcome, detail if outcome in FAILURES else None)
+        return outcome
 
     def new_tokens(self, rng: random.Random) -> int:
         return rng.randint(1, self.max_tokens)
@@ -553,7 +558,8 @@ async def client(traffic: Traffic, index: int, seed: int, deadline: float) -> No
     kinds = list(traffic.kinds)
     weights = [traffic.kinds[k][0] for k in kinds]
     while time.monotonic() < deadline:
-        await traffic.run(rng.choices(kinds, weights)[0], rng)
+        if await traffic.run(rng.choices(kinds, weights)[0], rng) == OVERLOAD:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * OVERLOAD_BACKOFF_S)
 
 
 async def drive(traffic: Traffic, worker: int, args: argparse.Namespace) -> tuple[Rss, float]:
@@ -573,7 +579,7 @@ async def drive(traffic: Traffic, worker: int, args: argparse.Namespace) -> tupl
 
 
 def failures(tally: Tally) -> int:
-    return tally.total(SERVER_ERROR) + tally.total(ERROR)
+    return sum(tally.total(o) for o in FAILURES)
 
 
 async def soak(args: argparse.Namespace, url: str, server_pid: int) -> dict:
