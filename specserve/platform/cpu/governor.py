@@ -36,7 +36,7 @@ SLOW_FACTOR = 1.5  # a window this much slower than the count's best on its key 
 DOWN_GAIN = 1.2  # fewer threads are adopted when their window is at least this much faster
 UP_TOLERANCE = 1.1  # more threads are adopted when their window is at most this much slower
 PROBE_MIN_S = 1.0  # busy seconds to the first periodic probe, and after an adopted one
-PROBE_MAX_S = 60.0  # the longest interval rejected probes back off to
+PROBE_MAX_S = 10.0  # the longest interval rejected probes back off to (a quiet machine waits at most this)
 PROBE_SHARE = 20  # busy time after a probe >= this many times the probe's own duration
 
 
