@@ -21,7 +21,8 @@ far; the machine's load average as the condition started; whether specserve's gr
 rep's.
 
     python benchmarks/bench_contention.py [--conditions quiet,python,python:2,torch-mt,quiet] [--reps 3]
-        [--num-prompts 2] [--max-new-tokens 64] [--model-path demo] [--dtype bfloat16] [--json PATH]
+        [--num-prompts 2] [--max-new-tokens 64] [--model-path demo] [--dtype bfloat16] [--specserve-threads N]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def neighbours(cond: Condition, settle_s: float) -> Iterator[list[subprocess.Pop
 
 # ---------------------------------------------------------------------------------------------- engine workers
 def _worker(conn, engine: str, model_dir: str, dtype: str, prompts: list[list[int]], warmup: list[int],
-            max_new_tokens: int) -> None:
-    """Load one engine with its defaults, warm it up, then decode every prompt on each "run" message."""
+            max_new_tokens: int, threads: int | None) -> None:
+    """Load one engine with its defaults (specserve: ``threads`` fixes its count), warm it up, then decode every
+    prompt on each "run" message."""
     from specserve.bench.bench_ngram import hf_runner, ours_prepare, ours_runner
 
     prepare, info = (lambda: None), dict
@@ -114,7 +116,8 @@ def _worker(conn, engine: str, model_dir: str, dtype: str, prompts: list[list[in
         from specserve import Engine
 
         kv_tokens = max(len(p) for p in [*prompts, warmup]) + max_new_tokens + 64
-        eng = Engine(model_path=model_dir, dtype=dtype, max_total_tokens=kv_tokens, log_level="warning")
+        eng = Engine(model_path=model_dir, dtype=dtype, max_total_tokens=kv_tokens, log_level="warning",
+                     num_threads=threads)
         run, prepare = ours_runner(eng, max_new_tokens), ours_prepare(eng)
         fields = ("cpu_threads", "cpu_thread_switches", "cpu_thread_probes")
 
@@ -141,11 +144,12 @@ def _worker(conn, engine: str, model_dir: str, dtype: str, prompts: list[list[in
 
 
 class Worker:
-    def __init__(self, engine: str, model_dir: str, dtype: str, prompts, warmup, max_new_tokens: int) -> None:
+    def __init__(self, engine: str, model_dir: str, dtype: str, prompts, warmup, max_new_tokens: int,
+                 threads: int | None = None) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state (threads, OpenMP pools) shared
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, engine, model_dir, dtype, prompts, warmup,
-                                                      max_new_tokens), daemon=True)
+                                                      max_new_tokens, threads), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError(f"{engine} worker did not start")
@@ -246,6 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-runs", type=int, default=1,
                    help="runs of each engine per condition before the counted reps (specserve's first one, in which "
                         "its thread count adapts to the new condition, is shown as 'first run')")
+    p.add_argument("--specserve-threads", type=int, default=None,
+                   help="--num-threads for specserve (a fixed count, no adaptation); default: its own choice")
     p.add_argument("--json", default=None, help="also write the rows (and the samples) here")
     args = p.parse_args(argv)
     try:
@@ -288,7 +294,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     workers = {}
     try:
         for engine in ENGINES:
-            workers[engine] = Worker(engine, model_dir, args.dtype, prompts, warmup, args.max_new_tokens)
+            workers[engine] = Worker(engine, model_dir, args.dtype, prompts, warmup, args.max_new_tokens,
+                                     args.specserve_threads)
         samples = measure(args, workers)
     finally:
         for w in workers.values():
