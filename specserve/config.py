@@ -133,7 +133,9 @@ class ServerArgs:
     disable_cpu_weight_packing: bool = field(
         default=False, metadata={"help": "Keep plain bf16/fp16 linears on CPU (no oneDNN pre-packing)."}
     )
-    num_threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (default: all cores)."})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "CPU threads for torch, fixed. Default: the CPUs this process may use (affinity mask, cgroup CPU "
+                "quota), lowered while other processes keep cores busy and raised again when they stop."})
     # --- speculative decoding (see docs/formats.md) ---
     speculative_algorithm: str | None = field(
         default=None,

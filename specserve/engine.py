@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -100,11 +101,24 @@ class SchedulerLoop:
             if self._stop.is_set():
                 break
             try:
-                outputs = self.scheduler.step()
+                outputs = self._timed_step()
             except Exception as e:  # noqa: BLE001 - never leave callers hanging
                 logger.exception("scheduler step failed; aborting running requests")
                 outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
             self._dispatch(outputs)
+
+    def _timed_step(self) -> list[ReqOutput]:
+        """One scheduler step at the platform's thread count; a decode step's wall time goes back to the platform,
+        whose count follows contention (platform/cpu/governor.py). Prefill and mixed steps are not timed: their
+        cost depends on token counts this loop does not see."""
+        sched, stats = self.scheduler, self.scheduler.stats
+        self.platform.apply_threads()
+        prefills, decodes, batch = stats.num_prefill_steps, stats.num_decode_steps, len(sched.running)
+        start = time.perf_counter()
+        outputs = sched.step()
+        if stats.num_prefill_steps == prefills and stats.num_decode_steps == decodes + 1:
+            self.platform.time_step(batch, time.perf_counter() - start)
+        return outputs
 
     def _drain(self, block: bool) -> None:
         try:

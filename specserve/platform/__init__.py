@@ -2,8 +2,8 @@
 
 ``platform_policy(args, device)`` makes the ``PlatformPolicy`` that carries these decisions, once at start-up
 (``ModelRunner`` keeps it as ``runner.platform``): ``CpuPolicy`` on CPU, the plain ``PlatformPolicy`` elsewhere.
-``cpu/`` holds the CPU side: the policy, OpenMP worker pools (``omp.py``), glibc's allocator (``malloc.py``) and
-oneDNN weight packing (``packing.py``).
+``cpu/`` holds the CPU side: the policy, the thread count (``cpus.py``, ``governor.py``), OpenMP worker pools
+(``omp.py``), glibc's allocator (``malloc.py``) and oneDNN weight packing (``packing.py``).
 
 A leaf package: it imports torch and ``models/direct_call.py`` only, so models/, attention/, speculative/ and
 scheduler/ may all import it.

@@ -32,6 +32,16 @@ class PlatformPolicy:
     def configure_threads(self) -> None:
         """Set torch's thread count for the forwards (``--num-threads``); called before the model loads."""
 
+    def apply_threads(self) -> None:
+        """Give the calling thread, about to run forwards, the thread count in force; called before each step."""
+
+    def time_step(self, batch_size: int, seconds: float) -> None:
+        """A decode step of ``batch_size`` requests took ``seconds`` (wall): what the thread count adapts to."""
+
+    def info(self) -> dict:
+        """What the policy reports in the server info (the CPU thread count and its changes)."""
+        return {}
+
     def release_thread_pool(self) -> bool:
         """Free the calling thread's idle OpenMP workers (``cpu/omp.py``). Torch runs its host-side ops on OpenMP
         whatever the device, so every policy does it. -> True when the runtime did (or had nothing to free)."""

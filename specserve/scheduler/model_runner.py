@@ -115,8 +115,9 @@ class ModelRunner:
         return ctx
 
     def info(self) -> dict:
-        """The forward speed-ups' counters (torch.compile, CUDA graphs) for the server info; empty when off."""
-        info = {}
+        """The CPU thread count (``platform``) and the forward speed-ups' counters (torch.compile, CUDA graphs) for
+        the server info; the speed-ups' are absent when off."""
+        info = self.platform.info()
         cs = self.compile_stats
         if cs is not None:
             info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,

@@ -86,6 +86,7 @@ class OverlapPipeline:
         return outputs
 
     def _forward(self, reqs: list[Req], shape: TreeShape) -> StepRecord:
+        self.platform.apply_threads()  # a count set on the scheduler thread does not reach this one
         with torch.inference_mode():  # per thread, like the scheduler thread's
             self.spec.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens
             return self.spec.forward_step(reqs, shape)

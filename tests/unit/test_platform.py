@@ -43,13 +43,14 @@ def test_cpu_policy_packs_unless_disabled(disable):
     assert isinstance(model[0], nn.Linear if disable else PackedLinear) and type(model[1]) is nn.Linear
 
 
-def test_cpu_policy_sets_the_thread_count():
+def test_cpu_policy_sets_the_thread_count(monkeypatch):
     before = torch.get_num_threads()
+    monkeypatch.setattr("specserve.platform.cpu.policy.usable_cpus", lambda: 2)
     try:
         platform_policy(ServerArgs(num_threads=1), torch.device("cpu")).configure_threads()
         assert torch.get_num_threads() == 1
-        platform_policy(ServerArgs(), torch.device("cpu")).configure_threads()  # no --num-threads: left alone
-        assert torch.get_num_threads() == 1
+        platform_policy(ServerArgs(), torch.device("cpu")).configure_threads()  # no --num-threads: the usable CPUs
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
@@ -68,3 +69,18 @@ def test_every_forward_attends_under_the_runners_policy(model_factory, tmp_path,
         assert isinstance(platform, CpuPolicy) and e.scheduler.decoder.proposer.platform is platform
         e.generate(PROMPTS, greedy(8))
     assert seen and all(p is platform for p in seen)
+
+
+def test_the_loop_times_decode_steps_and_the_server_info_shows_the_threads(model_factory):
+    path = model_factory("llama", num_hidden_layers=1)
+    with Engine(model_path=path, max_total_tokens=4096) as e:
+        governor = e.scheduler.runner.platform.governor
+        e.generate(PROMPTS[0], greedy(12))  # one prefill step, 11 decode steps
+        info = e.get_server_info()
+    assert governor.busy_s > 0 and sum(len(s) for s in governor.samples.values()) + len(governor.last) > 0
+    assert info["cpu_threads_adaptive"] is True and info["cpu_threads"] in governor.levels
+    assert {"cpu_threads_max", "cpu_thread_switches", "cpu_thread_probes"} <= info.keys()
+    with Engine(model_path=path, max_total_tokens=4096, num_threads=1) as e:
+        info = e.get_server_info()
+    assert e.scheduler.runner.platform.governor is None
+    assert info["cpu_threads_adaptive"] is False and info["cpu_threads"] == 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.platform.cpu.cpus import usable_cpus
+from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.malloc import tune_malloc
 from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.platform.policy import PlatformPolicy
@@ -35,6 +37,10 @@ FOLD_MAX_Q = 16
 
 
 class CpuPolicy(PlatformPolicy):
+    def __init__(self, args, device: torch.device) -> None:
+        super().__init__(args, device)
+        self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
+
     @property
     def packs_weights(self) -> bool:
         """oneDNN-packed linears unless ``--disable-cpu-weight-packing``."""
@@ -45,9 +51,33 @@ class CpuPolicy(PlatformPolicy):
         """glibc malloc keeps freed activation buffers (``malloc.py``)."""
         return tune_malloc()
 
+    @property
+    def adapts_threads(self) -> bool:
+        """Whether the thread count follows contention (``governor.py``): not when ``--num-threads`` forces a
+        count, nor under ``--enable-torch-compile``, whose generated kernels fix their thread count when built."""
+        return not self.args.num_threads and not self.args.enable_torch_compile
+
     def configure_threads(self) -> None:
-        if self.args.num_threads:
-            torch.set_num_threads(self.args.num_threads)
+        """``--num-threads``, else the CPUs this process may use (``cpus.py``: affinity and cgroup quota), which the
+        governor then lowers while other processes keep cores busy."""
+        threads = self.args.num_threads or usable_cpus()
+        torch.set_num_threads(threads)
+        self.governor = ThreadGovernor(threads) if self.adapts_threads else None
+
+    def apply_threads(self) -> None:
+        # torch.set_num_threads sets the calling thread's OpenMP count: the scheduler thread and the overlap
+        # scheduler's forward thread each apply the governor's count before they run forwards
+        if self.governor is not None and torch.get_num_threads() != self.governor.threads:
+            torch.set_num_threads(self.governor.threads)
+
+    def time_step(self, batch_size: int, seconds: float) -> None:
+        if self.governor is not None:
+            self.governor.observe(batch_key(batch_size), seconds)
+
+    def info(self) -> dict:
+        if self.governor is not None:
+            return {"cpu_threads_adaptive": True, **self.governor.info()}
+        return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads()}
 
     # ------------------------------------------------------------------ weights
     def pack_weights(self, module: nn.Module) -> int:
