@@ -54,6 +54,7 @@ START_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 300  # a valid request slower than this under load counts as an error
 IDLE_POLL_S = 0.2
 RSS_SAMPLE_EVERY_S = 5
+KV_TOUCHED = 0.95  # the share of the KV pool the prefix cache must have filled before the RSS baseline
 TICK_S = 0.5  # progress bar refresh, and how late after the warm-up the RSS baseline may be taken
 OVERLOAD_CODES = ("queue_full", "shutting_down")  # the server's documented 503 answers (RequestManager)
 
@@ -103,7 +104,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--duration", type=float, default=1800, help="seconds of traffic")
     p.add_argument("--concurrency", type=int, default=8, help="clients with a request in flight at once")
     p.add_argument("--warmup", type=float, default=None, help="seconds of traffic before the RSS baseline is "
-                   "taken (default: a quarter of --duration, at most 300)")
+                   "taken (default: a quarter of --duration, at most 300); it also waits until the prefix cache has "
+                   "filled the KV pool, whose pages become resident only when first written")
     p.add_argument("--max-tokens", type=int, default=48, help="largest max_tokens of an ordinary request")
     p.add_argument("--greedy-tokens", type=int, default=32, help="tokens of each greedy before/after prompt")
     p.add_argument("--max-rss-growth", type=float, default=0.05, help="allowed worker RSS growth (fraction)")
@@ -520,7 +522,8 @@ async def greedy_outputs(traffic: Traffic, tokens: int) -> list[list[int]]:
 @dataclass
 class Rss:
     samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds into the traffic, bytes)
-    after_warmup: int | None = None
+    after_warmup: int | None = None  # the baseline, taken at baseline_s
+    baseline_s: float | None = None
 
     def late_slope(self) -> float | None:
         """MiB per minute over the second half of the samples (least squares): a leak keeps a steady slope, while
@@ -532,9 +535,18 @@ class Rss:
         return fit.slope * 60 / (1 << 20)
 
 
-async def watch(traffic: Traffic, worker: int, args: argparse.Namespace, start: float, rss: Rss) -> None:
+async def kv_touched(traffic: Traffic, capacity: int) -> bool:
+    """Whether the prefix cache has held at least KV_TOUCHED of the KV pool: the pool is allocated at start but
+    its pages become resident only when first written, so the worker's RSS grows until the cache has filled it."""
+    state = await kv_state(traffic)
+    return capacity - state["free_slots"] >= KV_TOUCHED * capacity
+
+
+async def watch(traffic: Traffic, worker: int, args: argparse.Namespace, start: float, rss: Rss,
+                kv_capacity: int) -> None:
     """Ticks the progress bar and samples the worker's RSS until cancelled; the RSS baseline is the first sample
-    after the warm-up."""
+    after the warm-up once the KV pool has been filled (kv_touched), so the pool's first writes do not count as
+    growth."""
     from tqdm import tqdm
 
     with tqdm(total=round(args.duration), unit="s", desc="soak", disable=True if args.no_progress else None,
@@ -542,10 +554,10 @@ async def watch(traffic: Traffic, worker: int, args: argparse.Namespace, start: 
         next_sample = 0.0
         while True:
             elapsed = time.monotonic() - start
-            if rss.after_warmup is None and elapsed >= args.warmup:
-                rss.after_warmup = rss_bytes(worker)
-                rss.samples.append((elapsed, rss.after_warmup))
             if elapsed >= next_sample:
+                if (rss.after_warmup is None and elapsed >= args.warmup and elapsed < args.duration
+                        and await kv_touched(traffic, kv_capacity)):
+                    rss.after_warmup, rss.baseline_s = rss_bytes(worker), elapsed
                 rss.samples.append((elapsed, rss_bytes(worker)))
                 next_sample += RSS_SAMPLE_EVERY_S
             bar.update(min(round(elapsed), bar.total) - bar.n)
@@ -562,19 +574,20 @@ async def client(traffic: Traffic, index: int, seed: int, deadline: float) -> No
             await asyncio.sleep(rng.uniform(0.5, 1.5) * OVERLOAD_BACKOFF_S)
 
 
-async def drive(traffic: Traffic, worker: int, args: argparse.Namespace) -> tuple[Rss, float]:
+async def drive(traffic: Traffic, worker: int, args: argparse.Namespace, kv_capacity: int) -> tuple[Rss, float]:
     """The mixed traffic for --duration seconds (requests in flight at the deadline run to their end);
     -> (worker RSS samples, seconds of traffic)."""
     start = time.monotonic()
     rss = Rss()
-    watcher = asyncio.create_task(watch(traffic, worker, args, start, rss))
+    watcher = asyncio.create_task(watch(traffic, worker, args, start, rss, kv_capacity))
     try:
         await asyncio.gather(*[client(traffic, i, args.seed, start + args.duration)
                                for i in range(args.concurrency)])
     finally:
         watcher.cancel()
-    if rss.after_warmup is None:  # the last requests ended between two ticks of the watcher
-        rss.after_warmup = rss_bytes(worker)
+    if rss.after_warmup is None:  # the KV pool never filled (or the run ended first): the first post-warm-up sample
+        rss.baseline_s, rss.after_warmup = next(((t, b) for t, b in rss.samples if t >= args.warmup),
+                                                (time.monotonic() - start, rss_bytes(worker)))
     return rss, time.monotonic() - start
 
 
@@ -588,7 +601,7 @@ async def soak(args: argparse.Namespace, url: str, server_pid: int) -> dict:
         before = await greedy_outputs(traffic, args.greedy_tokens)
         await traffic.flush()
         kv_base = await kv_state(traffic)
-        rss, seconds = await drive(traffic, worker, args)
+        rss, seconds = await drive(traffic, worker, args, kv_base["free_slots"])
         idle = await wait_idle(traffic, args.drain_timeout)
         kv_end = await kv_state(traffic)
         rss_end = rss_bytes(worker)
@@ -605,7 +618,7 @@ async def soak(args: argparse.Namespace, url: str, server_pid: int) -> dict:
                        "completion_tokens_per_s": traffic.tally.tokens / seconds},
         "errors": traffic.tally.errors,
         "kv": {"baseline": kv_base, "after_traffic": kv_end, "after_flush": kv_flushed, "drained": idle},
-        "rss": {"worker_pid": worker, "after_warmup": rss.after_warmup, "end": rss_end,
+        "rss": {"worker_pid": worker, "after_warmup": rss.after_warmup, "baseline_s": rss.baseline_s, "end": rss_end,
                 "growth": rss_end / rss.after_warmup - 1, "late_slope_mib_per_min": rss.late_slope(),
                 "samples": rss.samples},
         "greedy": {"prompts": len(GREEDY_PROMPTS), "tokens": args.greedy_tokens, "before": before, "after": after},
@@ -643,7 +656,8 @@ def checks(r: dict, max_rss_growth: float) -> dict:
                             f"{kv['after_traffic']['radix_cached_tokens']} cached -> "
                             f"{kv['after_flush']['free_slots']} after a flush")},
         "rss_growth": {"passed": rss["growth"] < max_rss_growth,
-                       "detail": f"{rss['after_warmup'] / mib:.1f} -> {rss['end'] / mib:.1f} MiB, "
+                       "detail": f"{rss['after_warmup'] / mib:.1f} MiB at {rss['baseline_s'] or 0:.0f} s -> "
+                                 f"{rss['end'] / mib:.1f} MiB, "
                                  f"{rss['growth']:+.2%} (limit {max_rss_growth:.0%}){slope}"},
         "greedy_identical": {"passed": same == g["prompts"],
                              "detail": f"{same}/{g['prompts']} prompts x {g['tokens']} tokens identical"},
