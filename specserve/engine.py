@@ -48,6 +48,14 @@ def load_tokenizer(args: ServerArgs, model_dir: str):
         raise ConfigError(f"--tokenizer-path: cannot load a tokenizer from {path!r}: {e}") from e
 
 
+def build_scheduler(args: ServerArgs) -> Scheduler:
+    """The Scheduler of a serving process (the Engine's, the server's worker): the platform policy first, so the
+    allocator is set up before the model's tensors and the scheduler thread exist (platform/cpu/malloc.py)."""
+    platform = platform_policy(args, resolve_device(args.device))
+    platform.tune_allocator()
+    return Scheduler(args, ModelRunner(args, platform))
+
+
 class SchedulerLoop:
     """Drives a Scheduler in a thread: takes requests/aborts from an inbox, delivers outputs to states."""
 
@@ -97,6 +105,7 @@ class SchedulerLoop:
             idle = not self.scheduler.has_work()
             if idle:  # a caller's own torch work while we wait should not meet our idle OpenMP pool
                 self.platform.release_thread_pool()
+            self.platform.upkeep(idle)
             self._drain(block=idle)
             if self._stop.is_set():
                 break
@@ -180,9 +189,7 @@ class Engine:
             raise ConfigError("--model-path is required")
         logging.getLogger("specserve").setLevel(args.log_level.upper())
         self.server_args = args
-        platform = platform_policy(args, resolve_device(args.device))
-        platform.tune_allocator()  # before the model's tensors and the scheduler thread (platform/cpu/malloc.py)
-        self.scheduler = Scheduler(args, ModelRunner(args, platform))
+        self.scheduler = build_scheduler(args)
         runner = self.scheduler.runner
         self.tokenizer = load_tokenizer(args, runner.model_dir)
         eos = set(runner.eos_token_ids)

@@ -29,6 +29,10 @@ class PlatformPolicy:
         (``Engine``). -> whether the settings were applied."""
         return False
 
+    def upkeep(self, idle: bool) -> None:
+        """Called by the scheduler loop once per iteration (``idle``: it has nothing to run): periodic
+        housekeeping of the process, such as handing a kept heap's free pages back (``cpu/malloc.py``)."""
+
     def configure_threads(self) -> None:
         """Set torch's thread count for the forwards (``--num-threads``); called before the model loads."""
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from specserve.config import ServerArgs
-from specserve.engine import SchedulerLoop, _server_info, load_tokenizer
+from specserve.engine import SchedulerLoop, _server_info, build_scheduler, load_tokenizer
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
 from specserve.sampling.detokenizer import StopChecker
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("specserve").setLevel(args.log_level.upper())
     send = _Sender(conn)
     try:
-        scheduler = Scheduler(args)
+        scheduler = build_scheduler(args)
         tokenizer = load_tokenizer(args, scheduler.runner.model_dir)
     except Exception as e:  # noqa: BLE001 - report any load failure to the server, which prints it
         send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))

@@ -252,6 +252,16 @@ def test_graceful_shutdown_timeout_cuts_in_flight_requests(server_model, tmp_pat
         terminate_process(s.proc)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_the_worker_keeps_a_tuned_heap_and_trims_it(server):
+    # the worker tunes malloc as the Engine does (one arena, heap kept) and so has a trimmer, which runs at once
+    # when the loop is idle; a trim count that only exists once the settings were applied
+    def trims() -> int:
+        return requests.get(server.url + "/get_server_info", timeout=30).json().get("cpu_heap_trims", 0)
+
+    poll(lambda: trims() >= 1, timeout=30, what="a heap trim in the worker")
+
+
 def test_limit_flags_are_checked_at_start_up(server_model):
     for flag, value in (("--max-request-bytes", "0"), ("--tokenizer-worker-num", "0"),
                         ("--graceful-shutdown-timeout", "-1"), ("--chat-template-timeout", "0")):

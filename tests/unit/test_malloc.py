@@ -1,12 +1,13 @@
 """specserve.platform.cpu.malloc: glibc malloc settings for a CPU serving process (measured effect in its docstring)."""
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from specserve.platform.cpu.malloc import KEEP_DEFAULTS_ENV, should_tune
+from specserve.platform.cpu.malloc import KEEP_DEFAULTS_ENV, USER_ENV, should_tune
 
 
 @pytest.mark.parametrize("environ,want", [
@@ -28,13 +29,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(env_extra: dict) -> list[str]:
-    import os
+def _clean_env() -> dict:
+    """This environment without any malloc setting of the user's (which would turn tune_malloc off)."""
+    return {k: v for k, v in os.environ.items() if k not in (*USER_ENV, KEEP_DEFAULTS_ENV)}
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
-                                                            "MALLOC_TRIM_THRESHOLD_", KEEP_DEFAULTS_ENV)}
+
+def _run(env_extra: dict) -> list[str]:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=True,
-                         env={**env, **env_extra})
+                         env={**_clean_env(), **env_extra})
     return out.stdout.split()
 
 
@@ -57,3 +59,46 @@ def test_a_cpu_engine_tunes_malloc_before_loading(llama_dir, monkeypatch):
     with engine_mod.Engine(model_path=llama_dir, device="cpu", max_total_tokens=512) as e:
         assert isinstance(e.scheduler.runner.platform, CpuPolicy)
     assert calls == ["tune", "load"]
+
+
+def test_heap_trimmer_trims_on_a_period_while_busy_and_once_per_idle_period():
+    from specserve.platform.cpu.malloc import HeapTrimmer
+
+    now, trims = [0.0], []
+    t = HeapTrimmer(every_s=60, clock=lambda: now[0], trim=lambda: trims.append(now[0]))
+    ticks = [(10, False), (59, False), (61, False), (62, True), (63, True), (90, True), (91, False), (92, True),
+             (150, False), (153, False)]
+    for when, idle in ticks:
+        now[0] = when
+        t.tick(idle)
+    # 61: a minute busy; 62: going idle; 63 and 90: the same idle period; 92: idle again after work;
+    # 153: a minute after the last trim
+    assert trims == [61, 62, 92, 153] and t.trims == 4
+
+
+TRIM_SCRIPT = """
+import ctypes, sys
+from specserve.platform.cpu import malloc
+assert malloc.tune_malloc()  # heap kept: glibc itself never trims
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) // 1024
+blocks = [libc.malloc(2**20) for _ in range(200)]  # 200 MiB below the mmap threshold: on the heap
+keep = libc.malloc(64)  # a small live block above them: the heap's top cannot shrink
+for b in blocks:
+    ctypes.memset(b, 1, 2**20)
+for b in blocks:
+    libc.free(b)
+before = rss()
+print(malloc.trim_heap(), before - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_trim_heap_hands_free_holes_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_SCRIPT], capture_output=True, text=True, timeout=120,
+                         check=True, env=_clean_env())
+    released, freed_mib = out.stdout.split()
+    assert released == "True" and int(freed_mib) >= 150, out.stdout

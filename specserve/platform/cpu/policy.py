@@ -11,7 +11,7 @@ from torch import nn
 
 from specserve.platform.cpu.cpus import usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
-from specserve.platform.cpu.malloc import tune_malloc
+from specserve.platform.cpu.malloc import HeapTrimmer, tune_malloc
 from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
 from specserve.platform.policy import PlatformPolicy
 
@@ -40,6 +40,7 @@ class CpuPolicy(PlatformPolicy):
     def __init__(self, args, device: torch.device) -> None:
         super().__init__(args, device)
         self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
+        self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
 
     @property
     def packs_weights(self) -> bool:
@@ -48,8 +49,15 @@ class CpuPolicy(PlatformPolicy):
 
     # ------------------------------------------------------------------ the process
     def tune_allocator(self) -> bool:
-        """glibc malloc keeps freed activation buffers (``malloc.py``)."""
-        return tune_malloc()
+        """glibc malloc keeps freed activation buffers, and a HeapTrimmer hands its free holes back now and then
+        (``malloc.py``)."""
+        tuned = tune_malloc()
+        self.trimmer = HeapTrimmer() if tuned else None
+        return tuned
+
+    def upkeep(self, idle: bool) -> None:
+        if self.trimmer is not None:
+            self.trimmer.tick(idle)
 
     @property
     def adapts_threads(self) -> bool:
@@ -75,9 +83,10 @@ class CpuPolicy(PlatformPolicy):
             self.governor.observe(batch_key(batch_size), seconds)
 
     def info(self) -> dict:
+        heap = {"cpu_heap_trims": self.trimmer.trims} if self.trimmer is not None else {}
         if self.governor is not None:
-            return {"cpu_threads_adaptive": True, **self.governor.info()}
-        return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads()}
+            return {"cpu_threads_adaptive": True, **self.governor.info(), **heap}
+        return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads(), **heap}
 
     # ------------------------------------------------------------------ weights
     def pack_weights(self, module: nn.Module) -> int:
