@@ -8,6 +8,8 @@ SERVE_ARGS ?=
 # SGLang's own benchmark client, run unchanged by tests/compat (the last release whose bench_serving.py is one file)
 SGLANG_CLIENT_PIN := sglang==0.5.9
 SGLANG_CLIENTS := $(VENV)/share/sglang-clients
+# the second grammar backend, tested too; without its deps: they are the project's own, plus triton (GPU kernels only)
+XGRAMMAR_PIN := xgrammar==0.2.8
 
 .PHONY: serve test lint venv clean
 
@@ -16,6 +18,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q --no-deps $(XGRAMMAR_PIN) apache-tvm-ffi
 	$(BIN)/pip download -q --no-deps --only-binary=:all: $(SGLANG_CLIENT_PIN) -d $(SGLANG_CLIENTS)
 	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(SGLANG_CLIENTS)/sglang-*.whl')[0]).extract('sglang/bench_serving.py', '$(SGLANG_CLIENTS)')"
 	touch $@

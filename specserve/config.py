@@ -22,6 +22,7 @@ from specserve.flags import (
     require_choice,
     require_positive,
 )
+from specserve.grammar.backend import check_grammar_backend
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,12 @@ class ServerArgs:
     trust_request_chat_template: bool = field(default=False, metadata={
         "help": "Let requests bring their own Jinja chat template (chat_template_kwargs.chat_template). Off: such a "
                 "request gets 400, since a template is code that runs in the server."})
+    grammar_backend: str = field(default="llguidance", metadata={
+        "help": "Grammar engine of structured outputs (json_schema, regex, ebnf, response_format, tools): llguidance, "
+                "xgrammar (SGLang's default; pip install 'specserve[xgrammar]') or none (structured outputs off)."})
+    constrained_json_disable_any_whitespace: bool = field(default=False, metadata={
+        "help": "JSON outputs of a json_schema / response_format take no whitespace beyond the separators (by "
+                "default any whitespace is allowed between JSON tokens)."})
     graceful_shutdown_timeout: float = field(default=120.0, metadata={
         "help": "On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut; requests still "
                 "sending their body are cut at once."})
@@ -212,6 +219,10 @@ class ServerArgs:
         require_positive(self, "num_threads", allow_none=True)
         require_positive(self, "stream_interval")
         self._validate_server_limits()
+        try:
+            check_grammar_backend(self.grammar_backend)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ConfigError(f"--chunked-prefill-size must be -1 (off) or >= 1, got {self.chunked_prefill_size}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

@@ -32,8 +32,10 @@ from specserve.frontend import (
     check_off_args,
     prepare_requests,
 )
+from specserve.grammar import GrammarBackend, make_grammar_backend
+from specserve.grammar.compiles import GrammarCompiles
 from specserve.platform import platform_policy
-from specserve.request import ReqOutput
+from specserve.request import Req, ReqOutput, unstarted_output
 from specserve.scheduler.model_runner import ModelRunner, resolve_device
 from specserve.scheduler.scheduler import Scheduler
 
@@ -48,6 +50,12 @@ def load_tokenizer(args: ServerArgs, model_dir: str):
         raise ConfigError(f"--tokenizer-path: cannot load a tokenizer from {path!r}: {e}") from e
 
 
+def grammar_backend(args: ServerArgs, tokenizer, vocab_size: int) -> GrammarBackend | None:
+    """The structured-output grammar engine of --grammar-backend for this tokenizer (None: off)."""
+    return make_grammar_backend(args.grammar_backend, tokenizer, vocab_size,
+                                any_whitespace=not args.constrained_json_disable_any_whitespace)
+
+
 def build_scheduler(args: ServerArgs) -> Scheduler:
     """The Scheduler of a serving process (the Engine's, the server's worker): the platform policy first, so the
     allocator is set up before the model's tensors and the scheduler thread exist (platform/cpu/malloc.py)."""
@@ -59,9 +67,13 @@ def build_scheduler(args: ServerArgs) -> Scheduler:
 class SchedulerLoop:
     """Drives a Scheduler in a thread: takes requests/aborts from an inbox, delivers outputs to states."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, grammar: GrammarBackend | None = None) -> None:
         self.scheduler = scheduler
+        self.grammar = grammar
         self.inbox: queue.Queue = queue.Queue()
+        # compiles requests' grammars on its own threads, then puts them into the inbox (the queue's own method:
+        # no reference back to this loop, so a dropped engine is freed without a garbage collection)
+        self.compiles = GrammarCompiles(grammar, self.inbox.put) if grammar is not None else None
         self.states: dict[str, RequestState] = {}
         self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
         self._stop = threading.Event()
@@ -91,6 +103,8 @@ class SchedulerLoop:
         return value
 
     def stop(self) -> None:
+        if self.compiles is not None:
+            self.compiles.close()
         self._stop.set()
         self.inbox.put(("noop", None))
         self.thread.join(timeout=30)
@@ -145,15 +159,32 @@ class SchedulerLoop:
         kind, payload = item
         if kind == "add":
             for req in payload:
+                self._add(req)
+        elif kind == "compiled":
+            req, error = self.compiles.finish(*payload)
+            if req is not None:
                 self.scheduler.add_request(req)
+            elif error is not None:
+                self._dispatch([error])
         elif kind == "abort":
-            self._dispatch([o for o in [self.scheduler.abort(payload)] if o is not None])
+            out = self.compiles.abort(payload) if self.compiles is not None else None
+            self._dispatch([o for o in [out or self.scheduler.abort(payload)] if o is not None])
         elif kind == "call":
             fn, box = payload
             try:
                 box.put((True, fn(self.scheduler)))
             except Exception as e:  # noqa: BLE001
                 box.put((False, e))
+
+    def _add(self, req: Req) -> None:
+        """A new request joins the scheduler, or first waits for its grammar to compile off this thread."""
+        if req.params.grammar is None or req.grammar is not None:
+            self.scheduler.add_request(req)
+        elif self.compiles is None:
+            reason = {"type": "abort", "message": "structured outputs are off on this server (--grammar-backend none)"}
+            self._dispatch([unstarted_output(req, reason)])
+        else:
+            self.compiles.start(req)
 
     def _abort_all(self, message: str) -> list[ReqOutput]:
         sched = self.scheduler
@@ -198,7 +229,8 @@ class Engine:
         self.factory = RequestFactory(
             self.tokenizer, runner.spec.vocab_size, runner.context_len, eos, args.random_seed, runner.device
         )
-        self.loop = SchedulerLoop(self.scheduler)
+        self.factory.grammar = grammar_backend(args, self.tokenizer, runner.spec.vocab_size)
+        self.loop = SchedulerLoop(self.scheduler, self.factory.grammar)
         self._closed = False
 
     # ------------------------------------------------------------------ request preparation

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from specserve.grammar.spec import GrammarError, GrammarSpec
 from specserve.request import InputLogprobs, Req, ReqOutput
 from specserve.sampling.detokenizer import IncrementalDetokenizer, StopChecker
 from specserve.sampling.params import SamplingParams
@@ -66,6 +67,9 @@ class RequestFactory:
         # and its admission check for that many samples (raises when there is no room); None: no limits
         self.limits = None
         self.admit: Callable[[int], None] | None = None
+        # the structured-output grammar engine (specserve.grammar): requests' grammars are compiled here first, so an
+        # invalid one is a 400 before the request is queued (the engine's compile is then a cache hit); None: off
+        self.grammar = None
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -90,6 +94,7 @@ class RequestFactory:
             if p.max_new_tokens is None:
                 p.max_new_tokens = room
             p.verify(self.vocab_size)
+            self.check_grammar(p)
         except RequestError:
             raise
         except ValueError as e:
@@ -106,6 +111,18 @@ class RequestFactory:
                 f"{prompt_len} tokens from the input and {p.max_new_tokens} for the completion (max_new_tokens). "
                 "Reduce the input or max_new_tokens.", "max_new_tokens")
         return p
+
+    def check_grammar(self, p: SamplingParams) -> None:
+        """Compile the request's grammar (cached): RequestError naming its field when it is invalid or off."""
+        if p.grammar is None:
+            return
+        field, text = p.grammar
+        if self.grammar is None:
+            raise RequestError("structured outputs are off on this server (--grammar-backend none)", field)
+        try:
+            self.grammar.compile(GrammarSpec.from_field(field, text))
+        except GrammarError as e:
+            raise RequestError(str(e), e.field) from None
 
     def build(self, ids: list[int], params: SamplingParams, rid: str | None = None) -> list[PreparedRequest]:
         """One prepared request per sample (params.n of them; sample i gets seed + i)."""

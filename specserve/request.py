@@ -83,6 +83,14 @@ class Req:
         self.stop_ids = stop_ids  # eos (unless ignore_eos) + stop_token_ids
         self.generator = generator
         self.stop_checker = stop_checker  # None when the request has no stop strings
+        # structured outputs: the grammar matcher (specserve/grammar/), set once the grammar is compiled; it has
+        # accepted every output token except a final stop id
+        self.grammar = None
+        # the output length at which the grammar ended (it accepted its own stop token: nothing may follow), and at
+        # which it refused a token (an engine bug; the request ends with an error): the finish checks read these,
+        # since the matcher itself may already be past that token (a verify step feeds it all its tokens first)
+        self.grammar_end: int | None = None
+        self.grammar_error: tuple[int, str] | None = None
         # KV state: row in req_to_token, tokens whose KV is stored there, radix lock
         self.req_pool_idx: int | None = None
         self.kv_len = 0
@@ -136,6 +144,21 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return max(0, self.params.max_new_tokens - len(self.output_ids))
 
+    def accept_grammar(self, tok: int, n_out: int) -> None:
+        """Advance the grammar over `tok`, the n_out-th output token (a stop id ends the request and is not fed).
+        The token was sampled under the grammar's mask, so a refusal is an engine bug: the finish checks end the
+        request there with an error."""
+        if self.grammar is None or tok in self.stop_ids:
+            return
+        if not self.grammar.accept(tok):
+            self.grammar_error = (n_out, f"internal error: the grammar refused token {tok}")
+        elif self.grammar.terminated():
+            self.grammar_end = n_out
+
+    def grammar_ends(self, n_out: int) -> bool:
+        """The grammar ends the output at its n_out-th token (its stop token, or a refused one)."""
+        return n_out in (self.grammar_end, self.grammar_error and self.grammar_error[0])
+
     def wants_logprobs(self) -> bool:
         return bool(self.params.return_logprob)
 
@@ -152,3 +175,10 @@ class Req:
             "spec_accept_histogram": list(self.spec_accept_histogram),
             "spec_accept_per_position": list(self.spec_accept_per_position),
         }
+
+
+def unstarted_output(req: Req, reason: dict[str, Any]) -> ReqOutput:
+    """The only output of a request that ends before the scheduler ever saw it (aborted or failed while its grammar
+    compiled): no tokens, ``reason`` as its finish."""
+    req.finished_reason = reason
+    return ReqOutput(req.rid, [], reason, len(req.origin_input_ids), 0, 0)

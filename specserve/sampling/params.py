@@ -32,10 +32,7 @@ _BOOL_FIELDS = (
 # SGLang sampling parameters specserve does not honour yet: accepted at their "off" value (null), refused
 # otherwise, so a request never silently loses what it asked for.
 UNSUPPORTED_FIELDS = {
-    "regex": "constrained decoding (regex) is not supported yet",
-    "json_schema": "constrained decoding (json_schema) is not supported yet",
-    "ebnf": "constrained decoding (ebnf) is not supported yet",
-    "structural_tag": "constrained decoding (structural_tag) is not supported yet",
+    "structural_tag": "constrained decoding (structural_tag) is not supported yet; use json_schema, regex or ebnf",
     "stop_regex": "stop_regex is not supported yet; use stop strings",
     "custom_params": "custom_params needs a custom logit processor, which this server does not run",
 }
@@ -44,6 +41,7 @@ ALIASES = {"sampling_seed": "seed"}
 # fields where null is a value of its own (max_new_tokens: until EOS or the context is full); for the others a
 # null means the default, as in SGLang
 _NULLABLE = ("max_new_tokens", "seed", "stop", "stop_token_ids", "logit_bias", "token_ids_logprob")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _is_int(x: Any) -> bool:
@@ -93,6 +91,10 @@ class SamplingParams:
     token_ids_logprob: list[int] | None = None  # ids whose logprobs are reported at every scored position
     return_text_in_logprobs: bool = False  # logprob entries carry the token's text
     temp_scaled_logprobs: bool = False  # logprobs of logits / temperature (sampled requests), not the raw ones
+    # constrained decoding (SGLang's fields; at most one): the output follows this grammar (specserve/grammar/)
+    json_schema: str | None = None  # a JSON schema as JSON text; "$$ANY$$" = any JSON object (response_format)
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF (llama.cpp's EBNF), as SGLang's xgrammar backend takes it
     # Derived by normalize(): the longest stop string, in characters (0 when there is none).
     stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -151,6 +153,10 @@ class SamplingParams:
             ids = getattr(self, name)
             if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
                 raise ValueError(f"{name} must be a list of ints, got {ids!r}")
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
@@ -168,6 +174,12 @@ class SamplingParams:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in stops if s]
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, text) of the grammar the output must follow, or None."""
+        given = [(name, getattr(self, name)) for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        return given[0] if given else None
 
     @property
     def is_greedy(self) -> bool:
@@ -229,6 +241,9 @@ class SamplingParams:
             raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
         for token_id in self.stop_token_ids or []:
             _check_token_id("stop_token_ids", token_id, vocab_size)
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} cannot be given with {given[1]}: only one of json_schema, regex and ebnf")
         for key, value in (self.logit_bias or {}).items():
             _check_token_id("logit_bias", _bias_key_to_int(key), vocab_size)
             if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:

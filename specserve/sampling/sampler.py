@@ -119,6 +119,7 @@ class SamplingBatchInfo:
     seen_mask: Tensor | None = None  # [B, V] bool: token in prompt or output (repetition penalty)
     logit_bias: Tensor | None = None  # [B, V] float32 dense
     min_tokens_mask: Tensor | None = None  # [B, V] bool: True = banned (stop/eos before min_new_tokens)
+    grammar_ban: Tensor | None = None  # [B, V] bool: True = the row's grammar forbids the token (set by the caller)
 
     @classmethod
     def from_params(
@@ -220,6 +221,8 @@ def apply_penalties_and_bias(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
       3. presence_penalty p over output tokens: x -= p if count > 0
       4. logit_bias: x += bias
       5. min_new_tokens not reached: stop/eos tokens -> -inf
+      6. tokens the row's grammar forbids -> -inf (where a grammar allows nothing but stop tokens before
+         min_new_tokens, the grammar wins: its output is complete)
     """
     out = logits.to(torch.float32, copy=True)  # [B, V]
     if info.rep_penalties is not None and info.seen_mask is not None:
@@ -233,9 +236,17 @@ def apply_penalties_and_bias(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
             out = out - (info.output_counts > 0).to(torch.float32) * info.pres_penalties
     if info.logit_bias is not None:
         out = out + info.logit_bias
-    if info.min_tokens_mask is not None:
-        out = out.masked_fill(info.min_tokens_mask, float("-inf"))
+    ban = info.min_tokens_mask
+    if info.grammar_ban is not None:
+        ban = info.grammar_ban if ban is None else _grammar_first(ban | info.grammar_ban, info.grammar_ban)
+    if ban is not None:
+        out = out.masked_fill(ban, float("-inf"))
     return out
+
+
+def _grammar_first(both: Tensor, grammar: Tensor) -> Tensor:
+    """[B, V] bans: rows where the two together ban every token keep the grammar's alone."""
+    return torch.where(both.all(dim=1, keepdim=True), grammar, both)
 
 
 def probs_from_logits(logits: Tensor, info: SamplingBatchInfo) -> Tensor:

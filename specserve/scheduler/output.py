@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.grammar.masks import ban_mask, fill_rows
 from specserve.request import Req, ReqOutput
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, greedy_ids, is_plain_greedy, sample
 
@@ -28,13 +29,14 @@ class OutputProcessor:
     # ------------------------------------------------------------------ sampling
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         """logits [B, V] (one row per req) -> sample, append, check finish, release finished -> outputs due."""
-        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
+        if all(is_plain_greedy(r.params, len(r.output_ids)) and r.grammar is None for r in reqs):
             next_ids = greedy_ids(logits)  # nothing to process: skip building the sampling batch
         else:
             info = SamplingBatchInfo.from_params(
                 [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
                 [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
             )
+            info.grammar_ban = self.grammar_ban(reqs)
             next_ids = sample(logits, info)
         lp = _logprobs(reqs, logits, next_ids)
         outputs = []
@@ -44,6 +46,7 @@ class OutputProcessor:
                 req.top_logprobs.append(lp[1][i])
                 req.ids_logprobs.append(lp[2][i])
             req.output_ids.append(tok)
+            req.accept_grammar(tok, len(req.output_ids))
             self.check_finish(req, tok, len(req.output_ids))
             self.generated_tokens += 1
             if req.finished:
@@ -52,9 +55,23 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs
 
+    def grammar_ban(self, reqs: list[Req]) -> torch.Tensor | None:
+        """bool [B, V] ban mask of the requests' grammars for their next token (True = banned; rows of requests
+        without a grammar ban nothing), or None when no request has one."""
+        rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        bitmask, accepting = fill_rows([reqs[b].grammar for b in rows])
+        ban = torch.zeros(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)  # [B, V]
+        ban[rows] = ban_mask(bitmask, accepting, [reqs[b].stop_ids for b in rows], self.vocab_size, self.device)
+        return ban
+
     # ------------------------------------------------------------------ finishing
     def check_finish(self, req: Req, tok: int, n_out: int) -> None:
         """Decide whether req finishes on `tok`, its n_out-th output token (stop strings see it here)."""
+        if req.grammar_error is not None and req.grammar_error[0] == n_out:
+            req.finished_reason = {"type": "abort", "message": req.grammar_error[1]}
+            return
         past_min = n_out >= req.params.min_new_tokens
         matched = None
         stop_id = self.hits_stop_id(req, tok, n_out)
@@ -73,8 +90,9 @@ class OutputProcessor:
 
     @staticmethod
     def hits_stop_id(req: Req, tok: int, n_out: int) -> bool:
-        """`tok`, the n_out-th output token, is an EOS / stop_token_id and min_new_tokens is reached."""
-        return n_out >= req.params.min_new_tokens and tok in req.stop_ids
+        """`tok`, the n_out-th output token, is an EOS / stop_token_id and min_new_tokens is reached, or the
+        grammar's own stop token, after which its grammar allows nothing."""
+        return (n_out >= req.params.min_new_tokens and tok in req.stop_ids) or req.grammar_end == n_out
 
     def ends_by_length(self, req: Req, n_out: int) -> bool:
         """max_new_tokens or the context length is reached with n_out output tokens."""
@@ -83,7 +101,7 @@ class OutputProcessor:
     def ends_without_text(self, req: Req, tok: int, n_out: int) -> bool:
         """Whether req finishes on its n_out-th token `tok` for a reason that needs no detokenization (a stop id
         past min_new_tokens, max_new_tokens, the context length): ``check_finish`` minus stop strings."""
-        return self.hits_stop_id(req, tok, n_out) or self.ends_by_length(req, n_out)
+        return self.hits_stop_id(req, tok, n_out) or self.ends_by_length(req, n_out) or req.grammar_ends(n_out)
 
     # ------------------------------------------------------------------ outputs
     def step_output(self, req: Req, completion: int | None = None) -> ReqOutput | None:

@@ -28,6 +28,7 @@ from itertools import accumulate
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode
+from specserve.grammar.masks import ban_mask, tree_rows
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
@@ -306,6 +307,7 @@ class SpecDecoder(DecodeStep):
     def _forward_take(self, req: Req, tokens: list[int], n_out: int) -> int:
         """How many of the verified `tokens` req takes: up to the first that ends it without detokenization."""
         for k, tok in enumerate(tokens):
+            req.accept_grammar(tok, n_out + k + 1)
             if self.outputs.ends_without_text(req, tok, n_out + k + 1):
                 req.spec_stopped = True
                 return k + 1
@@ -349,7 +351,7 @@ class SpecDecoder(DecodeStep):
         if self.simulator is not None:  # simulated accept lengths: the target's judgement is ignored
             lens = self.simulator.sample(tree.batch_size, tree.max_depth + 1).to(self.device)  # [B]
             return simulate_accept(tree, greedy_ids(logits), lens)
-        plain = [is_plain_greedy(r.params, len(r.output_ids)) for r in reqs]
+        plain = [is_plain_greedy(r.params, len(r.output_ids)) and r.grammar is None for r in reqs]
         if all(plain):
             return verify_greedy(tree, greedy_ids(logits))
         info, processed = self._processed(reqs, tree, logits)  # processed [B, N, V]
@@ -387,8 +389,23 @@ class SpecDecoder(DecodeStep):
                 stops.append(r.stop_ids)
         info = SamplingBatchInfo.from_params(params, gens, prompts, outputs, stops, self.runner.spec.vocab_size,
                                              self.device)
+        info.grammar_ban = self._tree_grammar_ban(reqs, tree, V)
         processed = apply_penalties_and_bias(logits.view(B * N, V), info)
         return info, processed.view(B, N, V)
+
+    def _tree_grammar_ban(self, reqs: list[Req], tree: DraftTree, vocab_size: int) -> torch.Tensor | None:
+        """bool [B * N, V] grammar bans per tree node (node i: after the path root -> i), None without grammars."""
+        rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        B, N = tree.batch_size, tree.width
+        ban = torch.zeros(B, N, vocab_size, dtype=torch.bool, device=self.device)  # [B, N, V]
+        tokens, parents, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
+        for b in rows:
+            n, req = sizes[b], reqs[b]
+            bitmask, accepting = tree_rows(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids)
+            ban[b, :n] = ban_mask(bitmask, accepting, [req.stop_ids] * n, vocab_size, self.device)
+        return ban.view(B * N, vocab_size)
 
     # ------------------------------------------------------------------ speculative steps: the output part
     def process(self, record: StepRecord) -> tuple[list[ReqOutput], list[tuple[Req, int]]]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from specserve.config import ConfigError, ServerArgs
-from specserve.engine import load_tokenizer
+from specserve.engine import grammar_backend, load_tokenizer
 from specserve.frontend import (
     PreparedRequest,
     RequestError,
@@ -145,6 +145,7 @@ class RequestManager:
                                       set(self.info["eos_token_ids"]), args.random_seed, torch.device("cpu"))
         self.limits = RequestLimits.from_args(args, self.context_len, self.tokenizer)
         self.factory.limits, self.factory.admit = self.limits, self.check_room
+        self.factory.grammar = grammar_backend(args, self.tokenizer, self.info["vocab_size"])  # validates grammars
         queued = args.max_queued_requests
         self.capacity = None if queued is None else self.info["max_running_requests"] + queued
         self.metrics = ServerMetrics() if args.enable_metrics else None
@@ -199,7 +200,7 @@ class RequestManager:
 
     def submit(self, rid: str, prepared: list[PreparedRequest], stream: bool, owner: str | None = None) -> Job:
         """Admits the samples of one request as a job; owner: the caller's rid namespace (server/auth.py)."""
-        self._check_admission(len(prepared))
+        self.check_room(len(prepared))
         key = scoped(owner, rid)
         for p in prepared:
             p.req.rid = scoped(owner, p.req.rid)
@@ -216,9 +217,6 @@ class RequestManager:
     def check_room(self, n: int) -> None:
         """Raises Overloaded unless n more samples may be admitted now. Called before a request is tokenized or
         built (from a tokenizer thread), and again when it is submitted."""
-        self._check_admission(n)
-
-    def _check_admission(self, n: int) -> None:
         if self.draining:
             self._reject("the server is shutting down", "shutting_down")
         if not self.worker_alive:

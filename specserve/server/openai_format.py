@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -20,6 +21,8 @@ from specserve.server.protocol import (
     Usage,
 )
 
+JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON object
+
 # OpenAI request field -> SGLang sampling parameter (fields with the same name are listed once)
 _SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty", "stop", "stop_token_ids", "seed", "logit_bias", "ignore_eos",
@@ -32,10 +35,28 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
     sp: dict[str, Any] = {name: getattr(req, name) for name in _SAME_NAME if getattr(req, name) is not None}
     sp["max_new_tokens"] = max_tokens
     sp["min_new_tokens"] = req.min_tokens
+    sp.update(grammar_params(req))
     if logprobs:
         sp["return_logprob"] = True
         sp["top_logprobs_num"] = top_logprobs
     return sp
+
+
+def grammar_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """The grammar sampling parameter of a request: response_format as a json_schema, or SGLang's extras."""
+    out = {name: getattr(req, name) for name in ("regex", "ebnf", "json_schema") if getattr(req, name) is not None}
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return out
+    if fmt.type == "structural_tag":
+        raise RequestError("response_format structural_tag is not supported; use json_schema", "response_format")
+    if out:
+        raise RequestError(f"response_format and {next(iter(out))} cannot both be given", "response_format")
+    if fmt.type == "json_object":
+        return {"json_schema": JSON_OBJECT}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise RequestError("response_format json_schema needs json_schema.schema", "response_format")
+    return {"json_schema": json.dumps(fmt.json_schema.schema_)}
 
 
 def chat_sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -53,9 +74,6 @@ def completion_sampling_params(req: CompletionRequest) -> dict[str, Any]:
 def check_chat_supported(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise RequestError("tools / function calling are not supported by this server", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise RequestError("response_format other than text (constrained decoding) is not supported",
-                           "response_format")
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs=true", "top_logprobs")
 

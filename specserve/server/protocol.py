@@ -34,12 +34,25 @@ def _only(*allowed: Any, why: str = "is not supported by this server"):
 
 _Off = _only(None)
 _OffBool = _only(None, False)
-_GRAMMAR = "constrained decoding is not supported yet"
 
 
 # ---------------------------------------------------------------------------------------------- requests
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: the schema the output follows (``strict`` is always honoured)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -87,10 +100,12 @@ class _SamplingFields(_Strict, _OffExtras):
     no_stop_trim: bool = False
     stop_token_ids: list[int] | None = None
     rid: str | None = None
+    # structured outputs: OpenAI's response_format, SGLang's grammar extras (at most one of them)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
     # SGLang extras specserve does not honour yet (and those of _OffExtras): refused unless off
-    regex: _only(None, why=_GRAMMAR) = None
-    ebnf: _only(None, why=_GRAMMAR) = None
-    json_schema: _only(None, why=_GRAMMAR) = None
     stop_regex: _only(None, why="stop_regex is not supported yet; use stop") = None
     custom_params: _Off = None
 
@@ -125,7 +140,6 @@ class ChatCompletionRequest(_SamplingFields):
     stream_reasoning: bool = True
     # accepted by the schema only to be refused with a clear message (no constrained decoding / tools yet)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: _only(None, "none", "auto", why="tool calling is not supported yet") = None
     parallel_tool_calls: _only(None, True, why="tool calling is not supported yet") = None
     reasoning_effort: _only(None, why="reasoning controls are not supported") = None

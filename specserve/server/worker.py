@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from specserve.config import ServerArgs
-from specserve.engine import SchedulerLoop, _server_info, build_scheduler, load_tokenizer
+from specserve.engine import SchedulerLoop, _server_info, build_scheduler, grammar_backend, load_tokenizer
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
 from specserve.sampling.detokenizer import StopChecker
@@ -106,9 +106,9 @@ class _ReplyBox:
 class WorkerLoop(SchedulerLoop):
     """SchedulerLoop whose outputs leave as one message per step instead of per-request callbacks."""
 
-    def __init__(self, scheduler: Scheduler, send: _Sender) -> None:
+    def __init__(self, scheduler: Scheduler, send: _Sender, grammar=None) -> None:
         self.send = send
-        super().__init__(scheduler)
+        super().__init__(scheduler, grammar)
 
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         if outputs:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - report any load failure to the server, which prints it
         send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
         return 1
-    loop = WorkerLoop(scheduler, send)
+    loop = WorkerLoop(scheduler, send, grammar_backend(args, tokenizer, scheduler.runner.spec.vocab_size))
     send(("ready", model_info(scheduler, tokenizer)))
     try:
         serve(conn, loop, tokenizer, scheduler.device)

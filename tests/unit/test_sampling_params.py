@@ -29,6 +29,9 @@ EXPECTED_DEFAULTS = {
     "token_ids_logprob": None,
     "return_text_in_logprobs": False,
     "temp_scaled_logprobs": False,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
 }
 
 
@@ -164,3 +167,14 @@ def test_normalize_does_not_hide_a_negative_temperature():
     p = SamplingParams(temperature=-1.0).normalize()
     with pytest.raises(ValueError, match="^temperature"):
         p.verify()
+
+
+def test_grammar_fields_are_strings_and_exclusive():
+    assert SamplingParams.from_dict({"regex": "[0-9]+"}).grammar == ("regex", "[0-9]+")
+    assert SamplingParams().grammar is None
+    with pytest.raises(ValueError, match="json_schema must be a string"):
+        SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    with pytest.raises(ValueError, match="only one of json_schema, regex and ebnf"):
+        SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'}).normalize().verify()
+    with pytest.raises(ValueError, match="structural_tag"):
+        SamplingParams.from_dict({"structural_tag": "{}"})

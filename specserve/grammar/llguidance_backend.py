@@ -1,0 +1,86 @@
+"""The llguidance grammar backend (Microsoft's llguidance: Rust, a 3 MB wheel without dependencies)."""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.gbnf_to_lark
+import llguidance.hf
+import torch
+
+from specserve.grammar.backend import JSON_MAX_WHITESPACE, GrammarBackend, Matcher, new_bitmask
+from specserve.grammar.spec import ANY_JSON, GrammarError, GrammarSpec
+
+ANY_JSON_LARK = "start: %json {}"  # llguidance's builtin JSON value
+
+
+def json_options(flexible: bool) -> dict:
+    """llguidance's JSON options: whitespace between JSON tokens up to JSON_MAX_WHITESPACE characters, or none
+    beyond its separators' single spaces (as xgrammar's any_whitespace=False)."""
+    if not flexible:
+        return {"whitespace_flexible": False}
+    return {"whitespace_pattern": rf"[ \t\n\r]{{0,{JSON_MAX_WHITESPACE}}}"}
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int) -> None:
+        self.m = llguidance.LLMatcher(tokenizer, grammar)
+        self.vocab_size = vocab_size
+        self.eos = tokenizer.eos_token
+        self.ended = False  # the last accepted token was the grammar's stop token
+        self.scratch = new_bitmask(1, vocab_size)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        v = bitmask[row]  # int32 [W], a contiguous row of a CPU bitmask
+        self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def accept(self, token: int) -> bool:
+        if token == self.eos:  # the grammar's stop token: consume_token takes it where the grammar may end
+            self.fill(self.scratch, 0)  # is_accepting() describes the state of the last mask computed
+            self.ended = self.m.is_accepting() and self.m.consume_token(token)
+            return self.ended
+        # try_consume_tokens leaves the state as it was on a refused token (consume_token would enter an error state)
+        return self.m.try_consume_tokens([token]) == 1
+
+    def rollback(self, n: int) -> None:
+        if n and not self.m.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.m.get_error()}")
+        self.ended = self.ended and not n
+
+    def accepting(self) -> bool:
+        return self.m.is_accepting()
+
+    def terminated(self) -> bool:
+        return self.ended
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def _load(self) -> None:
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+
+    def _compile(self, spec: GrammarSpec) -> str:
+        """-> llguidance's grammar text, checked (llguidance builds its parser lazily, per matcher)."""
+        grammar = self._grammar(spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise GrammarError(spec.kind, "; ".join(m.strip() for m in messages) or "invalid grammar")
+        return grammar
+
+    def _grammar(self, spec: GrammarSpec) -> str:
+        if spec.kind == "json_schema":
+            if spec.text == ANY_JSON:
+                return llguidance.grammar_from("lark", ANY_JSON_LARK)
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=json_options(self.any_whitespace))
+        if spec.kind == "regex":
+            return llguidance.grammar_from("regex", spec.text)
+        try:
+            lark = llguidance.gbnf_to_lark.gbnf_to_lark(spec.text)
+        except Exception as e:  # noqa: BLE001 - the converter raises its own errors and Python's
+            raise GrammarError(spec.kind, f"invalid GBNF grammar: {e}") from None
+        return llguidance.grammar_from("lark", lark)
+
+    def matcher(self, compiled: str) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.ll_tokenizer, compiled, self.vocab_size)
+
+

@@ -1,0 +1,63 @@
+"""The xgrammar grammar backend (SGLang's default; ``pip install 'specserve[xgrammar]'``)."""
+
+from __future__ import annotations
+
+import torch
+import xgrammar
+
+from specserve.grammar.backend import JSON_MAX_WHITESPACE, GrammarBackend, Matcher
+from specserve.grammar.spec import ANY_JSON, GrammarError, GrammarSpec
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
+        self.m = xgrammar.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self.m.accept_token(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
+    def accepting(self) -> bool:
+        return self.m.is_completed()
+
+    def terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def _load(self) -> None:
+        info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+        # one compile thread: the server compiles off its scheduler thread already, and the machine's cores run the
+        # forwards; our own LRU cache (GrammarBackend) stands in for xgrammar's
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        try:
+            if spec.kind == "json_schema":
+                if spec.text == ANY_JSON:
+                    return self.compiler.compile_builtin_json_grammar()
+                return self.compiler.compile_json_schema(spec.text, any_whitespace=self.any_whitespace,
+                                                         max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.text)
+            return self.compiler.compile_grammar(spec.text)
+        except RuntimeError as e:  # xgrammar reports every parse error as a RuntimeError "[time] file:line: msg"
+            raise GrammarError(spec.kind, _message(str(e))) from None
+
+    def matcher(self, compiled: xgrammar.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(compiled, self.vocab_size)
+
+
+def _message(text: str) -> str:
+    """xgrammar's error text without its "[time] /project/cpp/file.cc:line: " prefix."""
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.startswith("[") else text

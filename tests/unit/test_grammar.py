@@ -1,0 +1,228 @@
+"""specserve.grammar: specs, the two grammar engines behind one interface, and the mask functions (hand-checked on a
+toy matcher, and against fresh matchers on the real engines)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from specserve.bench.schemas import SCHEMA_CASES
+from specserve.demo_models import demo_path
+from specserve.grammar import GrammarError, GrammarSpec, Matcher, make_grammar_backend, new_bitmask
+from specserve.grammar.masks import allowed_tokens, ban_mask, fill_rows, tree_rows
+
+BACKENDS = ["llguidance", "xgrammar"]
+
+
+# ---------------------------------------------------------------------------------------------- a toy matcher
+class WordsMatcher(Matcher):
+    """Accepts exactly one of a few token sequences (then token 0, its stop token): a trie walk."""
+
+    def __init__(self, words: list[list[int]], vocab: int = 8) -> None:
+        self.words, self.vocab_size, self.path = words, vocab, []
+
+    def _live(self) -> list[list[int]]:
+        return [w for w in self.words if w[: len(self.path)] == self.path]
+
+    def allowed(self) -> set[int]:
+        nxt = {w[len(self.path)] for w in self._live() if len(w) > len(self.path)}
+        return nxt | ({0} if self.accepting() else set())
+
+    def fill(self, bitmask, row):
+        bitmask[row] = 0
+        for t in self.allowed():
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+    def accept(self, token):
+        if token not in self.allowed():
+            return False
+        self.path.append(token)
+        return True
+
+    def rollback(self, n):
+        del self.path[len(self.path) - n:]
+
+    def accepting(self):
+        return self.path in self.words
+
+    def terminated(self):
+        return bool(self.path) and self.path[-1] == 0
+
+
+def rows_as_sets(bitmask: torch.Tensor, vocab: int) -> list[set[int]]:
+    return [set(torch.nonzero(r).flatten().tolist()) for r in allowed_tokens(bitmask, vocab)]
+
+
+def test_allowed_tokens_unpacks_bits_in_token_order():
+    bm = torch.tensor([[0b1010, 0], [-1, 1]], dtype=torch.int32)  # 2 rows of 2 words: 64 bits each
+    got = rows_as_sets(bm, 40)
+    assert got == [{1, 3}, set(range(33))]  # row 1: every bit of word 0 (-1), bit 0 of word 1; bits >= 40 dropped
+
+
+def test_ban_mask_adds_the_stop_ids_where_the_grammar_accepts():
+    bm = new_bitmask(2, 8)
+    bm[:] = 0b0110  # tokens 1 and 2
+    ban = ban_mask(bm, [False, True], [{5}, {5, 7}], 8, "cpu")
+    assert (~ban).nonzero().tolist() == [[0, 1], [0, 2], [1, 1], [1, 2], [1, 5], [1, 7]]
+
+
+def test_tree_rows_follow_each_path_and_skip_forbidden_nodes():
+    m = WordsMatcher([[1, 2], [1, 3, 4], [5]])
+    # tree: 0 root; 1: tok 1 (ok); 2: tok 2 under 1 (ok, a complete word); 3: tok 3 under 1; 4: tok 4 under 3;
+    # 5: tok 6 under root (forbidden), 6: tok 1 under 5 (unreachable); 7: tok 0 (a stop id) under 2
+    tokens = [9, 1, 2, 3, 4, 6, 1, 0]
+    parents = [-1, 0, 1, 1, 3, 0, 5, 2]
+    bm, accepting = tree_rows(m, tokens, parents, stop_ids={0})
+    rows = rows_as_sets(bm, 8)
+    assert rows[0] == {1, 5}  # after the root: the words' first tokens
+    assert rows[1] == {2, 3}
+    assert rows[2] == {0} and accepting[2]  # [1, 2] is complete: only the stop token follows
+    assert rows[3] == {4}
+    assert rows[4] == {0} and accepting[4]
+    assert rows[5] == rows[6] == rows[7] == set(range(8))  # never verified: left all-allowed
+    assert accepting == [False, False, True, False, True, False, False, False]
+    assert m.path == []  # the walk leaves the matcher as it found it
+
+
+def test_fill_rows_one_row_per_matcher():
+    a, b = WordsMatcher([[1, 2]]), WordsMatcher([[3]])
+    b.accept(3)
+    bm, accepting = fill_rows([a, b])
+    assert rows_as_sets(bm, 8) == [{1}, {0}] and accepting == [False, True]
+
+
+def test_specs_check_json_and_keep_the_key_order():
+    spec = GrammarSpec.from_field("json_schema", '{"properties": {"b": {}, "a": {}},  "type": "object"}')
+    assert spec.text == '{"properties":{"b":{},"a":{}},"type":"object"}'  # compact, keys in the given order
+    with pytest.raises(GrammarError, match="json_schema: not valid JSON"):
+        GrammarSpec.from_field("json_schema", "{oops")
+    with pytest.raises(GrammarError, match="json_schema: a JSON schema is an object"):
+        GrammarSpec.from_field("json_schema", "[1]")
+
+
+# ---------------------------------------------------------------------------------------------- the real engines
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(demo_path("demo"))
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tokenizer):
+    return make_grammar_backend(request.param, tokenizer, len(tokenizer))
+
+
+def walk(backend, spec: GrammarSpec, ids: list[int]) -> Matcher:
+    """A fresh matcher fed ``ids`` one by one, each checked to be allowed by the mask before it."""
+    m = backend.matcher(backend.compile(spec))
+    for k, t in enumerate(ids):
+        bm, _ = fill_rows([m])
+        assert t in rows_as_sets(bm, backend.vocab_size)[0], f"token {k} ({t}) not allowed"
+        assert m.accept(t)
+    return m
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES[:6], ids=lambda c: c.name)
+def test_a_schema_allows_its_example_and_accepts_at_its_end(backend, tokenizer, case):
+    spec = GrammarSpec.from_field("json_schema", json.dumps(case.schema))
+    m = walk(backend, spec, tokenizer.encode(json.dumps(case.example), add_special_tokens=False))
+    assert m.accepting()
+
+
+def test_a_schema_bans_what_it_does_not_allow(backend, tokenizer):
+    spec = GrammarSpec.from_field("json_schema", json.dumps(SCHEMA_CASES[0].schema))
+    m = backend.matcher(backend.compile(spec))
+    bm, accepting = fill_rows([m])
+    allowed = rows_as_sets(bm, backend.vocab_size)[0]
+    assert not accepting[0] and allowed and tokenizer.encode("x", add_special_tokens=False)[0] not in allowed
+    assert all(tokenizer.decode([t]).lstrip().startswith("{") for t in allowed)  # an object opens first
+
+
+@pytest.mark.parametrize("field, text, doc", [
+    ("regex", r"(yes|no), [0-9]{2}", "no, 42"),
+    ("ebnf", 'root ::= "def " name "():"\nname ::= [a-z]+', "def main():"),
+    ("json_schema", "$$ANY$$", '[1, {"a": null}]'),
+])
+def test_regex_ebnf_and_any_json(backend, tokenizer, field, text, doc):
+    m = walk(backend, GrammarSpec.from_field(field, text), tokenizer.encode(doc, add_special_tokens=False))
+    assert m.accepting()
+
+
+@pytest.mark.parametrize("field, text", [
+    ("json_schema", '{"type": "objectx"}'),
+    ("regex", "a(b"),
+    ("ebnf", 'root ::= "unterminated'),
+])
+def test_invalid_grammars_raise_naming_the_field(backend, field, text):
+    with pytest.raises(GrammarError) as e:
+        backend.compile(GrammarSpec.from_field(field, text))
+    assert e.value.field == field and str(e.value).startswith(f"{field}: ") and len(str(e.value)) > len(field) + 5
+
+
+def test_compiled_grammars_are_cached_by_text(backend):
+    a = backend.compile(GrammarSpec.from_field("regex", "[a-z]+"))
+    assert backend.compile(GrammarSpec.from_field("regex", "[a-z]+")) is a
+    assert backend.compile(GrammarSpec.from_field("regex", "[a-y]+")) is not a
+
+
+def fresh_row(backend, spec: GrammarSpec, path: list[int]) -> tuple[set[int], bool] | None:
+    """The allowed set and accepting flag after ``path`` on a fresh matcher; None if the grammar refuses the path."""
+    m = backend.matcher(backend.compile(spec))
+    if not all(m.accept(t) for t in path):
+        return None
+    bm, accepting = fill_rows([m])
+    return rows_as_sets(bm, backend.vocab_size)[0], accepting[0]
+
+
+def test_tree_rows_equal_fresh_matchers_fed_each_path(backend, tokenizer):
+    case = SCHEMA_CASES[2]
+    spec = GrammarSpec.from_field("json_schema", json.dumps(case.schema))
+    ids = tokenizer.encode(json.dumps(case.example), add_special_tokens=False)
+    m = walk(backend, spec, ids[:5])  # the root: the 5th token of a valid output
+    # a chain of the true continuation, a sibling that is often wrong at each level, and its own child
+    other = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("Z", "}", '"')]
+    tokens, parents, true_node = [ids[4]], [-1], 0
+    for k in range(5, 9):
+        tokens += [ids[k], other[k % 3], other[(k + 1) % 3]]
+        parents += [true_node, true_node, len(tokens) - 2]
+        true_node = len(tokens) - 3
+    bm, accepting = tree_rows(m, tokens, parents, stop_ids=set())
+    rows = rows_as_sets(bm, backend.vocab_size)
+    entered = 0
+    for node in range(len(tokens)):
+        path, p = [], node
+        while p > 0:
+            path.insert(0, tokens[p])
+            p = parents[p]
+        want = fresh_row(backend, spec, ids[:5] + path)
+        if want is None:  # a path the grammar refuses: never verified, left all-allowed
+            assert rows[node] == set(range(backend.vocab_size))
+        else:
+            entered += 1
+            assert (rows[node], accepting[node]) == want, node
+    assert entered >= 5  # the root and the true chain at least
+    assert fresh_row(backend, spec, ids[:5])[0] == rows_as_sets(fill_rows([m])[0],
+                                                                  backend.vocab_size)[0]  # the matcher is back
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary(tokenizer):
+    # the model has fewer logits than the tokenizer has entries (added tokens): the grammar covers the tokenizer,
+    # and ban_mask crops its rows to the logits
+    backend = make_grammar_backend("llguidance", tokenizer, len(tokenizer) - 10)
+    m = backend.matcher(backend.compile(GrammarSpec.from_field("regex", "[a-z]+")))
+    assert m.vocab_size == backend.vocab_size == len(tokenizer)
+    bm, accepting = fill_rows([m])
+    assert ban_mask(bm, accepting, [set()], len(tokenizer) - 10, "cpu").shape == (1, len(tokenizer) - 10)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_tokenizer_the_engine_cannot_use_fails_the_request_not_the_start(name):
+    class Unusable:
+        def __len__(self):
+            return 16
+
+    backend = make_grammar_backend(name, Unusable(), 16)  # nothing loaded yet
+    with pytest.raises(GrammarError, match="regex: the .* grammar engine cannot use this model's tokenizer"):
+        backend.compile(GrammarSpec.from_field("regex", "a"))
