@@ -6,7 +6,8 @@ message) and makes a ``Matcher`` per request. A matcher is the state of one outp
 
     fill(bitmask, row)   the tokens allowed next, as bits of an int32 [rows, ceil(V / 32)] bitmask (1 = allowed)
     accept(token)        advance by one token; False if the grammar does not allow it (the state is unchanged)
-    rollback(n)          undo the last n accepted tokens (the draft-tree walk uses it)
+    fork()               an independent copy of the state (the draft-tree walks explore from copies, so the request's
+                         own matcher only ever advances over emitted tokens)
     accepting()          the output so far is a complete match, so the request may stop here (valid after fill)
     terminated()         the last accepted token was the grammar's own stop token: nothing may follow
 
@@ -61,7 +62,7 @@ class Matcher:
     def accept(self, token: int) -> bool:
         raise NotImplementedError
 
-    def rollback(self, n: int) -> None:
+    def fork(self) -> Matcher:
         raise NotImplementedError
 
     def accepting(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import llguidance
 import llguidance.gbnf_to_lark
 import llguidance.hf
@@ -41,10 +43,10 @@ class LLGuidanceMatcher(Matcher):
         # try_consume_tokens leaves the state as it was on a refused token (consume_token would enter an error state)
         return self.m.try_consume_tokens([token]) == 1
 
-    def rollback(self, n: int) -> None:
-        if n and not self.m.rollback(n):
-            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.m.get_error()}")
-        self.ended = self.ended and not n
+    def fork(self) -> LLGuidanceMatcher:
+        twin = copy.copy(self)
+        twin.m = self.m.deep_copy()
+        return twin
 
     def accepting(self) -> bool:
         return self.m.is_accepting()

@@ -28,9 +28,11 @@ def ban_mask(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[in
 
     A row where the grammar is accepting also allows its request's stop ids."""
     allowed = allowed_tokens(bitmask, vocab_size)  # [R, V]
-    for r, (ok, stops) in enumerate(zip(accepting, stop_ids, strict=True)):
-        if ok and stops:
-            allowed[r, [t for t in stops if t < vocab_size]] = True
+    rows = [r for r, (ok, stops) in enumerate(zip(accepting, stop_ids, strict=True)) if ok for t in stops
+            if t < vocab_size]
+    cols = [t for ok, stops in zip(accepting, stop_ids, strict=True) if ok for t in stops if t < vocab_size]
+    if rows:
+        allowed[rows, cols] = True
     return ~allowed.to(device)
 
 
@@ -48,10 +50,10 @@ def tree_rows(matcher: Matcher, tokens: list[int], parents: list[int],
 
     ``tokens`` [N] and ``parents`` [N] (node 0 = the root, whose token the matcher has already accepted; parents
     come before their children). Row i allows the tokens the grammar allows after the path root -> i: a depth-first
-    walk that accepts each node's token on the way down and rolls it back on the way up, leaving the matcher as
-    it found it. Nodes the grammar forbids (and a stop id, which ends the request) are not entered: their rows,
-    and those of their subtrees, stay all-allowed; verification can never reach them, since their parent's row
-    bans them (a stop id only where the grammar may stop)."""
+    walk over forks of the matcher (it is left untouched). Nodes the grammar forbids (and a stop id, which ends the
+    request) are not entered: their rows, and those of their subtrees, stay all-allowed; verification can never
+    reach them, since their parent's row bans them (a stop id only where the grammar may stop). After the grammar's
+    own stop token nothing is verified either."""
     n = len(tokens)
     bitmask = new_bitmask(n, matcher.vocab_size)
     accepting = [False] * n
@@ -61,16 +63,32 @@ def tree_rows(matcher: Matcher, tokens: list[int], parents: list[int],
             children[parents[i]].append(i)
     matcher.fill(bitmask, 0)
     accepting[0] = matcher.accepting()
-    stack = [(child, False) for child in reversed(children[0])]  # (node, leaving: roll its token back)
+    stack = [(child, matcher) for child in reversed(children[0])]  # (node, the state of its parent)
     while stack:
-        node, leaving = stack.pop()
-        if leaving:
-            matcher.rollback(1)
+        node, parent_state = stack.pop()
+        if tokens[node] in stop_ids:
             continue
-        if tokens[node] in stop_ids or not matcher.accept(tokens[node]):
-            continue  # the state here is the parent's: a sibling subtree was rolled back before
-        stack.append((node, True))
-        matcher.fill(bitmask, node)
-        accepting[node] = matcher.accepting()
-        stack.extend((child, False) for child in reversed(children[node]))
+        state = parent_state.fork()
+        if not state.accept(tokens[node]) or state.terminated():
+            continue
+        state.fill(bitmask, node)
+        accepting[node] = state.accepting()
+        stack.extend((child, state) for child in reversed(children[node]))
+    return bitmask, accepting
+
+
+def path_rows(matcher: Matcher, paths: list[list[int]], stop_ids: set[int]) -> tuple[torch.Tensor, list[bool]]:
+    """One row per path from the matcher's state -> (int32 [P, W] bitmask, accepting [P]): row p allows what the
+    grammar allows after ``paths[p]``. A path the grammar refuses (or that goes through a stop id or the grammar's
+    own stop token) gets an empty row (nothing allowed). The matcher is left untouched (the walks run on forks).
+    (The drafter's live branches: ``EagleProposer``.)"""
+    bitmask = new_bitmask(len(paths), matcher.vocab_size)
+    accepting = [False] * len(paths)
+    for p, path in enumerate(paths):
+        state = matcher.fork() if path else matcher
+        if all(t not in stop_ids and state.accept(t) for t in path) and not state.terminated():
+            state.fill(bitmask, p)
+            accepting[p] = state.accepting()
+        else:
+            bitmask[p] = 0
     return bitmask, accepting

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import xgrammar
 
@@ -20,9 +22,10 @@ class XGrammarMatcher(Matcher):
     def accept(self, token: int) -> bool:
         return self.m.accept_token(token)
 
-    def rollback(self, n: int) -> None:
-        if n:
-            self.m.rollback(n)
+    def fork(self) -> XGrammarMatcher:
+        twin = copy.copy(self)
+        twin.m = self.m.fork()
+        return twin
 
     def accepting(self) -> bool:
         return self.m.is_completed()

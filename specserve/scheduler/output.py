@@ -29,14 +29,16 @@ class OutputProcessor:
     # ------------------------------------------------------------------ sampling
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         """logits [B, V] (one row per req) -> sample, append, check finish, release finished -> outputs due."""
-        if all(is_plain_greedy(r.params, len(r.output_ids)) and r.grammar is None for r in reqs):
-            next_ids = greedy_ids(logits)  # nothing to process: skip building the sampling batch
+        ban = self.grammar_ban(reqs)  # [B, V] or None
+        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
+            # nothing else to process: skip building the sampling batch
+            next_ids = greedy_ids(logits if ban is None else logits.masked_fill(ban, float("-inf")))
         else:
             info = SamplingBatchInfo.from_params(
                 [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
                 [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
             )
-            info.grammar_ban = self.grammar_ban(reqs)
+            info.grammar_ban = ban
             next_ids = sample(logits, info)
         lp = _logprobs(reqs, logits, next_ids)
         outputs = []

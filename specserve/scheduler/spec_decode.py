@@ -351,8 +351,10 @@ class SpecDecoder(DecodeStep):
         if self.simulator is not None:  # simulated accept lengths: the target's judgement is ignored
             lens = self.simulator.sample(tree.batch_size, tree.max_depth + 1).to(self.device)  # [B]
             return simulate_accept(tree, greedy_ids(logits), lens)
-        plain = [is_plain_greedy(r.params, len(r.output_ids)) and r.grammar is None for r in reqs]
-        if all(plain):
+        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
+            ban = self._tree_grammar_ban(reqs, tree, logits.shape[-1])  # [B * N, V] or None
+            if ban is not None:  # only grammars to apply: no sampling batch needed
+                logits = logits.masked_fill(ban.view(logits.shape), float("-inf"))
             return verify_greedy(tree, greedy_ids(logits))
         info, processed = self._processed(reqs, tree, logits)  # processed [B, N, V]
         greedy = [r.params.is_greedy or self.proposer.force_greedy_verify for r in reqs]

@@ -38,6 +38,7 @@ import torch
 from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_token_rows
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
+from specserve.grammar.masks import ban_mask, path_rows
 from specserve.platform import PlatformPolicy
 from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
@@ -202,16 +203,42 @@ class EagleProposer(Proposer):
         return self.draft.logits(draft_hidden)
 
     def _topk(self, draft_hidden: torch.Tensor, k: int | None = None,
-              scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float | torch.Tensor | None = None,
+              grammar: tuple[list, list[list[list[int]] | None]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
         to the configured topk (what the per-request state keeps). scale (``_score_scale``): logits are multiplied
         by it before the softmax; the top-k ids are the same either way, only their probabilities (the scores the
-        tree is ranked by) change."""
+        tree is ranked by) change. grammar: (reqs, paths) for structured outputs (``_grammar_ban``): the tokens a
+        request's grammar forbids after a row's path are never drafted (they could never be accepted)."""
         logits, to_target = self._draft_logits(draft_hidden)
         if scale is not None:
             logits = logits * scale
-        p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
+        ban = self._grammar_ban(*grammar, to_target, logits.shape) if grammar is not None else None
+        if ban is None:
+            p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
+        else:  # a row with nothing allowed gets probabilities 0 (its candidates rank last), not NaN
+            probs = torch.softmax(logits.masked_fill(ban, float("-inf")), dim=-1).nan_to_num(0.0)
+            p, ids = probs.topk(k or self.topk, dim=-1)
         return p, (ids if to_target is None else to_target[ids])
+
+    def _grammar_ban(self, reqs, paths: list[list[list[int]] | None], to_target: torch.Tensor | None,
+                     shape: torch.Size) -> torch.Tensor | None:
+        """bool [R, Vd] draft-vocabulary bans for rows laid out request-major, R / B rows per request: request b's
+        rows follow its ``paths[b]`` from its grammar's current state (None: a request without a grammar, nothing
+        banned). None when no request has a grammar."""
+        if all(p is None for p in paths):
+            return None
+        rows_per_req = shape[0] // len(reqs)
+        ban = torch.zeros(shape, dtype=torch.bool, device=self.device)  # [R, Vd]
+        vocab = self.runner.spec.vocab_size
+        for b, (req, req_paths) in enumerate(zip(reqs, paths, strict=True)):
+            if req_paths is None:
+                continue
+            bitmask, accepting = path_rows(req.grammar, req_paths, req.stop_ids)
+            target_ban = ban_mask(bitmask, accepting, [req.stop_ids] * len(req_paths), vocab, self.device)
+            rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
+            ban[rows] = target_ban if to_target is None else target_ban[:, to_target]
+        return ban
 
     def _score_scale(self, reqs, rows_per_req: int) -> float | torch.Tensor | None:
         """The factor each draft row's logits are scaled by before scoring: 1 / --speculative-draft-score-temperature
@@ -305,8 +332,17 @@ class EagleProposer(Proposer):
         dev, B = self.device, len(reqs)
         states = [r.spec_state for r in reqs]
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
-        cands = EagleCandidates(torch.stack([s.topk_p for s in states])[:, :K],
-                                torch.stack([s.topk_ids for s in states])[:, :K])  # stored top-K are sorted
+        root_p = torch.stack([s.topk_p for s in states])[:, :K]  # [B, K] stored top-K are sorted
+        root_ids = torch.stack([s.topk_ids for s in states])[:, :K]
+        grammar = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        if grammar:  # structured outputs: the root's children again, over what each grammar allows now
+            with torch.inference_mode():
+                p, ids = self._topk(torch.stack([states[b].hidden for b in grammar]), K,
+                                    self._score_scale([reqs[b] for b in grammar], 1),
+                                    ([reqs[b] for b in grammar], [[[]] for _ in grammar]))
+            root_p, root_ids = root_p.clone(), root_ids.clone()
+            root_p[grammar], root_ids[grammar] = p, ids
+        cands = EagleCandidates(root_p, root_ids)
         if S > 1:
             hidden = torch.stack([s.hidden for s in states])  # [B, h]
             live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
@@ -334,6 +370,10 @@ class EagleProposer(Proposer):
         ancestors = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)  # [B, K, (j-1)*K] over scratch slots
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         scale = self._score_scale(reqs, K)
+        # structured outputs: each live branch's tokens after the root, per request with a grammar (None: without)
+        paths = [[[t] for t in live_tokens[b].tolist()] if r.grammar is not None else None
+                 for b, r in enumerate(reqs)]
+        grammar = (reqs, paths) if any(p is not None for p in paths) else None
         try:
             for j in range(1, S):
                 if cands.can_stop(keep, self.stop_threshold):
@@ -342,16 +382,28 @@ class EagleProposer(Proposer):
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
                                   scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
-                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale)  # [B*K, K] each
+                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale, grammar)  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
                 if j == S - 1:
                     return j
                 branch = best // K  # [B, K] live branch each new live candidate extends
                 live_tokens = child_ids.view(B, K * K).gather(1, best)
+                if grammar is not None:
+                    paths = _extend_paths(paths, branch, live_tokens)
+                    grammar = (reqs, paths)
                 live_hidden = out_hidden.gather(1, branch.unsqueeze(-1).expand(B, K, h_dim))
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:
             self.kv.free(scratch.reshape(-1))
+
+
+def _extend_paths(paths: list[list[list[int]] | None], branch: torch.Tensor,
+                  tokens: torch.Tensor) -> list[list[list[int]] | None]:
+    """The live branches' paths one level deeper: new branch k of request b extends old branch branch[b, k] by
+    tokens[b, k] ([B, K] each); requests without a path list stay None."""
+    branch_l, tokens_l = branch.tolist(), tokens.tolist()
+    return [None if old is None else [old[i] + [t] for i, t in zip(branch_l[b], tokens_l[b], strict=True)]
+            for b, old in enumerate(paths)]
 
 
 def _check_tree_shape(args) -> None:

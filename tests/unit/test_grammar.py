@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import demo_path
 from specserve.grammar import GrammarError, GrammarSpec, Matcher, make_grammar_backend, new_bitmask
-from specserve.grammar.masks import allowed_tokens, ban_mask, fill_rows, tree_rows
+from specserve.grammar.masks import allowed_tokens, ban_mask, fill_rows, path_rows, tree_rows
 
 BACKENDS = ["llguidance", "xgrammar"]
 
@@ -42,8 +42,10 @@ class WordsMatcher(Matcher):
         self.path.append(token)
         return True
 
-    def rollback(self, n):
-        del self.path[len(self.path) - n:]
+    def fork(self):
+        twin = WordsMatcher(self.words, self.vocab_size)
+        twin.path = list(self.path)
+        return twin
 
     def accepting(self):
         return self.path in self.words
@@ -84,7 +86,7 @@ def test_tree_rows_follow_each_path_and_skip_forbidden_nodes():
     assert rows[4] == {0} and accepting[4]
     assert rows[5] == rows[6] == rows[7] == set(range(8))  # never verified: left all-allowed
     assert accepting == [False, False, True, False, True, False, False, False]
-    assert m.path == []  # the walk leaves the matcher as it found it
+    assert m.path == []  # the walk runs on forks: the matcher is untouched
 
 
 def test_fill_rows_one_row_per_matcher():
@@ -226,3 +228,10 @@ def test_a_tokenizer_the_engine_cannot_use_fails_the_request_not_the_start(name)
     backend = make_grammar_backend(name, Unusable(), 16)  # nothing loaded yet
     with pytest.raises(GrammarError, match="regex: the .* grammar engine cannot use this model's tokenizer"):
         backend.compile(GrammarSpec.from_field("regex", "a"))
+
+
+def test_path_rows_follow_each_path_and_empty_refused_ones():
+    m = WordsMatcher([[1, 2], [1, 3, 4], [5]])
+    bm, accepting = path_rows(m, [[], [1], [1, 3], [5], [6], [1, 0]], stop_ids={0})
+    assert rows_as_sets(bm, 8) == [{1, 5}, {2, 3}, {4}, {0}, set(), set()]  # [6] refused, [1, 0] through a stop id
+    assert accepting == [False, False, False, True, False, False] and m.path == []

@@ -1,0 +1,113 @@
+"""Structured outputs on the demo model: what a grammar costs plain decoding, and what EAGLE-3 gains under one.
+
+The JSON extraction workload (``specserve.bench.schemas``: 20 schemas with nested objects, enums and arrays, a
+prompt asking for each) runs greedy on in-process engines, plain and EAGLE-3 (the bundled ``demo-eagle3``), each
+with the grammar engines of ``--backends``:
+- constrained: ``json_schema`` = the case's schema (the output ends when the JSON does, or at ``--max-new-tokens``);
+- free: right after, the same prompts without a grammar, each generating as many tokens as its constrained run did
+  (``ignore_eos``), so both runs have the same batch shapes over time: the unconstrained baseline.
+At batch 1 (one request at a time) and at ``--batch`` (that many at once). Configurations alternate within each
+round; tokens/s is completion tokens over wall time, the median over ``--rounds`` (after one uncounted warm-up
+round), with ratios taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step).
+
+    python benchmarks/bench_structured.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from specserve import Engine
+from specserve.bench.schemas import SCHEMA_CASES
+from specserve.demo_models import demo_path
+
+
+def engines(backends: list[str], threads: int | None) -> dict[tuple[str, str], Engine]:
+    out = {}
+    for backend in backends:
+        common = dict(model_path=demo_path("demo"), grammar_backend=backend, num_threads=threads)
+        out["plain", backend] = Engine(**common)
+        out["eagle3", backend] = Engine(speculative_algorithm="EAGLE3",
+                                        speculative_draft_model_path=demo_path("demo-eagle3"), **common)
+    return out
+
+
+def params(case, constrained: bool, max_new: int) -> dict:
+    p = {"temperature": 0, "max_new_tokens": max_new}
+    if constrained:
+        p["json_schema"] = json.dumps(case.schema)
+    else:
+        p["ignore_eos"] = True
+    return p
+
+
+def run(engine: Engine, batch: int, lengths: list[int] | None, max_new: int) -> tuple[float, list[int], int]:
+    """All cases, `batch` at a time; constrained when `lengths` is None, else free with those output lengths ->
+    (seconds, completion tokens per case, verify steps)."""
+    cases = SCHEMA_CASES
+    tokens, verify = [], 0
+    start = time.perf_counter()
+    for i in range(0, len(cases), batch):
+        group = range(i, min(i + batch, len(cases)))
+        ps = [params(cases[k], lengths is None, max_new if lengths is None else lengths[k]) for k in group]
+        outs = engine.generate([cases[k].prompt for k in group], ps)
+        for o in outs:
+            tokens.append(o["meta_info"]["completion_tokens"])
+            verify += o["meta_info"].get("spec_verify_ct", 0)
+            if lengths is None and o["meta_info"]["finish_reason"]["type"] == "stop":
+                json.loads(o["text"])  # a finished constrained output is JSON
+    return time.perf_counter() - start, tokens, verify
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default="llguidance,xgrammar")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-threads", type=int, default=None)
+    args = p.parse_args(argv)
+    backends = args.backends.split(",")
+    eng = engines(backends, args.num_threads)
+    rows: dict[tuple, dict[str, list]] = {}
+    for rnd in range(args.rounds + 1):
+        for batch in (1, args.batch):
+            for algo in ("plain", "eagle3"):
+                for backend in backends:
+                    # constrained, then free with the same output lengths (the same batch shapes over time)
+                    secs, lengths, verify = run(eng[algo, backend], batch, None, args.max_new_tokens)
+                    free_secs, free_lengths, free_verify = run(eng[algo, backend], batch, lengths, args.max_new_tokens)
+                    if rnd == 0:
+                        continue  # warm-up
+                    for constrained, (s_, toks, ver) in ((True, (secs, lengths, verify)),
+                                                         (False, (free_secs, free_lengths, free_verify))):
+                        r = rows.setdefault((batch, algo, backend, constrained), {"tps": [], "accept": []})
+                        r["tps"].append(sum(toks) / s_)
+                        if ver:
+                            r["accept"].append(sum(toks) / ver)
+    for e in eng.values():
+        e.shutdown()
+    print(f"demo bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens; "
+          f"median of {args.rounds} rounds (ratio: round by round)")
+    print(f"{'batch':>5} {'algo':>7} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
+          f"{'vs plain':>9} {'accept free':>12} {'accept':>7}")
+    for (batch, algo, backend, constrained), r in rows.items():
+        if not constrained:
+            continue
+        free = rows[batch, algo, backend, False]
+        plain = rows[batch, "plain", backend, True]["tps"]
+        vs_free = statistics.median(a / b for a, b in zip(r["tps"], free["tps"], strict=True))
+        vs_plain = statistics.median(a / b for a, b in zip(r["tps"], plain, strict=True))
+
+        def acc(x: dict) -> str:
+            return f"{statistics.median(x['accept']):.2f}" if x["accept"] else "-"
+
+        print(f"{batch:>5} {algo:>7} {backend:>11} {statistics.median(free['tps']):>11.1f} "
+              f"{statistics.median(r['tps']):>9.1f} {vs_free:>8.2f} {vs_plain:>9.2f} {acc(free):>12} {acc(r):>7}")
+
+
+if __name__ == "__main__":
+    main()
