@@ -2,8 +2,9 @@
 
 For each backend (llguidance, xgrammar) and each schema of the JSON extraction workload (``specserve.bench.schemas``),
 with the demo model's tokenizer (or ``--tokenizer``):
-- compile: a fresh backend's compile of the schema (no cache), and the first mask of a fresh matcher (where a backend
-  builds its tables lazily);
+- load: a fresh backend's set-up for the tokenizer (once per process, at the first grammar);
+- compile: its compile of the schema (no cache), and the first mask of a fresh matcher (where a backend builds its
+  tables lazily);
 - mask: the time to compute one next-token bitmask, over every position of the schema's example output (tokenized),
   and the time to accept a token;
 - tree: one draft tree's masks (``tree_rows``: 12 nodes, the example's next tokens with a wrong sibling at each
@@ -42,6 +43,7 @@ def measure(name: str, tokenizer, case) -> dict[str, float]:
     backend = grammar_backend_class(name)(tokenizer, len(tokenizer))
     spec = GrammarSpec.from_field("json_schema", json.dumps(case.schema))
     out: dict[str, float] = {}
+    out["load_ms"] = timed(lambda: backend.compile(GrammarSpec.from_field("regex", "a"))) * 1e3  # its tokenizer
     compiled = None
 
     def compile_() -> None:
