@@ -1,8 +1,8 @@
 """A JSON-schema extraction workload: schemas with nested objects, enums and arrays, a prompt asking for each, and one
 valid instance of each (the grammar benchmarks walk it token by token; tests validate it against its schema).
 
-Used by ``benchmarks/bench_grammar.py`` (grammar engines: compile and mask costs) and ``specserve bench-compare
---workload json`` style runs of constrained decoding.
+Used by ``benchmarks/bench_grammar.py`` (grammar engines: compile and mask costs), ``benchmarks/bench_structured.py``
+(constrained decoding end to end) and the grammar tests.
 """
 
 from __future__ import annotations
