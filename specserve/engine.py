@@ -74,6 +74,8 @@ class SchedulerLoop:
         # compiles requests' grammars on its own threads, then puts them into the inbox (the queue's own method:
         # no reference back to this loop, so a dropped engine is freed without a garbage collection)
         self.compiles = GrammarCompiles(grammar, self.inbox.put) if grammar is not None else None
+        if grammar is not None:
+            scheduler.grammar_stats = grammar.stats  # the server info reports compiles and mask time
         self.states: dict[str, RequestState] = {}
         self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
         self._stop = threading.Event()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from collections import OrderedDict
 
 import torch
 
 from specserve.grammar.spec import GrammarError, GrammarSpec
+from specserve.grammar.stats import GrammarStats
 
 #: compiled grammars kept per backend (least recently used dropped first)
 CACHE_SIZE = 256
@@ -52,9 +54,11 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 class Matcher:
-    """One output's state in its grammar (see the module docstring). ``vocab_size``: bits per bitmask row."""
+    """One output's state in its grammar (see the module docstring). ``vocab_size``: bits per bitmask row; ``stats``:
+    its backend's GrammarStats (where the mask work of its steps is counted)."""
 
     vocab_size: int
+    stats: GrammarStats
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         raise NotImplementedError
@@ -89,6 +93,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self._loaded = False
+        self.stats = GrammarStats()
 
     def compile(self, spec: GrammarSpec):
         """-> the backend's compiled form of ``spec`` (cached); GrammarError naming the field if it is invalid."""
@@ -103,7 +108,9 @@ class GrammarBackend:
             if spec.key in self._cache:
                 self._cache.move_to_end(spec.key)
                 return self._cache[spec.key]
+        start = time.perf_counter()
         compiled = self._compile(spec)  # outside the lock: compiles of different specs run side by side
+        self.stats.add_compile(time.perf_counter() - start)
         with self._lock:
             self._cache[spec.key] = compiled
             while len(self._cache) > CACHE_SIZE:
@@ -112,6 +119,11 @@ class GrammarBackend:
 
     def matcher(self, compiled) -> Matcher:
         """A matcher at the start of a compiled grammar (``compile`` has loaded the backend)."""
+        m = self._matcher(compiled)
+        m.stats = self.stats
+        return m
+
+    def _matcher(self, compiled) -> Matcher:
         raise NotImplementedError
 
     def _load(self) -> None:

@@ -82,7 +82,7 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(spec.kind, f"invalid GBNF grammar: {e}") from None
         return llguidance.grammar_from("lark", lark)
 
-    def matcher(self, compiled: str) -> LLGuidanceMatcher:
+    def _matcher(self, compiled: str) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.ll_tokenizer, compiled, self.vocab_size)
 
 

@@ -56,7 +56,7 @@ class XGrammarBackend(GrammarBackend):
         except RuntimeError as e:  # xgrammar reports every parse error as a RuntimeError "[time] file:line: msg"
             raise GrammarError(spec.kind, _message(str(e))) from None
 
-    def matcher(self, compiled: xgrammar.CompiledGrammar) -> XGrammarMatcher:
+    def _matcher(self, compiled: xgrammar.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled, self.vocab_size)
 
 

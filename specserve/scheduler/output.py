@@ -63,9 +63,10 @@ class OutputProcessor:
         rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
-        bitmask, accepting = fill_rows([reqs[b].grammar for b in rows])
-        ban = torch.zeros(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)  # [B, V]
-        ban[rows] = ban_mask(bitmask, accepting, [reqs[b].stop_ids for b in rows], self.vocab_size, self.device)
+        with reqs[rows[0]].grammar.stats.masking():
+            bitmask, accepting = fill_rows([reqs[b].grammar for b in rows])
+            ban = torch.zeros(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)  # [B, V]
+            ban[rows] = ban_mask(bitmask, accepting, [reqs[b].stop_ids for b in rows], self.vocab_size, self.device)
         return ban
 
     # ------------------------------------------------------------------ finishing

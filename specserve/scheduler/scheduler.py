@@ -69,6 +69,7 @@ class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner | None = None) -> None:
         self.args = args
         self.runner = runner or ModelRunner(args)
+        self.grammar_stats = None  # the grammar backend's GrammarStats, set by the loop that compiles grammars
         self.device = self.runner.device
         self.kv = KVManager(self.runner.allocator, self.runner.req_to_token_pool, self.runner.max_total_tokens,
                             self.device, disable_radix_cache=args.disable_radix_cache)
@@ -192,6 +193,7 @@ class Scheduler:
             "generated_tokens": self.outputs.generated_tokens,
             **self.runner.info(),
             **self.decoder.info(),
+            **(self.grammar_stats.info() if self.grammar_stats is not None else {}),
         }
 
     # ------------------------------------------------------------------ memory

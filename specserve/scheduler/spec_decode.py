@@ -401,12 +401,13 @@ class SpecDecoder(DecodeStep):
         if not rows:
             return None
         B, N = tree.batch_size, tree.width
-        ban = torch.zeros(B, N, vocab_size, dtype=torch.bool, device=self.device)  # [B, N, V]
-        tokens, parents, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
-        for b in rows:
-            n, req = sizes[b], reqs[b]
-            bitmask, accepting = tree_rows(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids)
-            ban[b, :n] = ban_mask(bitmask, accepting, [req.stop_ids] * n, vocab_size, self.device)
+        with reqs[rows[0]].grammar.stats.masking():
+            ban = torch.zeros(B, N, vocab_size, dtype=torch.bool, device=self.device)  # [B, N, V]
+            tokens, parents, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
+            for b in rows:
+                n, req = sizes[b], reqs[b]
+                bitmask, accepting = tree_rows(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids)
+                ban[b, :n] = ban_mask(bitmask, accepting, [req.stop_ids] * n, vocab_size, self.device)
         return ban.view(B * N, vocab_size)
 
     # ------------------------------------------------------------------ speculative steps: the output part

@@ -231,13 +231,14 @@ class EagleProposer(Proposer):
         rows_per_req = shape[0] // len(reqs)
         ban = torch.zeros(shape, dtype=torch.bool, device=self.device)  # [R, Vd]
         vocab = self.runner.spec.vocab_size
-        for b, (req, req_paths) in enumerate(zip(reqs, paths, strict=True)):
-            if req_paths is None:
-                continue
-            bitmask, accepting = path_rows(req.grammar, req_paths, req.stop_ids)
-            target_ban = ban_mask(bitmask, accepting, [req.stop_ids] * len(req_paths), vocab, self.device)
-            rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
-            ban[rows] = target_ban if to_target is None else target_ban[:, to_target]
+        with next(r for r, p in zip(reqs, paths, strict=True) if p is not None).grammar.stats.masking():
+            for b, (req, req_paths) in enumerate(zip(reqs, paths, strict=True)):
+                if req_paths is None:
+                    continue
+                bitmask, accepting = path_rows(req.grammar, req_paths, req.stop_ids)
+                target_ban = ban_mask(bitmask, accepting, [req.stop_ids] * len(req_paths), vocab, self.device)
+                rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
+                ban[rows] = target_ban if to_target is None else target_ban[:, to_target]
         return ban
 
     def _score_scale(self, reqs, rows_per_req: int) -> float | torch.Tensor | None:

@@ -148,3 +148,14 @@ def test_a_grammar_that_cannot_finish_in_time_ends_with_length(client, server):
     r = client.completions.create(model=server.model, prompt="x", temperature=0, max_tokens=5,
                                   extra_body={"regex": "a{50}"})
     assert r.choices[0].finish_reason == "length" and re.fullmatch("a*", r.choices[0].text)
+
+
+def test_the_server_reports_grammar_compiles_and_mask_time(client, server):
+    client.completions.create(model=server.model, prompt="x", temperature=0, max_tokens=8,
+                              extra_body={"regex": "[0-9]{8}"})
+    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["grammar_compiles"] >= 1 and info["grammar_compile_seconds"] > 0
+    assert info["grammar_compile_seconds_max"] <= info["grammar_compile_seconds"]
+    assert info["grammar_mask_calls"] >= 8 and info["grammar_mask_seconds"] > 0  # a mask for each of 8 tokens
+    metrics = requests.get(server.url + "/metrics", timeout=30).text
+    assert "specserve:grammar_mask_seconds " in metrics and "specserve:grammar_compiles " in metrics

@@ -235,3 +235,15 @@ def test_path_rows_follow_each_path_and_empty_refused_ones():
     bm, accepting = path_rows(m, [[], [1], [1, 3], [5], [6], [1, 0]], stop_ids={0})
     assert rows_as_sets(bm, 8) == [{1, 5}, {2, 3}, {4}, {0}, set(), set()]  # [6] refused, [1, 0] through a stop id
     assert accepting == [False, False, False, True, False, False] and m.path == []
+
+
+def test_stats_count_compiles_on_cache_misses_and_time_masking(backend):
+    before = backend.stats.info()["grammar_compiles"]
+    spec = GrammarSpec.from_field("regex", "[0-7]{3}")
+    m = backend.matcher(backend.compile(spec))
+    backend.compile(spec)  # a cache hit
+    with m.stats.masking():
+        fill_rows([m])
+    info = backend.stats.info()
+    assert info["grammar_compiles"] == before + 1 and info["grammar_compile_seconds"] > 0
+    assert info["grammar_mask_calls"] == 1 and info["grammar_mask_seconds"] > 0
