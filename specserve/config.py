@@ -22,7 +22,7 @@ from specserve.flags import (
     require_choice,
     require_positive,
 )
-from specserve.grammar.backend import check_grammar_backend
+from specserve.grammar.backend import DEFAULT_GRAMMAR_BACKEND, check_grammar_backend
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +103,12 @@ class ServerArgs:
     trust_request_chat_template: bool = field(default=False, metadata={
         "help": "Let requests bring their own Jinja chat template (chat_template_kwargs.chat_template). Off: such a "
                 "request gets 400, since a template is code that runs in the server."})
-    grammar_backend: str = field(default="llguidance", metadata={
-        "help": "Grammar engine of structured outputs (json_schema, regex, ebnf, response_format, tools): llguidance, "
+    grammar_backend: str = field(default=DEFAULT_GRAMMAR_BACKEND, metadata={
+        "help": "Grammar engine of structured outputs (json_schema, regex, ebnf, response_format): llguidance, "
                 "xgrammar (SGLang's default; pip install 'specserve[xgrammar]') or none (structured outputs off)."})
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata={
         "help": "JSON outputs of a json_schema / response_format take no whitespace beyond the separators (by "
-                "default any whitespace is allowed between JSON tokens)."})
+                "default up to 24 whitespace characters may stand between two JSON tokens)."})
     graceful_shutdown_timeout: float = field(default=120.0, metadata={
         "help": "On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut; requests still "
                 "sending their body are cut at once."})

@@ -69,7 +69,6 @@ class SchedulerLoop:
 
     def __init__(self, scheduler: Scheduler, grammar: GrammarBackend | None = None) -> None:
         self.scheduler = scheduler
-        self.grammar = grammar
         self.inbox: queue.Queue = queue.Queue()
         # compiles requests' grammars on its own threads, then puts them into the inbox (the queue's own method:
         # no reference back to this loop, so a dropped engine is freed without a garbage collection)

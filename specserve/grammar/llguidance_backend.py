@@ -84,5 +84,3 @@ class LLGuidanceBackend(GrammarBackend):
 
     def _matcher(self, compiled: str) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.ll_tokenizer, compiled, self.vocab_size)
-
-

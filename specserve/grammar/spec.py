@@ -43,9 +43,3 @@ class GrammarSpec:
                 raise GrammarError(field, f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")
             text = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output's order
         return cls(field, text)
-
-    def schema(self) -> dict | bool | None:
-        """The JSON schema of a json_schema spec (None for ANY_JSON and the other kinds)."""
-        if self.kind != "json_schema" or self.text == ANY_JSON:
-            return None
-        return json.loads(self.text)
