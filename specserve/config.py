@@ -23,6 +23,7 @@ from specserve.flags import (
     require_positive,
 )
 from specserve.grammar.backend import DEFAULT_GRAMMAR_BACKEND, check_grammar_backend
+from specserve.tools.formats import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata={
         "help": "JSON outputs of a json_schema / response_format take no whitespace beyond the separators (by "
                 "default up to 24 whitespace characters may stand between two JSON tokens)."})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "How the model writes tool calls (SGLang's names): qwen25 (also qwen, hermes: <tool_call> JSON), "
+                "llama3 or mistral. Default: the one the chat template writes, if it writes one of these."})
     graceful_shutdown_timeout: float = field(default=120.0, metadata={
         "help": "On SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are cut; requests still "
                 "sending their body are cut at once."})
@@ -219,6 +223,8 @@ class ServerArgs:
         require_positive(self, "num_threads", allow_none=True)
         require_positive(self, "stream_interval")
         self._validate_server_limits()
+        if self.tool_call_parser is not None:
+            require_choice(self, "tool_call_parser", tuple(TOOL_CALL_PARSERS))
         try:
             check_grammar_backend(self.grammar_backend)
         except ValueError as e:

@@ -1,5 +1,5 @@
-"""Constrained decoding: grammars (JSON schema, regex, GBNF) compiled by a grammar engine, and the token masks that
-keep a request's output inside its grammar, in plain decoding and along speculative draft trees."""
+"""Constrained decoding: grammars (JSON schema, regex, GBNF, structural tags) compiled by a grammar engine, and the
+token masks that keep a request's output inside its grammar, in plain decoding and along speculative draft trees."""
 
 from specserve.grammar.backend import (
     DEFAULT_GRAMMAR_BACKEND,

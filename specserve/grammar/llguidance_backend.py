@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import llguidance
 import llguidance.gbnf_to_lark
@@ -11,15 +12,16 @@ import torch
 
 from specserve.grammar.backend import JSON_MAX_WHITESPACE, GrammarBackend, Matcher, new_bitmask
 from specserve.grammar.spec import ANY_JSON, GrammarError, GrammarSpec
+from specserve.grammar.structural import to_lark
 
 ANY_JSON_LARK = "start: %json {}"  # llguidance's builtin JSON value
 
 
 def json_options(flexible: bool) -> dict:
     """llguidance's JSON options: whitespace between JSON tokens up to JSON_MAX_WHITESPACE characters, or none
-    beyond its separators' single spaces (as xgrammar's any_whitespace=False)."""
+    beyond the separators' single spaces ", " and ": " (as xgrammar's any_whitespace=False)."""
     if not flexible:
-        return {"whitespace_flexible": False}
+        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     return {"whitespace_pattern": rf"[ \t\n\r]{{0,{JSON_MAX_WHITESPACE}}}"}
 
 
@@ -76,11 +78,23 @@ class LLGuidanceBackend(GrammarBackend):
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=json_options(self.any_whitespace))
         if spec.kind == "regex":
             return llguidance.grammar_from("regex", spec.text)
+        if spec.kind == "structural_tag":
+            fmt = json.loads(spec.text)["format"]
+            return llguidance.grammar_from("lark", to_lark(fmt, json_options(self.any_whitespace), self._struct_tags))
         try:
             lark = llguidance.gbnf_to_lark.gbnf_to_lark(spec.text)
         except Exception as e:  # noqa: BLE001 - the converter raises its own errors and Python's
             raise GrammarError(spec.kind, f"invalid GBNF grammar: {e}") from None
         return llguidance.grammar_from("lark", lark)
+
+    def _struct_tags(self, tags: list[tuple[str, str, dict, str]]) -> str:
+        """llguidance's grammar of free text with triggered tags, (trigger, begin, JSON schema, end) each; a trigger
+        that is one of the tokenizer's special tokens is matched as that token, others as text."""
+        special = set(self.tokenizer.all_special_tokens)
+        return llguidance.StructTag.to_grammar(
+            [llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end)
+             for trigger, begin, schema, end in tags],
+            assume_special=all(trigger in special for trigger, *_ in tags))
 
     def _matcher(self, compiled: str) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.ll_tokenizer, compiled, self.vocab_size)

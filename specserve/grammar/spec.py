@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 #: SGLang's json_schema value for "any JSON value" (its xgrammar backend's builtin JSON grammar)
 ANY_JSON = "$$ANY$$"
-KINDS = ("json_schema", "regex", "ebnf")
+KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -21,7 +21,8 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # one of KINDS
-    text: str  # the JSON schema as JSON text (or ANY_JSON), the regex, or the GBNF grammar
+    text: str  # the JSON schema as JSON text (or ANY_JSON), the regex, the GBNF grammar, or the structural tag's
+    # format form as JSON text (grammar/structural.py)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -42,4 +43,8 @@ class GrammarSpec:
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError(field, f"a JSON schema is an object (or a boolean), got {type(schema).__name__}")
             text = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output's order
+        if field == "structural_tag":
+            from specserve.grammar.structural import normalize
+
+            text = json.dumps(normalize(text), separators=(",", ":"))
         return cls(field, text)

@@ -52,8 +52,10 @@ class XGrammarBackend(GrammarBackend):
                                                          max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.text)
+            if spec.kind == "structural_tag":
+                return self.compiler.compile_structural_tag(spec.text)
             return self.compiler.compile_grammar(spec.text)
-        except RuntimeError as e:  # xgrammar reports every parse error as a RuntimeError "[time] file:line: msg"
+        except (RuntimeError, ValueError) as e:  # a parse error is a RuntimeError "[time] file:line: msg"
             raise GrammarError(spec.kind, _message(str(e))) from None
 
     def _matcher(self, compiled: xgrammar.CompiledGrammar) -> XGrammarMatcher:

@@ -32,7 +32,6 @@ _BOOL_FIELDS = (
 # SGLang sampling parameters specserve does not honour yet: accepted at their "off" value (null), refused
 # otherwise, so a request never silently loses what it asked for.
 UNSUPPORTED_FIELDS = {
-    "structural_tag": "constrained decoding (structural_tag) is not supported yet; use json_schema, regex or ebnf",
     "stop_regex": "stop_regex is not supported yet; use stop strings",
     "custom_params": "custom_params needs a custom logit processor, which this server does not run",
 }
@@ -41,7 +40,7 @@ ALIASES = {"sampling_seed": "seed"}
 # fields where null is a value of its own (max_new_tokens: until EOS or the context is full); for the others a
 # null means the default, as in SGLang
 _NULLABLE = ("max_new_tokens", "seed", "stop", "stop_token_ids", "logit_bias", "token_ids_logprob")
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _is_int(x: Any) -> bool:
@@ -95,6 +94,7 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema as JSON text; "$$ANY$$" = any JSON object (response_format)
     regex: str | None = None
     ebnf: str | None = None  # GBNF (llama.cpp's EBNF), as SGLang's xgrammar backend takes it
+    structural_tag: str | None = None  # SGLang's structural tag as JSON text (grammar/structural.py)
     # Derived by normalize(): the longest stop string, in characters (0 when there is none).
     stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -243,7 +243,8 @@ class SamplingParams:
             _check_token_id("stop_token_ids", token_id, vocab_size)
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[0]} cannot be given with {given[1]}: only one of json_schema, regex and ebnf")
+            raise ValueError(f"{given[0]} cannot be given with {given[1]}: only one of json_schema, regex, ebnf and "
+                             "structural_tag")
         for key, value in (self.logit_bias or {}).items():
             _check_token_id("logit_bias", _bias_key_to_int(key), vocab_size)
             if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:

@@ -43,6 +43,7 @@ from specserve.server import openai_format as fmt
 from specserve.server.metrics import ServerMetrics
 from specserve.server.worker import ReqSpec
 from specserve.server.worker_client import WorkerProcess
+from specserve.tools.formats import detect_parser, tool_call_format
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,8 @@ class RequestManager:
         self.limits = RequestLimits.from_args(args, self.context_len, self.tokenizer)
         self.factory.limits, self.factory.admit = self.limits, self.check_room
         self.factory.grammar = grammar_backend(args, self.tokenizer, self.info["vocab_size"])  # validates grammars
+        self.tool_call_parser = args.tool_call_parser or detect_parser(self.tokenizer.chat_template)
+        self.tool_format = tool_call_format(self.tool_call_parser) if self.tool_call_parser else None
         queued = args.max_queued_requests
         self.capacity = None if queued is None else self.info["max_running_requests"] + queued
         self.metrics = ServerMetrics() if args.enable_metrics else None
@@ -270,8 +273,8 @@ class RequestManager:
         finally:
             self._calls.pop(call_id, None)
 
-    def render_chat(self, messages: list[dict], template_kwargs: dict | None, continue_final: bool = False
-                    ) -> list[int]:
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None, continue_final: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> prompt ids through this server's chat template, within its limits (call it on the
         tokenizer pool). A template brought by the request is code: refused unless --trust-request-chat-template."""
         if template_kwargs and "chat_template" in template_kwargs and not self.args.trust_request_chat_template:
@@ -279,7 +282,8 @@ class RequestManager:
                                "chat_template_kwargs.chat_template needs --trust-request-chat-template",
                                "chat_template_kwargs")
         return fmt.render_chat(self.tokenizer, messages, template_kwargs, continue_final,
-                               timeout=self.args.chat_template_timeout, check_chars=self.limits.check_prompt_chars)
+                               timeout=self.args.chat_template_timeout, check_chars=self.limits.check_prompt_chars,
+                               tools=tools)
 
     async def health_generate(self, timeout: float) -> dict:
         """A one-token greedy generation through the whole stack, admitted like any request (503 when there is no

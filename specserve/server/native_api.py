@@ -17,6 +17,7 @@ from specserve.server.http_jobs import DONE, sse, stream_response, submit_job, w
 from specserve.server.manager import Job, Overloaded, RequestManager
 from specserve.server.openapi import SSE, TEXT, documented
 from specserve.server.protocol import AbortRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from specserve.server.tool_calls import template_messages
 
 router = APIRouter()
 
@@ -84,8 +85,8 @@ async def tokenize(request: Request) -> dict:
 
     def run():
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return manager.render_chat(messages, None)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            return manager.render_chat(template_messages(req.messages), None, tools=tools)
         if isinstance(req.prompt, list):
             return [tok.encode(p, add_special_tokens=req.add_special_tokens) for p in req.prompt]
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from specserve.frontend import PreparedRequest, prepare_requests
+from specserve.frontend import PreparedRequest, RequestError, prepare_requests
+from specserve.sampling.params import GRAMMAR_FIELDS
 from specserve.server import openai_format as fmt
 from specserve.server.auth import caller
 from specserve.server.errors import APIError, parse_body
@@ -29,6 +30,9 @@ from specserve.server.protocol import (
     ModelCard,
     ModelList,
 )
+from specserve.server.tool_calls import active_tools, call_out, template_messages, tool_choice, tool_grammar
+from specserve.server.tool_calls import finish_reason as tool_finish_reason
+from specserve.tools.stream import ToolCallStream
 
 router = APIRouter()
 
@@ -68,26 +72,57 @@ async def chat_completions(request: Request):
 
     def build() -> list[PreparedRequest]:
         fmt.check_chat_supported(req)
-        ids = manager.render_chat(fmt.chat_messages(req), req.chat_template_kwargs, req.continue_final_message)
-        return prepare_requests(manager.factory, None, fmt.chat_sampling_params(req), ids, rid=rid)[0]
+        tools = active_tools(req)
+        sampling = fmt.chat_sampling_params(req)
+        if tools is not None:
+            sampling.update(_tool_sampling(manager, req, sampling))
+        ids = manager.render_chat(template_messages(req.messages), req.chat_template_kwargs, req.continue_final_message,
+                                  tools=tools)
+        try:
+            return prepare_requests(manager.factory, None, sampling, ids, rid=rid)[0]
+        except RequestError as e:
+            if e.param == "structural_tag" and req.structural_tag is None and req.response_format is None:
+                raise RequestError(f"the tools' parameters: {e}", "tools") from None  # the tools' grammar
+            raise
 
     job = await submit_job(request, manager, build, rid, req.stream, openai_names=True)
     model = manager.served_model_name  # any name is accepted (SGLang's rule); the answer names the model
+    parse_tools = manager.tool_format is not None and tool_choice(req) != "none"
     if req.stream:
-        return stream_response(request, manager, job, _chat_events(manager, req, job, model))
+        return stream_response(request, manager, job, _chat_events(manager, req, job, model, parse_tools))
     results = await wait_results(request, manager, job)
     choices = []
     for i, r in enumerate(results):
         reason, matched = fmt.finish_reason(r["meta_info"]["finish_reason"])
         lps = fmt.chat_logprobs(manager.tokenizer, *fmt.output_logprobs(r["meta_info"])) if req.logprobs else None
-        choices.append(ChatChoice(index=i, message=ChatMessageOut(content=r["text"]), logprobs=lps,
-                                  finish_reason=reason, matched_stop=matched))
+        message = ChatMessageOut(content=r["text"])
+        if parse_tools:
+            content, calls = ToolCallStream(manager.tool_format).feed(r["text"], final=True)
+            message = ChatMessageOut(content=content.strip() or None if calls else content,
+                                     tool_calls=[call_out(c) for c in calls] or None)
+            reason = tool_finish_reason(reason, bool(calls))
+        choices.append(ChatChoice(index=i, message=message, logprobs=lps, finish_reason=reason,
+                                  matched_stop=matched))
     usage = fmt.results_usage([r["meta_info"] for r in results], req.n)
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage)
 
 
-async def _chat_events(manager: RequestManager, req: ChatCompletionRequest, job: Job, model: str
-                       ) -> AsyncIterator[str]:
+def _tool_sampling(manager: RequestManager, req: ChatCompletionRequest, sampling: dict) -> dict:
+    """The sampling parameters a request's tools add: the grammar of a forced call (tool_choice required or named)."""
+    if manager.tool_format is None:
+        raise RequestError("this server has no tool-call parser for its chat template; start it with "
+                           "--tool-call-parser", "tools")
+    grammar = tool_grammar(req, manager.tool_format)
+    if grammar is None:
+        return {}
+    if any(name in sampling for name in GRAMMAR_FIELDS):
+        raise RequestError("a forced tool call (tool_choice required or a named function) cannot be combined with "
+                           "response_format or another grammar", "tool_choice")
+    return {"structural_tag": grammar}
+
+
+async def _chat_events(manager: RequestManager, req: ChatCompletionRequest, job: Job, model: str,
+                       parse_tools: bool) -> AsyncIterator[str]:
     created = int(time.time())
     opts = req.stream_options
     continuous = opts is not None and opts.continuous_usage_stats
@@ -99,22 +134,42 @@ async def _chat_events(manager: RequestManager, req: ChatCompletionRequest, job:
     for i in range(len(job.states)):
         yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     held = [LogprobsHeld() for _ in job.states]
+    tools = [ToolDeltas(manager.tool_format) if parse_tools else None for _ in job.states]
     async for batch in job.chunks():
         for i, c in batch:
             meta = c["meta_info"]
             finished = job.states[i].finished
             held[i].add(meta)
-            if not (c["text"] or finished):  # text held back (part of a character, a possible stop): wait
-                continue
+            delta = DeltaMessage(content=c["text"] or None)
+            if tools[i] is not None:
+                delta = tools[i].delta(c["text"], finished)
+            if not (delta.content or delta.tool_calls or finished):  # text held back (part of a character, a
+                continue  # possible stop, a possible tool call): wait
             lps = fmt.chat_logprobs(manager.tokenizer, *held[i].take()) if req.logprobs else None
             reason, matched = fmt.finish_reason(meta["finish_reason"] if finished else None)
-            delta = DeltaMessage(content=c["text"]) if c["text"] else DeltaMessage()
+            if tools[i] is not None:
+                reason = tool_finish_reason(reason, tools[i].count > 0)
             yield chunk(ChatChunkChoice(index=i, delta=delta, logprobs=lps, finish_reason=reason,
                                         matched_stop=matched))
     if opts is not None and opts.include_usage:
         yield sse(ChatCompletionChunk(id=job.rid, created=created, model=model, choices=[],
                                       usage=_stream_usage(job, req.n)))
     yield DONE
+
+
+class ToolDeltas:
+    """One streamed choice's deltas when tools are parsed: content as soon as it is known to be text, each tool call
+    whole in one delta once its text is complete."""
+
+    def __init__(self, tool_format) -> None:
+        self.stream = ToolCallStream(tool_format)
+        self.count = 0  # calls sent so far
+
+    def delta(self, text: str, final: bool) -> DeltaMessage:
+        content, calls = self.stream.feed(text, final)
+        outs = [call_out(c, self.count + k) for k, c in enumerate(calls)]
+        self.count += len(outs)
+        return DeltaMessage(content=content or None, tool_calls=outs or None)
 
 
 def _stream_usage(job: Job, n: int):

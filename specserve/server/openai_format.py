@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specserve.frontend import RequestError, token_text
+from specserve.sampling.params import GRAMMAR_FIELDS
 from specserve.server.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -43,15 +44,18 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
 
 
 def grammar_params(req: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
-    """The grammar sampling parameter of a request: response_format as a json_schema, or SGLang's extras."""
-    out = {name: getattr(req, name) for name in ("regex", "ebnf", "json_schema") if getattr(req, name) is not None}
+    """The grammar sampling parameter of a request: response_format as a json_schema or structural_tag, or SGLang's
+    extras."""
+    out = {name: getattr(req, name) for name in GRAMMAR_FIELDS if getattr(req, name) is not None}
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return out
-    if fmt.type == "structural_tag":
-        raise RequestError("response_format structural_tag is not supported; use json_schema", "response_format")
     if out:
         raise RequestError(f"response_format and {next(iter(out))} cannot both be given", "response_format")
+    if fmt.type == "structural_tag":
+        tag = {"format": fmt.format} if fmt.format is not None else {"structures": fmt.structures,
+                                                                      "triggers": fmt.triggers}
+        return {"structural_tag": json.dumps({"type": "structural_tag", **tag})}
     if fmt.type == "json_object":
         return {"json_schema": JSON_OBJECT}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -72,8 +76,6 @@ def completion_sampling_params(req: CompletionRequest) -> dict[str, Any]:
 
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise RequestError("tools / function calling are not supported by this server", "tools")
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs=true", "top_logprobs")
 
@@ -85,23 +87,11 @@ def check_completion_supported(req: CompletionRequest) -> None:
         raise RequestError("best_of different from n is not supported", "best_of")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as plain dicts for the chat template (text parts joined)."""
-    out = []
-    for m in req.messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        out.append(msg)
-    return out
-
-
 def render_chat(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None,
                 continue_final: bool = False, timeout: float | None = None,
-                check_chars: Callable[[int], None] | None = None) -> list[int]:
-    """Chat messages -> prompt token ids through the tokenizer's chat template (or --chat-template).
+                check_chars: Callable[[int], None] | None = None, tools: list[dict] | None = None) -> list[int]:
+    """Chat messages -> prompt token ids through the tokenizer's chat template (or --chat-template), tools (OpenAI's
+    tool dicts) shown to the model when given.
     continue_final: the last message is an assistant turn to continue (no end of turn, no new turn).
     timeout: seconds the template may run (RequestError beyond); check_chars(n): raises when the rendered text
     of n characters is too long to tokenize (before it is tokenized)."""
@@ -113,7 +103,8 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict
 
     def render() -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
-                                             continue_final_message=continue_final, **(template_kwargs or {}))
+                                             continue_final_message=continue_final, tools=tools,
+                                             **(template_kwargs or {}))
 
     try:
         text = render() if timeout is None else call_with_deadline(render, timeout)

@@ -53,6 +53,10 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (SGLang's): its triggered form (structures, triggers) or its format form (format)
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class StreamOptions(_Strict):
@@ -105,6 +109,7 @@ class _SamplingFields(_Strict, _OffExtras):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
+    structural_tag: str | None = None
     # SGLang extras specserve does not honour yet (and those of _OffExtras): refused unless off
     stop_regex: _only(None, why="stop_regex is not supported yet; use stop") = None
     custom_params: _Off = None
@@ -115,11 +120,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the JSON schema of the arguments (None: any object)
+    strict: bool | None = None  # the arguments always follow parameters when the grammar forces the call
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
 
     def text(self) -> str:
         if self.content is None:
@@ -138,10 +176,9 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # the last (assistant) message is continued, not answered
     separate_reasoning: bool = True  # no reasoning parser runs: there is never reasoning to separate
     stream_reasoning: bool = True
-    # accepted by the schema only to be refused with a clear message (no constrained decoding / tools yet)
-    tools: list[Any] | None = None
-    tool_choice: _only(None, "none", "auto", why="tool calling is not supported yet") = None
-    parallel_tool_calls: _only(None, True, why="tool calling is not supported yet") = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     reasoning_effort: _only(None, why="reasoning controls are not supported") = None
     input_ids: _only(None, why="use /v1/completions or /generate for token-id prompts") = None
     return_token_ids: _OffBool = False
@@ -228,7 +265,7 @@ class TokenizeRequest(_Strict):
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    tools: _only(None, why="tool calling is not supported yet") = None
+    tools: list[Tool] | None = None  # rendered into the chat template with the messages
 
 
 class DetokenizeRequest(_Strict):
@@ -288,9 +325,28 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    """A tool call of an answer, or (streamed) of a delta: a streamed call comes whole in one delta."""
+
+    index: int | None = None  # streamed deltas only
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -316,6 +372,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler) -> dict:

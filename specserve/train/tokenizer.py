@@ -5,8 +5,19 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+# A chat turn is <|role|>content<|end|>. With tools, a system turn lists them first, and tool calls are written in the
+# <tool_call> JSON format of Qwen2.5 / Hermes (specserve/tools/formats.py: the server's "qwen25" parser reads them);
+# a tool's result comes back in a user turn, inside <tool_response>.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if tools %}<|system|>You can call these functions:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "To call one, answer with <tool_call>\n{\"name\": <function name>, \"arguments\": <arguments object>}\n"
+    "</tool_call><|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|user|><tool_response>\n{{ m['content'] }}\n</tool_response><|end|>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>\n{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|end|>{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<|pad|>"]

@@ -475,7 +475,7 @@ def test_tokenize_invalid_type(server):
 
 def test_openai_tokenize_chat_messages(server, model_dir):
     """Ports test_openai_tokenize_chat_messages: /v1/tokenize renders messages through the chat template, as
-    the chat endpoint does (tools are refused: tool calling is not supported yet)."""
+    the chat endpoint does, tools included."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -484,7 +484,9 @@ def test_openai_tokenize_chat_messages(server, model_dir):
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert body["tokens"] == tok.encode(text, add_special_tokens=False) and body["count"] == len(body["tokens"])
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    assert_error(server.post("/v1/tokenize", json={"messages": messages, "tools": tools}), "tools")
+    body = server.post("/v1/tokenize", json={"messages": messages, "tools": tools}).json()
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert body["tokens"] == tok.encode(text, add_special_tokens=False) and '"add"' in text
 
 
 def test_detokenize_roundtrip(server):

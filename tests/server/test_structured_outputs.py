@@ -131,10 +131,31 @@ def test_invalid_grammars_are_400_naming_the_field(server, sampling, param, mess
     assert error["param"] == param and message in error["message"], error
 
 
+def test_response_format_structural_tag_both_forms(client, server):
+    """SGLang's structural_tag: the format form (here: a tag around a JSON value) and the triggered form (free text
+    in which the trigger starts a structure)."""
+    tag = {"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": SCHEMA},
+           "end": "</answer>"}
+    r = client.chat.completions.create(model=server.model, messages=MESSAGES, temperature=0, max_tokens=MAX,
+                                       response_format={"type": "structural_tag", "format": tag})
+    text = r.choices[0].message.content
+    assert text.startswith("<answer>") and text.endswith("</answer>") and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text.removeprefix("<answer>").removesuffix("</answer>")), SCHEMA)
+    triggered = {"type": "structural_tag", "triggers": ["<answer>"],
+                 "structures": [{"begin": "<answer>", "schema": SCHEMA, "end": "</answer>"}]}
+    r = client.chat.completions.create(model=server.model, messages=MESSAGES, temperature=1.0, seed=5, n=4,
+                                       max_tokens=64, response_format=triggered)
+    assert len({c.message.content for c in r.choices}) > 1  # free text, sampled
+    for choice in r.choices:
+        for body in re.findall("<answer>(.*?)</answer>", choice.message.content, re.S):
+            jsonschema.validate(json.loads(body), SCHEMA)
+
+
 @pytest.mark.parametrize("fmt, message", [
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, "objectx"),
     ({"type": "structural_tag"}, "structural_tag"),
+    ({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>"}}, "needs content"),
     ({"type": "yaml"}, "response_format"),
 ])
 def test_bad_response_formats_are_400(server, fmt, message):

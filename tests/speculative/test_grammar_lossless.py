@@ -12,6 +12,8 @@ import pytest
 
 from specserve import Engine
 from specserve.test.tiny import make_eagle3_head_dir, make_mimo_dir
+from specserve.tools.formats import Function, TaggedJsonFormat
+from specserve.tools.stream import ToolCallStream
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
@@ -22,7 +24,11 @@ SCHEMA = json.dumps({"type": "object", "properties": {
     "kind": {"enum": ["alpha", "beta", "gamma delta"]}, "name": {"type": "string", "maxLength": 12},
     "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3}},
     "required": ["kind", "name", "tags"], "additionalProperties": False})
-GRAMMARS = {"regex": REGEX, "json_schema": SCHEMA}
+# forced tool calls (tool_choice "required"): the <tool_call> format's structural tag of two functions
+TOOL_CALLS = json.dumps({"type": "structural_tag", "format": TaggedJsonFormat().grammar([
+    Function("pick", {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta"]}}, "required": ["kind"]}),
+    Function("noop", {"type": "object", "properties": {}, "additionalProperties": False})], single=False)})
+GRAMMARS = {"regex": REGEX, "json_schema": SCHEMA, "structural_tag": TOOL_CALLS}
 ALGORITHMS = ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "MTP"]
 
 
@@ -64,11 +70,12 @@ def test_constrained_greedy_equals_constrained_plain(setups, algorithm, backend)
     path, kw = setups[algorithm]
     # batch 8 over both grammars and free requests; then one request alone
     params = [constrained("regex"), constrained("json_schema", 40), greedy(24), constrained("regex", 30),
-              constrained("json_schema", 40), greedy(16), constrained("regex", 12), constrained("json_schema", 40)]
+              constrained("json_schema", 40), greedy(16), constrained("structural_tag", 60),
+              constrained("json_schema", 40)]
     plain, _ = generate(path, PROMPTS[:8], params, grammar_backend=backend)
     spec, info = generate(path, PROMPTS[:8], params, grammar_backend=backend, **kw)
     assert ids(spec) == ids(plain)
-    assert_drafting_happened([o for o, p in zip(spec, params, strict=True) if "regex" in p or "json_schema" in p])
+    assert_drafting_happened([o for o, p in zip(spec, params, strict=True) if p.keys() & GRAMMARS.keys()])
     alone_plain, _ = generate(path, PROMPTS[3:4], constrained("json_schema", 40), grammar_backend=backend)
     alone, _ = generate(path, PROMPTS[3:4], constrained("json_schema", 40), grammar_backend=backend, **kw)
     assert ids(alone) == ids(alone_plain)
@@ -78,7 +85,11 @@ def test_constrained_greedy_equals_constrained_plain(setups, algorithm, backend)
             assert re.fullmatch(REGEX, o["text"]), o["text"]
         if "json_schema" in p and o["meta_info"]["finish_reason"]["type"] == "stop":
             json.loads(o["text"])
-    free = [o["text"] for o, p in zip(plain, params, strict=True) if not {"regex", "json_schema"} & p.keys()]
+        if "structural_tag" in p:
+            assert o["text"].startswith("<tool_call>\n{\"name\": "), o["text"]
+            if o["meta_info"]["finish_reason"]["type"] == "stop":
+                assert ToolCallStream(TaggedJsonFormat()).feed(o["text"], final=True)[1]
+    free = [o["text"] for o, p in zip(plain, params, strict=True) if not GRAMMARS.keys() & p.keys()]
     assert not any(re.fullmatch(REGEX, text) for text in free)
 
 

@@ -48,6 +48,7 @@ def test_sglang_aliases_and_types():
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
     (["--port", "70000"], "--port"),
     (["--log-level", "loud"], "--log-level"),
+    (["--tool-call-parser", "qwen9"], "--tool-call-parser"),
     (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
     (["--enable-torch-compile", "--torch-compile-max-bs", "0"], "--torch-compile-max-bs"),
 ])

@@ -32,6 +32,7 @@ EXPECTED_DEFAULTS = {
     "json_schema": None,
     "regex": None,
     "ebnf": None,
+    "structural_tag": None,
 }
 
 
@@ -174,7 +175,7 @@ def test_grammar_fields_are_strings_and_exclusive():
     assert SamplingParams().grammar is None
     with pytest.raises(ValueError, match="json_schema must be a string"):
         SamplingParams.from_dict({"json_schema": {"type": "object"}})
-    with pytest.raises(ValueError, match="only one of json_schema, regex and ebnf"):
+    with pytest.raises(ValueError, match="only one of json_schema, regex, ebnf and structural_tag"):
         SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'}).normalize().verify()
-    with pytest.raises(ValueError, match="structural_tag"):
-        SamplingParams.from_dict({"structural_tag": "{}"})
+    with pytest.raises(ValueError, match="structural_tag must be a string"):
+        SamplingParams.from_dict({"structural_tag": {"format": {}}})
