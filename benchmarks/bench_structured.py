@@ -6,9 +6,12 @@ with the grammar engines of ``--backends``:
 - constrained: ``json_schema`` = the case's schema (the output ends when the JSON does, or at ``--max-new-tokens``);
 - free: right after, the same prompts without a grammar, each generating as many tokens as its constrained run did
   (``ignore_eos``), so both runs have the same batch shapes over time: the unconstrained baseline.
-At batch 1 (one request at a time) and at ``--batch`` (that many at once). Configurations alternate within each
-round; tokens/s is completion tokens over wall time, the median over ``--rounds`` (after one uncounted warm-up
-round), with ratios taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step).
+At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE-3 runs twice: with grammar
+jump-forward (the tokens a grammar forces appended to the draft tree, the default) and without it
+(``--disable-grammar-jump-forward``, constrained only). Configurations alternate within each round; tokens/s is
+completion tokens over wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios
+taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step), the same without the
+grammar-forced tokens ("drafted"), and the forced tokens accepted per verify step.
 
     python benchmarks/bench_structured.py --rounds 3
 """
@@ -30,8 +33,9 @@ def engines(backends: list[str], threads: int | None) -> dict[tuple[str, str], E
     for backend in backends:
         common = dict(model_path=demo_path("demo"), grammar_backend=backend, num_threads=threads)
         out["plain", backend] = Engine(**common)
-        out["eagle3", backend] = Engine(speculative_algorithm="EAGLE3",
-                                        speculative_draft_model_path=demo_path("demo-eagle3"), **common)
+        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=demo_path("demo-eagle3"), **common)
+        out["eagle3", backend] = Engine(**spec)
+        out["eagle3-nojf", backend] = Engine(disable_grammar_jump_forward=True, **spec)
     return out
 
 
@@ -44,11 +48,11 @@ def params(case, constrained: bool, max_new: int) -> dict:
     return p
 
 
-def run(engine: Engine, batch: int, lengths: list[int] | None, max_new: int) -> tuple[float, list[int], int]:
+def run(engine: Engine, batch: int, lengths: list[int] | None, max_new: int) -> tuple[float, list[int], int, int]:
     """All cases, `batch` at a time; constrained when `lengths` is None, else free with those output lengths ->
-    (seconds, completion tokens per case, verify steps)."""
+    (seconds, completion tokens per case, verify steps, grammar-forced tokens accepted)."""
     cases = SCHEMA_CASES
-    tokens, verify = [], 0
+    tokens, verify, forced = [], 0, 0
     start = time.perf_counter()
     for i in range(0, len(cases), batch):
         group = range(i, min(i + batch, len(cases)))
@@ -57,9 +61,10 @@ def run(engine: Engine, batch: int, lengths: list[int] | None, max_new: int) -> 
         for o in outs:
             tokens.append(o["meta_info"]["completion_tokens"])
             verify += o["meta_info"].get("spec_verify_ct", 0)
+            forced += o["meta_info"].get("spec_forced_tokens", 0)
             if lengths is None and o["meta_info"]["finish_reason"]["type"] == "stop":
                 json.loads(o["text"])  # a finished constrained output is JSON
-    return time.perf_counter() - start, tokens, verify
+    return time.perf_counter() - start, tokens, verify, forced
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,38 +80,42 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[tuple, dict[str, list]] = {}
     for rnd in range(args.rounds + 1):
         for batch in (1, args.batch):
-            for algo in ("plain", "eagle3"):
+            for algo in ("plain", "eagle3", "eagle3-nojf"):
                 for backend in backends:
                     # constrained, then free with the same output lengths (the same batch shapes over time)
-                    secs, lengths, verify = run(eng[algo, backend], batch, None, args.max_new_tokens)
-                    free_secs, free_lengths, free_verify = run(eng[algo, backend], batch, lengths, args.max_new_tokens)
+                    runs = {True: run(eng[algo, backend], batch, None, args.max_new_tokens)}
+                    if algo != "eagle3-nojf":  # without a grammar, jump-forward changes nothing
+                        runs[False] = run(eng[algo, backend], batch, runs[True][1], args.max_new_tokens)
                     if rnd == 0:
                         continue  # warm-up
-                    for constrained, (s_, toks, ver) in ((True, (secs, lengths, verify)),
-                                                         (False, (free_secs, free_lengths, free_verify))):
-                        r = rows.setdefault((batch, algo, backend, constrained), {"tps": [], "accept": []})
-                        r["tps"].append(sum(toks) / s_)
+                    for constrained, (secs, toks, ver, forced) in runs.items():
+                        r = rows.setdefault((batch, algo, backend, constrained),
+                                            {"tps": [], "accept": [], "drafted": [], "forced": []})
+                        r["tps"].append(sum(toks) / secs)
                         if ver:
                             r["accept"].append(sum(toks) / ver)
+                            r["drafted"].append((sum(toks) - forced) / ver)
+                            r["forced"].append(forced / ver)
     for e in eng.values():
         e.shutdown()
     print(f"demo bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens; "
           f"median of {args.rounds} rounds (ratio: round by round)")
-    print(f"{'batch':>5} {'algo':>7} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
-          f"{'vs plain':>9} {'accept free':>12} {'accept':>7}")
+    print(f"{'batch':>5} {'algo':>11} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
+          f"{'vs plain':>9} {'accept free':>12} {'accept':>7} {'drafted':>8} {'forced':>7}")
     for (batch, algo, backend, constrained), r in rows.items():
         if not constrained:
             continue
-        free = rows[batch, algo, backend, False]
+        free = rows.get((batch, algo.removesuffix("-nojf"), backend, False))
         plain = rows[batch, "plain", backend, True]["tps"]
         vs_free = statistics.median(a / b for a, b in zip(r["tps"], free["tps"], strict=True))
         vs_plain = statistics.median(a / b for a, b in zip(r["tps"], plain, strict=True))
 
-        def acc(x: dict) -> str:
-            return f"{statistics.median(x['accept']):.2f}" if x["accept"] else "-"
+        def med(x: dict, key: str) -> str:
+            return f"{statistics.median(x[key]):.2f}" if x[key] else "-"
 
-        print(f"{batch:>5} {algo:>7} {backend:>11} {statistics.median(free['tps']):>11.1f} "
-              f"{statistics.median(r['tps']):>9.1f} {vs_free:>8.2f} {vs_plain:>9.2f} {acc(free):>12} {acc(r):>7}")
+        print(f"{batch:>5} {algo:>11} {backend:>11} {statistics.median(free['tps']):>11.1f} "
+              f"{statistics.median(r['tps']):>9.1f} {vs_free:>8.2f} {vs_plain:>9.2f} {med(free, 'accept'):>12} "
+              f"{med(r, 'accept'):>7} {med(r, 'drafted'):>8} {med(r, 'forced'):>7}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,9 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = field(default=False, metadata={
         "help": "JSON outputs of a json_schema / response_format take no whitespace beyond the separators (by "
                 "default up to 24 whitespace characters may stand between two JSON tokens)."})
+    disable_grammar_jump_forward: bool = field(default=False, metadata={
+        "help": "Speculative decoding of structured outputs: do not append the tokens a grammar forces (a JSON key, a "
+                "closing brace) to the draft tree in place of the nodes it forbids (outputs are the same either way)."})
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "How the model writes tool calls (SGLang's names): qwen25 (also qwen, hermes: <tool_call> JSON), "
                 "llama3 or mistral. Default: the one the chat template writes, if it writes one of these."})

@@ -149,7 +149,7 @@ class RequestFactory:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _stop_checker(self, p: SamplingParams) -> StopChecker | None:
-        return StopChecker(self.tokenizer, p) if p.stop_strs else None
+        return StopChecker(self.tokenizer, p) if p.has_text_stops else None
 
 
 @dataclass
@@ -174,7 +174,7 @@ class RequestState:
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
-        has_stops = bool(self.params.stop_strs)
+        has_stops = self.params.has_text_stops
         self._detok = None if has_stops else IncrementalDetokenizer(
             self.tokenizer, self.params.skip_special_tokens, self.params.spaces_between_special_tokens)
 

@@ -118,6 +118,7 @@ class Req:
         self.spec_verify_ct = 0  # verify forwards this request took part in
         self.spec_accepted_drafts = 0  # drafted tokens the target accepted
         self.spec_drafted = 0  # drafted tokens offered for verification
+        self.spec_forced_tokens = 0  # accepted tokens its grammar forced (appended to the tree without drafting)
         self.spec_accept_histogram: list[int] = []  # [k] = verify steps that accepted k drafted tokens
         self.spec_accept_per_position: list[int] = []  # [k-1] = verify steps that accepted >= k drafted tokens
         self.spec_plain_tokens = 0  # tokens from plain decode steps (batch-aware speculation turned it off)
@@ -170,6 +171,10 @@ class Req:
             "spec_verify_ct": ct,
             # SGLang's completion_tokens / verify steps, minus tokens of plain steps (batch-aware speculation)
             "spec_accept_length": (completion - self.spec_plain_tokens) / ct if ct else 0.0,
+            # structured outputs: the same without the grammar-forced tokens (jump-forward), and their count
+            "spec_accept_length_drafted": (completion - self.spec_plain_tokens - self.spec_forced_tokens) / ct
+            if ct else 0.0,
+            "spec_forced_tokens": self.spec_forced_tokens,
             "spec_plain_tokens": self.spec_plain_tokens,
             "spec_accept_rate": self.spec_accepted_drafts / self.spec_drafted if self.spec_drafted else 0.0,
             "spec_accept_histogram": list(self.spec_accept_histogram),

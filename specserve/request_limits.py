@@ -52,7 +52,8 @@ class RequestLimits:
                 self.check_prompt_chars(len(text))
         for sp in sampling_params:
             if isinstance(sp, dict):
-                self._check_stops(sp.get("stop"))
+                self._check_stops(sp.get("stop"), "stop")
+                self._check_stops(sp.get("stop_regex"), "stop_regex")
                 self._check_top_logprobs(sp.get("top_logprobs_num"))
         self._check_top_logprobs(request_fields.get("top_logprobs_num"))
         return samples
@@ -63,14 +64,16 @@ class RequestLimits:
             raise LimitError(f"the prompt has {chars} characters, more than can fit in the model's context (at most "
                              f"{self.max_prompt_chars}); shorten it", "prompt")
 
-    def _check_stops(self, stop: Any) -> None:
+    def _check_stops(self, stop: Any, field: str) -> None:
+        """stop strings, or stop regexes (held to the same limits)."""
         stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        what = "stop strings" if field == "stop" else "stop regexes"
         if len(stops) > self.max_stop_strings:
-            _over(f"the request has {len(stops)} stop strings", "max_stop_strings", self.max_stop_strings, "stop")
+            _over(f"the request has {len(stops)} {what}", "max_stop_strings", self.max_stop_strings, field)
         longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
         if longest > self.max_stop_string_chars:
-            _over(f"a stop string has {longest} characters", "max_stop_string_chars", self.max_stop_string_chars,
-                  "stop")
+            _over(f"one of its {what} has {longest} characters", "max_stop_string_chars", self.max_stop_string_chars,
+                  field)
 
     def _check_top_logprobs(self, value: Any) -> None:
         values = value if isinstance(value, list) else [value]

@@ -8,6 +8,8 @@ sampler's ban mask by ``ban_mask``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specserve.grammar.backend import Matcher, new_bitmask
@@ -23,7 +25,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def ban_mask(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int,
              device: torch.device | str) -> torch.Tensor:
-    """Rows of ``fill_rows`` / ``tree_rows`` -> bool [R, V] ban mask (True = banned) on ``device``, V being the
+    """Rows of ``fill_rows`` / ``jump_forward`` -> bool [R, V] ban mask (True = banned) on ``device``, V being the
     model's vocabulary (the grammar's may be larger: its tokens past V are dropped).
 
     A row where the grammar is accepting also allows its request's stop ids."""
@@ -44,39 +46,6 @@ def fill_rows(matchers: list[Matcher]) -> tuple[torch.Tensor, list[bool]]:
     return bitmask, [m.accepting() for m in matchers]
 
 
-def tree_rows(matcher: Matcher, tokens: list[int], parents: list[int],
-              stop_ids: set[int]) -> tuple[torch.Tensor, list[bool]]:
-    """One row per node of a draft tree -> (int32 [N, W] bitmask, accepting [N]).
-
-    ``tokens`` [N] and ``parents`` [N] (node 0 = the root, whose token the matcher has already accepted; parents
-    come before their children). Row i allows the tokens the grammar allows after the path root -> i: a depth-first
-    walk over forks of the matcher (it is left untouched). Nodes the grammar forbids (and a stop id, which ends the
-    request) are not entered: their rows, and those of their subtrees, stay all-allowed; verification can never
-    reach them, since their parent's row bans them (a stop id only where the grammar may stop). After the grammar's
-    own stop token nothing is verified either."""
-    n = len(tokens)
-    bitmask = new_bitmask(n, matcher.vocab_size)
-    accepting = [False] * n
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        if parents[i] >= 0:
-            children[parents[i]].append(i)
-    matcher.fill(bitmask, 0)
-    accepting[0] = matcher.accepting()
-    stack = [(child, matcher) for child in reversed(children[0])]  # (node, the state of its parent)
-    while stack:
-        node, parent_state = stack.pop()
-        if tokens[node] in stop_ids:
-            continue
-        state = parent_state.fork()
-        if not state.accept(tokens[node]) or state.terminated():
-            continue
-        state.fill(bitmask, node)
-        accepting[node] = state.accepting()
-        stack.extend((child, state) for child in reversed(children[node]))
-    return bitmask, accepting
-
-
 def path_rows(matcher: Matcher, paths: list[list[int]], stop_ids: set[int]) -> tuple[torch.Tensor, list[bool]]:
     """One row per path from the matcher's state -> (int32 [P, W] bitmask, accepting [P]): row p allows what the
     grammar allows after ``paths[p]``. A path the grammar refuses (or that goes through a stop id or the grammar's
@@ -92,3 +61,92 @@ def path_rows(matcher: Matcher, paths: list[list[int]], stop_ids: set[int]) -> t
         else:
             bitmask[p] = 0
     return bitmask, accepting
+
+
+def single_token(row: torch.Tensor) -> int | None:
+    """The one token an int32 bitmask row [W] allows, or None when it allows none or several."""
+    words = row.nonzero()
+    if words.numel() != 1:
+        return None
+    w = int(words[0, 0])
+    bits = int(row[w]) & 0xFFFFFFFF
+    return w * 32 + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
+
+
+@dataclass
+class ForcedTree:
+    """One request's draft tree after ``jump_forward``, with its verify rows."""
+
+    tokens: list[int]  # [n] node 0 = the root
+    parents: list[int]  # [n] parents[0] = -1; parents precede their children
+    bitmask: torch.Tensor  # int32 [n, W]: each node's row, what the grammar allows after the path root -> node
+    accepting: list[bool]  # [n]
+    forced_from: int  # the first appended (forced) node; n when none was appended
+
+
+def jump_forward(matcher: Matcher, tokens: list[int], parents: list[int], stop_ids: set[int], width: int,
+                 vocab_size: int) -> ForcedTree:
+    """Grammar-aware reshaping of one request's draft tree ``tokens`` / ``parents`` (node 0 = the root, whose token
+    the matcher has accepted): the nodes the grammar forbids are dropped with their subtrees (they could never be
+    accepted), and the room this leaves, up to ``width`` nodes, goes to the tokens the grammar forces after the
+    deepest remaining leaf (a JSON key, ``": "``, a closing brace): appended as a chain, with no draft forward.
+    A forced token is the only one a node's row allows where the grammar may not stop; verification accepts it
+    whenever it reaches its parent. Token ids at or past ``vocab_size`` (the model's) are never appended.
+    Each node's row allows what the grammar allows after the path root -> node; after a stop id or the grammar's own
+    stop token nothing is verified, and the row stays all-allowed. The matcher is left untouched (forks walk)."""
+    n = len(tokens)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
+    states: dict[int, Matcher | None] = {0: matcher}  # kept node -> its state (None: nothing may follow it)
+    stack = list(reversed(children[0]))
+    while stack:
+        node = stack.pop()
+        parent_state = states[parents[node]]
+        if tokens[node] in stop_ids:
+            if parent_state.accepting():
+                states[node] = None  # a stop where the grammar may end: kept, the request ends there
+            continue
+        state = parent_state.fork()
+        if not state.accept(tokens[node]):
+            continue  # forbidden: dropped, with its subtree
+        states[node] = None if state.terminated() else state
+        if states[node] is not None:
+            stack.extend(reversed(children[node]))
+    kept = sorted(states)  # parents before children
+    new_index = {old: new for new, old in enumerate(kept)}
+    out = ForcedTree([tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]],
+                     new_bitmask(width, matcher.vocab_size), [False] * width, len(kept))
+    depth = [0] * len(kept)
+    for i in range(1, len(kept)):
+        depth[i] = depth[out.parents[i]] + 1
+    for old, i in new_index.items():
+        if states[old] is not None:
+            states[old].fill(out.bitmask, i)
+            out.accepting[i] = states[old].accepting()
+    has_child = set(out.parents[1:])
+    leaves = [i for i, old in enumerate(kept) if states[old] is not None and i not in has_child]
+    if leaves:
+        leaf = max(leaves, key=lambda i: (depth[i], -i))  # the deepest, the earliest drafted among equals
+        _append_forced(out, states[kept[leaf]].fork(), leaf, stop_ids, width, vocab_size)
+    n_new = len(out.tokens)
+    out.bitmask, out.accepting = out.bitmask[:n_new], out.accepting[:n_new]
+    return out
+
+
+def _append_forced(tree: ForcedTree, state: Matcher, leaf: int, stop_ids: set[int], width: int,
+                   vocab_size: int) -> None:
+    """Appends to ``tree`` the chain of tokens the grammar forces after node ``leaf`` (whose state is ``state``,
+    advanced in place), while there is room."""
+    node = leaf
+    while len(tree.tokens) < width and not tree.accepting[node]:
+        token = single_token(tree.bitmask[node])
+        if token is None or token >= vocab_size or token in stop_ids or not state.accept(token):
+            return
+        if state.terminated():
+            return
+        tree.tokens.append(token)
+        tree.parents.append(node)
+        node = len(tree.tokens) - 1
+        state.fill(tree.bitmask, node)
+        tree.accepting[node] = state.accepting()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from specserve.sampling.params import SamplingParams
@@ -85,13 +86,40 @@ def partial_stop_len(text: str, stops: list[str]) -> int:
     return longest
 
 
-class StopChecker:
-    """Per request: incremental detokenization + stop strings, for the scheduler.
+# How far back (characters) before the new text a stop_regex match may start: a pattern's longest match where
+# Python's parser bounds it, else this
+STOP_REGEX_LOOKBACK = 1024
 
-    add() returns (newly emittable text, matched stop string or None). Text that could be the start of a stop
-    string is held back until it is known not to be one. After a match the text is trimmed at the stop string
-    (kept when params.no_stop_trim) and nothing more is emitted. Stop *token ids* and eos are the scheduler's
-    business; when a request ends for such a reason, call flush() to get the held-back text.
+
+def regex_lookback(pattern: re.Pattern) -> int:
+    """How many characters before the new text a match of pattern may start (at most STOP_REGEX_LOOKBACK)."""
+    try:
+        longest = re._parser.parse(pattern.pattern, pattern.flags).getwidth()[1]  # noqa: SLF001 - no public API
+    except Exception:  # noqa: BLE001 - a private parser: any failure means "unknown"
+        return STOP_REGEX_LOOKBACK
+    return min(longest, STOP_REGEX_LOOKBACK)
+
+
+def find_stop_regex(text: str, patterns: list[tuple[re.Pattern, int]], searched: int
+                    ) -> tuple[int, str, int] | None:
+    """The earliest match of any (pattern, lookback) that ends in the new text (past `searched`) -> (its start, the
+    pattern's text (the finish's matched_stop, as SGLang reports it), the matched text's length)."""
+    best: tuple[int, str, int] | None = None
+    for pattern, lookback in patterns:
+        m = next((m for m in pattern.finditer(text, max(searched - lookback, 0)) if m.end() > searched), None)
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), pattern.pattern, m.end() - m.start())
+    return best
+
+
+class StopChecker:
+    """Per request: incremental detokenization + stop strings and stop regexes, for the scheduler.
+
+    add() returns (newly emittable text, matched stop string or regex pattern, or None). Text that could be the
+    start of a stop string is held back until it is known not to be one (a regex cannot be known in advance: text is
+    not held for it). After a match the text is trimmed where the stop string or the regex match starts (kept when
+    params.no_stop_trim) and nothing more is emitted. Stop *token ids* and eos are the scheduler's business; when a
+    request ends for such a reason, call flush() to get the held-back text.
     """
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
@@ -100,6 +128,8 @@ class StopChecker:
         )
         self.stops = params.stop_strs
         self.max_stop_len = max((len(s) for s in self.stops), default=0)
+        compiled = [re.compile(p) for p in params.stop_regexes]
+        self.regexes = [(p, regex_lookback(p)) for p in compiled]
         self.no_stop_trim = params.no_stop_trim
         self.emitted = 0  # characters of detokenizer.text already handed out
         self.matched_stop: str | None = None
@@ -133,10 +163,15 @@ class StopChecker:
     def _advance(self, searched: int, final: bool) -> tuple[str, str | None]:
         full = self.detokenizer.text
         # A new match must end in the new text, so it starts at most max_stop_len - 1 characters earlier.
-        match = find_stop(full, self.stops, searched - self.max_stop_len + 1) if self.stops else None
+        by_str = find_stop(full, self.stops, searched - self.max_stop_len + 1) if self.stops else None
+        match = None if by_str is None else (*by_str, len(by_str[1]))  # (start, matched_stop, matched length)
+        if self.regexes and len(full) > searched:
+            by_regex = find_stop_regex(full, self.regexes, searched)
+            if by_regex is not None and (match is None or by_regex[0] < match[0]):
+                match = by_regex
         if match is not None:
-            idx, stop = match
-            end = idx + len(stop) if self.no_stop_trim else idx
+            idx, stop, length = match
+            end = idx + length if self.no_stop_trim else idx
             out = full[self.emitted:end]
             self.emitted = max(self.emitted, end)
             self.matched_stop, self.finished = stop, True

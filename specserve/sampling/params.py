@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,14 +33,13 @@ _BOOL_FIELDS = (
 # SGLang sampling parameters specserve does not honour yet: accepted at their "off" value (null), refused
 # otherwise, so a request never silently loses what it asked for.
 UNSUPPORTED_FIELDS = {
-    "stop_regex": "stop_regex is not supported yet; use stop strings",
     "custom_params": "custom_params needs a custom logit processor, which this server does not run",
 }
 # SGLang spellings of specserve's fields
 ALIASES = {"sampling_seed": "seed"}
 # fields where null is a value of its own (max_new_tokens: until EOS or the context is full); for the others a
 # null means the default, as in SGLang
-_NULLABLE = ("max_new_tokens", "seed", "stop", "stop_token_ids", "logit_bias", "token_ids_logprob")
+_NULLABLE = ("max_new_tokens", "seed", "stop", "stop_regex", "stop_token_ids", "logit_bias", "token_ids_logprob")
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
@@ -75,6 +75,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None  # Python regular expressions: the output stops where one matches
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -145,10 +146,16 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
-        stop = self.stop
-        if stop is not None and not isinstance(stop, str):
-            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-                raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for name in ("stop", "stop_regex"):
+            stop = getattr(self, name)
+            if stop is not None and not isinstance(stop, str):
+                if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                    raise ValueError(f"{name} must be a string or a list of strings, got {stop!r}")
+        for pattern in self.stop_regexes:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex: {pattern!r} is not a valid regular expression: {e}") from None
         for name in ("stop_token_ids", "token_ids_logprob"):
             ids = getattr(self, name)
             if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) for t in ids)):
@@ -176,6 +183,19 @@ class SamplingParams:
         return [s for s in stops if s]
 
     @property
+    def has_text_stops(self) -> bool:
+        """Stop strings or stop regexes: the scheduler detokenizes to find them."""
+        return bool(self.stop_strs or self.stop_regexes)
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        """The non-empty stop_regex patterns as a list."""
+        if self.stop_regex is None:
+            return []
+        patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
+        return [p for p in patterns if p]
+
+    @property
     def grammar(self) -> tuple[str, str] | None:
         """(field, text) of the grammar the output must follow, or None."""
         given = [(name, getattr(self, name)) for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
@@ -188,6 +208,7 @@ class SamplingParams:
     def normalize(self) -> SamplingParams:
         """Puts the params in canonical form, in place; returns self for chaining."""
         self.stop = self.stop_strs
+        self.stop_regex = self.stop_regexes
         self.stop_str_max_len = max((len(s) for s in self.stop), default=0)
         if self.top_k == 0:
             self.top_k = -1

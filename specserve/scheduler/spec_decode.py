@@ -28,7 +28,7 @@ from itertools import accumulate
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode
-from specserve.grammar.masks import ban_mask, tree_rows
+from specserve.grammar.masks import ForcedTree, ban_mask, jump_forward
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
@@ -44,10 +44,10 @@ from specserve.sampling.sampler import (
 from specserve.scheduler.decode_step import DecodeContext, DecodeStep, PlainDecode
 from specserve.scheduler.spec_overlap import OverlapPipeline
 from specserve.speculative.accept_stats import add_step, position_rates
-from specserve.speculative.base import PrefillChunk, Proposer, VerifiedStep
+from specserve.speculative.base import GRAMMAR_ROOM, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import BatchPolicy, TreeShape
 from specserve.speculative.simulate import AcceptSimulator
-from specserve.speculative.tree import DraftTree
+from specserve.speculative.tree import DraftTree, build_tree
 from specserve.speculative.verify import (
     VerifyResult,
     simulate_accept,
@@ -92,6 +92,7 @@ class SpecStats:
     plain_steps: int = 0  # decode steps batch-aware speculation ran without speculation
     shrunk_steps: int = 0  # speculative steps with a tree smaller than the configured one
     trimmed_finishes: int = 0  # overlap scheduler: stop strings found after the next forward part had run
+    forced_tokens: int = 0  # accepted tokens a grammar forced (jump-forward), counted in `tokens` too
     # [k-1] = verify steps (per request) that accepted >= k drafted tokens (specserve.speculative.accept_stats)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -116,6 +117,7 @@ class StepRecord:
     stopped: list[bool]
     n_nodes: list[int]  # [B] real tree nodes
     depths: list[int]  # [B] deepest drafted node
+    forced: list[int]  # [B] accepted drafts that were grammar-forced (jump-forward) rather than drafted
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +142,11 @@ class SpecDecoder(DecodeStep):
         self.policy = self._batch_policy(args)
         # the overlap scheduler (SPECSERVE_ENABLE_SPEC_V2): output processing overlaps the next forward part
         self.overlap = OverlapPipeline(self) if args.enable_spec_v2 else None
+        self.no_jump_forward = args.disable_grammar_jump_forward
+        # structured outputs: nodes a full-size tree may grow to with grammar-forced tokens: into the KV reserved
+        # for drafting's scratch (free again by the verify forward), within the table columns a step may write
+        N, S, K = proposer.num_draft_tokens, args.speculative_num_steps or 1, args.speculative_eagle_topk or 1
+        self.forced_width = min(N + proposer.scratch_slots_per_request(), max(N, S * K) + GRAMMAR_ROOM)
 
     def _batch_policy(self, args) -> BatchPolicy:
         """Batch-aware speculation. Turning speculation off where plain steps measure faster is only done when it
@@ -189,6 +196,7 @@ class SpecDecoder(DecodeStep):
             spec_overlap=self.overlap is not None,  # the overlap scheduler (Spec V2)
             spec_overlapped_steps=self.overlap.overlapped_steps if self.overlap is not None else 0,
             spec_trimmed_finishes=st.trimmed_finishes,
+            spec_forced_tokens=st.forced_tokens,
             speculative_draft_stop_threshold=args.speculative_draft_stop_threshold,
             speculative_draft_score_temperature=args.speculative_draft_score_temperature,
             speculative_draft_dtype=None if draft_dtype is None else dtype_name(draft_dtype),  # None: no draft model
@@ -278,15 +286,20 @@ class SpecDecoder(DecodeStep):
         is found later by ``process``, which then drops the tokens after it (``release_done`` trims them)."""
         if shape != self.policy.full:
             self.stats.shrunk_steps += 1
-        tree = self.proposer.propose(reqs, shape)
+        tree, grammar_trees = self._jump_forward(reqs, self.proposer.propose(reqs, shape))
         n_nodes = tree.num_nodes.tolist()
         root_pos = [r.seq_len - 1 for r in reqs]
         slots = self._verify_slots(reqs, root_pos, n_nodes)  # [T] request-major, node order
         out = self._verify_forward(reqs, tree, root_pos, n_nodes, slots)
         logits = self._padded(out.logits, tree)  # [B, N, V]
-        result = self._verify(reqs, tree, logits)
-        record = StepRecord(reqs, logits, result.accepted_nodes.tolist(), result.token_lists(), [], [], [], n_nodes,
-                            tree.depth.max(dim=1).values.tolist())
+        ban = self._tree_grammar_ban(reqs, grammar_trees, tree, logits.shape[-1])
+        result = self._verify(reqs, tree, logits, ban)
+        paths = result.accepted_nodes.tolist()
+        forced = [0] * len(reqs)
+        for b, t in grammar_trees.items():
+            forced[b] = sum(node >= t.forced_from for node in paths[b][1:])
+        record = StepRecord(reqs, logits, paths, result.token_lists(), [], [], [], n_nodes,
+                            tree.depth.max(dim=1).values.tolist(), forced)
         steps, kept, row_offset = [], [], 0
         for b, req in enumerate(reqs):
             tokens, n_out = record.tokens[b], len(req.output_ids)
@@ -346,17 +359,18 @@ class SpecDecoder(DecodeStep):
         return out
 
     # ------------------------------------------------------------------ verification
-    def _verify(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        """logits [B, N, V] raw -> VerifyResult, every row judged against its own processed distribution."""
+    def _verify(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor,
+                grammar_ban: torch.Tensor | None) -> VerifyResult:
+        """logits [B, N, V] raw -> VerifyResult, every row judged against its own processed distribution.
+        grammar_ban: bool [B * N, V], the grammars' bans per node (``_tree_grammar_ban``), or None."""
         if self.simulator is not None:  # simulated accept lengths: the target's judgement is ignored
             lens = self.simulator.sample(tree.batch_size, tree.max_depth + 1).to(self.device)  # [B]
             return simulate_accept(tree, greedy_ids(logits), lens)
         if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
-            ban = self._tree_grammar_ban(reqs, tree, logits.shape[-1])  # [B * N, V] or None
-            if ban is not None:  # only grammars to apply: no sampling batch needed
-                logits = logits.masked_fill(ban.view(logits.shape), float("-inf"))
+            if grammar_ban is not None:  # only grammars to apply: no sampling batch needed
+                logits = logits.masked_fill(grammar_ban.view(logits.shape), float("-inf"))
             return verify_greedy(tree, greedy_ids(logits))
-        info, processed = self._processed(reqs, tree, logits)  # processed [B, N, V]
+        info, processed = self._processed(reqs, tree, logits, grammar_ban)  # processed [B, N, V]
         greedy = [r.params.is_greedy or self.proposer.force_greedy_verify for r in reqs]
         if all(greedy):
             return verify_greedy(tree, greedy_ids(processed))
@@ -376,7 +390,7 @@ class SpecDecoder(DecodeStep):
         pick = torch.tensor(greedy, device=self.device)
         return _merge_results(pick, by_argmax, sampled)
 
-    def _processed(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor):
+    def _processed(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor, grammar_ban: torch.Tensor | None):
         """Penalties, bias and min-token bans per node: node i of request b is judged as plain decoding would
         after generating b's output so far plus the drafted tokens on the path root -> i."""
         B, N, V = logits.shape
@@ -391,23 +405,47 @@ class SpecDecoder(DecodeStep):
                 stops.append(r.stop_ids)
         info = SamplingBatchInfo.from_params(params, gens, prompts, outputs, stops, self.runner.spec.vocab_size,
                                              self.device)
-        info.grammar_ban = self._tree_grammar_ban(reqs, tree, V)
+        info.grammar_ban = grammar_ban
         processed = apply_penalties_and_bias(logits.view(B * N, V), info)
         return info, processed.view(B, N, V)
 
-    def _tree_grammar_ban(self, reqs: list[Req], tree: DraftTree, vocab_size: int) -> torch.Tensor | None:
-        """bool [B * N, V] grammar bans per tree node (node i: after the path root -> i), None without grammars."""
+    def _jump_forward(self, reqs: list[Req], tree: DraftTree) -> tuple[DraftTree, dict[int, ForcedTree]]:
+        """Structured outputs: each constrained request's tree without the nodes its grammar forbids, and with the
+        tokens its grammar forces appended (``jump_forward``), up to ``forced_width`` nodes for a full-size tree
+        (pruning only with --disable-grammar-jump-forward). -> (the tree to verify, {b: request b's ForcedTree})."""
         rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
-            return None
-        B, N = tree.batch_size, tree.width
+            return tree, {}
+        tokens, parents, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
+        room = self.forced_width if tree.width == self.proposer.num_draft_tokens else tree.width
+        out: dict[int, ForcedTree] = {}
         with reqs[rows[0]].grammar.stats.masking():
-            ban = torch.zeros(B, N, vocab_size, dtype=torch.bool, device=self.device)  # [B, N, V]
-            tokens, parents, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
             for b in rows:
                 n, req = sizes[b], reqs[b]
-                bitmask, accepting = tree_rows(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids)
-                ban[b, :n] = ban_mask(bitmask, accepting, [req.stop_ids] * n, vocab_size, self.device)
+                out[b] = jump_forward(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids,
+                                      n if self.no_jump_forward else room, self.runner.spec.vocab_size)
+        if all(out[b].tokens == tokens[b][:sizes[b]] for b in rows):
+            return tree, out  # nothing dropped, nothing forced: the drafted tree as it is
+        for b in rows:
+            tokens[b], parents[b], sizes[b] = out[b].tokens, out[b].parents, len(out[b].tokens)
+        width = max(tree.width, *sizes)
+        dev = tree.tokens.device
+        tok = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.int64, device=dev)  # [B, N']
+        par = torch.tensor([p + [0] * (width - len(p)) for p in parents], dtype=torch.int64, device=dev)  # [B, N']
+        return build_tree(tok[:, 0], tok[:, 1:], par[:, 1:], torch.tensor(sizes, device=dev), check=False,
+                          merge=False), out
+
+    def _tree_grammar_ban(self, reqs: list[Req], trees: dict[int, ForcedTree], tree: DraftTree, vocab_size: int
+                          ) -> torch.Tensor | None:
+        """bool [B * N, V] grammar bans per tree node (node i: after the path root -> i) from ``_jump_forward``'s
+        rows, None without grammars."""
+        if not trees:
+            return None
+        B, N = tree.batch_size, tree.width
+        ban = torch.zeros(B, N, vocab_size, dtype=torch.bool, device=self.device)  # [B, N, V]
+        for b, t in trees.items():
+            n = len(t.tokens)
+            ban[b, :n] = ban_mask(t.bitmask, t.accepting, [reqs[b].stop_ids] * n, vocab_size, self.device)
         return ban.view(B * N, vocab_size)
 
     # ------------------------------------------------------------------ speculative steps: the output part
@@ -435,6 +473,8 @@ class SpecDecoder(DecodeStep):
             if record.stopped[b] and not req.finished:
                 raise RuntimeError(f"request {req.rid} stopped in the forward part but not by the finish checks")
             self._count(req, len(record.tokens[b]) - 1, emitted, record.n_nodes[b] - 1, record.depths[b])
+            req.spec_forced_tokens += record.forced[b]
+            self.stats.forced_tokens += record.forced[b]
             completion = record.n_out[b] + emitted
             if req.finished:
                 done.append((req, completion))

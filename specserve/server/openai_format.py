@@ -26,7 +26,7 @@ JSON_OBJECT = '{"type": "object"}'  # response_format json_object: any JSON obje
 
 # OpenAI request field -> SGLang sampling parameter (fields with the same name are listed once)
 _SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-              "frequency_penalty", "stop", "stop_token_ids", "seed", "logit_bias", "ignore_eos",
+              "frequency_penalty", "stop", "stop_regex", "stop_token_ids", "seed", "logit_bias", "ignore_eos",
               "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n")
 
 

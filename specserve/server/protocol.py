@@ -110,8 +110,8 @@ class _SamplingFields(_Strict, _OffExtras):
     ebnf: str | None = None
     json_schema: str | None = None
     structural_tag: str | None = None
+    stop_regex: str | list[str] | None = None
     # SGLang extras specserve does not honour yet (and those of _OffExtras): refused unless off
-    stop_regex: _only(None, why="stop_regex is not supported yet; use stop") = None
     custom_params: _Off = None
 
 

@@ -66,7 +66,7 @@ class ReqSpec:
 
     def to_req(self, tokenizer, device: torch.device) -> Req:
         gen = None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
-        checker = StopChecker(tokenizer, self.params) if self.params.stop_strs else None
+        checker = StopChecker(tokenizer, self.params) if self.params.has_text_stops else None
         req = Req(self.rid, self.input_ids, self.params, self.stop_ids, gen, checker)
         req.stream = self.stream
         return req

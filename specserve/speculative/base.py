@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from specserve.speculative.tree import DraftTree
 
 
+# Table columns (and RoPE positions) past a step's tree for the tokens a grammar forces (structured outputs'
+# jump-forward, SpecDecoder._jump_forward), which go into the KV slots of drafting's scratch.
+GRAMMAR_ROOM = 8
+
 @dataclass(frozen=True)
 class DraftMemory:
     """Memory a drafter allocates beside the target: its weights and its KV cache per token slot, and the dtype a
@@ -104,9 +108,10 @@ class Proposer(ABC):
 
     @classmethod
     def lookahead(cls, args) -> int:
-        """Table columns past a request's root one step may write (draft scratch, then verify nodes)."""
+        """Table columns past a request's root one step may write (draft scratch, then verify nodes, grammar-forced
+        nodes included)."""
         steps, topk = args.speculative_num_steps or 1, args.speculative_eagle_topk or 1
-        return max(args.speculative_num_draft_tokens or 1, steps * topk) + 1
+        return max(args.speculative_num_draft_tokens or 1, steps * topk) + 1 + GRAMMAR_ROOM
 
     @classmethod
     def select(cls, args, target_spec) -> type[Proposer]:
@@ -120,12 +125,16 @@ class Proposer(ABC):
         return DraftMemory()
 
     def draft_slots_per_request(self) -> int:
-        """Scratch KV slots per request the drafting phase needs (freed before the verify forward)."""
+        """KV slots per request drafting needs beside the tree's nodes (scratch, and any it holds between steps)."""
+        return 0
+
+    def scratch_slots_per_request(self) -> int:
+        """The part of draft_slots_per_request that is free again by the verify forward (drafting's scratch)."""
         return 0
 
     def max_positions_ahead(self) -> int:
         """How far past a request's root position drafting and verification write (for RoPE/table sizes)."""
-        return self.num_draft_tokens
+        return self.num_draft_tokens + GRAMMAR_ROOM
 
     def after_prefill(self, chunks: list[PrefillChunk], out: ModelOutput) -> None:  # noqa: B027 - optional hook
         """Seed drafting state from a prefill forward (called after its tokens were sampled and appended)."""

@@ -40,7 +40,7 @@ from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
 from specserve.grammar.masks import ban_mask, path_rows
 from specserve.platform import PlatformPolicy
-from specserve.speculative.base import DraftMemory, PrefillChunk, Proposer, VerifiedStep
+from specserve.speculative.base import GRAMMAR_ROOM, DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
 from specserve.speculative.draft_models import CatchUp, DraftModel, EagleHeadDraft
 from specserve.speculative.token_map import HotVocabHead
@@ -178,10 +178,13 @@ class EagleProposer(Proposer):
     # ------------------------------------------------------------------ set-up
     def draft_slots_per_request(self) -> int:
         """Tree scratch, plus the held root slot of a draft that keeps one."""
-        return self.topk * (self.steps - 1) + (1 if self.draft.holds_root_slot else 0)
+        return self.scratch_slots_per_request() + (1 if self.draft.holds_root_slot else 0)
+
+    def scratch_slots_per_request(self) -> int:
+        return self.topk * (self.steps - 1)
 
     def max_positions_ahead(self) -> int:
-        return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset
+        return max(self.num_draft_tokens, self.topk * self.steps) + 1 + self.root_offset + GRAMMAR_ROOM
 
     # ------------------------------------------------------------------ the draft network
     def compute_dtype(self, rows: int) -> torch.dtype:

@@ -20,6 +20,7 @@ Adaptations to a random model, which neither follows instructions nor ends its a
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -159,15 +160,25 @@ def test_no_stop_trim_keeps_stop_string(client, server, tokenizer, endpoint):
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_finish_stop_regex_str(client, server, endpoint):
-    """Ports MatchedStopMixin.test_finish_stop_regex_str. specserve has no stop_regex yet, so the SGLang check
-    (finish_reason "stop", matched_stop == the pattern) does not apply: the request must be refused with 400 naming
-    stop_regex, never run with the stop silently dropped. Replace with SGLang's check once stop_regex lands."""
-    for pattern in (r"and|or", r"[.!?]\s*$"):
-        with pytest.raises(openai.BadRequestError) as exc:
-            run(client, server, endpoint, STORY_PROMPT, 1000, stop_regex=pattern)
-        assert exc.value.status_code == 400
-        assert "stop_regex" in exc.value.message
+def test_finish_stop_regex_str(client, server, tokenizer, endpoint):
+    """Ports MatchedStopMixin.test_finish_stop_regex_str: an alternation stop_regex (both endpoints) and the
+    sentence end "[.!?]\\s*$" (chat), max_tokens=1000 -> finish_reason "stop" and matched_stop the pattern itself.
+    SGLang's alternation is "and|or"; a random model need not write either, so where its greedy reference has
+    neither, the alternation is of two pieces of that reference. The text is cut where the match starts (as a stop
+    string is cut; SGLang leaves it in)."""
+    prompt = story_prompt(endpoint, tokenizer)
+    _, reference, _ = run(client, server, endpoint, prompt, 1000)
+    alternation = r"and|or" if re.search(r"and|or", reference) else "|".join(
+        re.escape(reference[k:k + 3]) for k in (40, 20))
+    first = re.search(alternation, reference)
+    choice, text, _ = run(client, server, endpoint, prompt, 1000, stop_regex=alternation)
+    assert (choice.finish_reason, matched_stop(choice), text) == ("stop", alternation, reference[:first.start()])
+    if endpoint == "chat":
+        sentence = r"[.!?]\s*$"
+        assert re.search(r"[.!?]", reference), f"precondition: no sentence end mark in {reference!r}"
+        choice, text, _ = run(client, server, endpoint, prompt, 1000, stop_regex=sentence)
+        assert (choice.finish_reason, matched_stop(choice)) == ("stop", sentence)
+        assert reference.startswith(text) and reference[len(text)] in ".!?"
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

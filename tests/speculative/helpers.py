@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -73,15 +74,18 @@ def staggered(engine: Engine, prompts, params, late_prompts, late_params) -> tup
 
 
 def plain_finish_case(target: str, prompts, params: dict, extra: dict) -> tuple[dict, list[dict]]:
-    """A finish case and plain decoding's outputs for it: a None ``stop_token_ids`` / ``stop`` in `extra` is filled
-    with a token / text plain decoding emits for prompts[0] (mid-generation, so the finish lands inside an
-    accepted run). -> (the request params, plain outputs for `prompts`)."""
+    """A finish case and plain decoding's outputs for it: a None ``stop_token_ids`` / ``stop`` / ``stop_regex`` in
+    `extra` is filled with a token / text / a regex of text plain decoding emits for prompts[0] (mid-generation, so
+    the finish lands inside an accepted run). -> (the request params, plain outputs for `prompts`)."""
     with Engine(model_path=target, max_total_tokens=4096) as e:
         ref = e.generate(prompts[0], params)
         if "stop_token_ids" in extra:
             extra = {"stop_token_ids": [ref["output_ids"][9]], "ignore_eos": False}
         if "stop" in extra:
             extra = {"stop": [e.tokenizer.decode(ref["output_ids"][10:12])]}
+        if "stop_regex" in extra:  # the same text as a regex, with a character class
+            text = e.tokenizer.decode(ref["output_ids"][10:12])
+            extra = {"stop_regex": ["[" + re.escape(text[0]) + "]" + re.escape(text[1:])]}
         params = {**params, **extra}
         return params, e.generate(prompts, params)
 

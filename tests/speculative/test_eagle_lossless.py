@@ -135,6 +135,7 @@ def test_deeper_target_random_head(model_factory, tmp_path):
     {"max_new_tokens": 7},
     {"stop_token_ids": None},  # filled in the test with a token plain decoding emits
     {"stop": None},  # filled in with text plain decoding emits
+    {"stop_regex": None},  # filled in with a regex of text plain decoding emits
     {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3},
     {"min_new_tokens": 10, "logit_bias": {"5": 3.0}},
 ])

@@ -76,6 +76,9 @@ def test_constrained_greedy_equals_constrained_plain(setups, algorithm, backend)
     spec, info = generate(path, PROMPTS[:8], params, grammar_backend=backend, **kw)
     assert ids(spec) == ids(plain)
     assert_drafting_happened([o for o, p in zip(spec, params, strict=True) if p.keys() & GRAMMARS.keys()])
+    # jump-forward: tokens the grammar forces (the tool call's wrapper and name, JSON punctuation) were appended to
+    # the trees and accepted
+    assert sum(o["meta_info"]["spec_forced_tokens"] for o in spec) > 0 and info["spec_forced_tokens"] > 0
     alone_plain, _ = generate(path, PROMPTS[3:4], constrained("json_schema", 40), grammar_backend=backend)
     alone, _ = generate(path, PROMPTS[3:4], constrained("json_schema", 40), grammar_backend=backend, **kw)
     assert ids(alone) == ids(alone_plain)

@@ -101,6 +101,7 @@ def test_draft_stop_threshold_shortens_chains_and_keeps_outputs(target, self_hea
     ({"max_new_tokens": 7}, 1.5),
     ({"stop_token_ids": None}, 1.5),  # filled in with a token plain decoding emits
     ({"stop": None}, 1.5),  # filled in with text plain decoding emits: found one step late, trimmed back
+    ({"stop_regex": None}, 1.5),  # the same as a regex
     # the head drafts without the penalty and the bias: fewer of its drafts survive (accept length 1.33)
     ({"min_new_tokens": 10, "logit_bias": {"5": 3.0}, "repetition_penalty": 1.3}, 1.2),
 ])
@@ -114,7 +115,7 @@ def test_finishes_logprobs_and_text_equal_plain(target, self_head, extra, min_ac
         assert_no_kv_leak(e)
     assert_drafting_happened(got, min_accept_length=min_accept)
     assert_same_outputs(got, want)
-    if "stop" in extra:  # the stop string ended requests after the next forward part had already run
+    if "stop" in extra or "stop_regex" in extra:  # it ended requests after the next forward part had already run
         assert isinstance(got[0]["meta_info"]["finish_reason"]["matched"], str)
         assert info["spec_trimmed_finishes"] > 0
 

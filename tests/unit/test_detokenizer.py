@@ -1,9 +1,19 @@
+import re
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from specserve.sampling import SamplingParams
-from specserve.sampling.detokenizer import IncrementalDetokenizer, StopChecker, find_stop, partial_stop_len
+from specserve.sampling.detokenizer import (
+    STOP_REGEX_LOOKBACK,
+    IncrementalDetokenizer,
+    StopChecker,
+    find_stop,
+    find_stop_regex,
+    partial_stop_len,
+    regex_lookback,
+)
 
 TRAIN_LINES = [
     "héllo wörld ✓ 日本語 🙂",
@@ -189,3 +199,39 @@ def test_no_stop_strings_streams_everything(tok):
     assert matched is None
     assert "".join(out) == TEXTS[1]
     assert checker.flush() == ""
+
+
+# ---------------------------------------------------------------- stop regexes
+def test_find_stop_regex_only_matches_ending_in_the_new_text():
+    pats = [(re.compile(r"and|or"), 3), (re.compile(r"[.!?]\s*$"), 1024)]
+    assert find_stop_regex("cats and dogs", pats, 0) == (5, r"and|or", 3)
+    assert find_stop_regex("cats and dogs", pats, 8) is None  # "and" ended before the new text
+    assert find_stop_regex("cats an", pats, 6) is None
+    assert find_stop_regex("cats and", pats, 7) == (5, r"and|or", 3)  # completed by the new "d"
+    assert find_stop_regex("Done. ", pats, 5) == (4, r"[.!?]\s*$", 2)
+    assert find_stop_regex("Done. Then", pats, 6) is None  # "$" no longer holds
+
+
+def test_regex_lookback_is_the_longest_match_where_known():
+    assert regex_lookback(re.compile("and|or")) == 3
+    assert regex_lookback(re.compile("a+")) == STOP_REGEX_LOOKBACK  # unbounded
+
+
+def test_stop_regex_trims_at_the_match_and_reports_the_pattern(tok):
+    text = "hello there STOP here and more"
+    checker, out, matched = _run_checker(tok, text, stop_regex=r"S[A-Z]+P")
+    assert matched == r"S[A-Z]+P" and checker.finished
+    assert "".join(out) == checker.text and text.startswith(checker.text) and "STOP" not in checker.text
+    kept = _run_checker(tok, text, stop_regex=r"S[A-Z]+P", no_stop_trim=True)[0]
+    assert kept.text == "hello there STOP"
+
+
+def test_the_earlier_of_a_stop_string_and_a_stop_regex_wins(tok):
+    text = "one two three four"
+    assert _run_checker(tok, text, stop=["four"], stop_regex=r"t[wh]")[2] == r"t[wh]"
+    assert _run_checker(tok, text, stop=["one"], stop_regex=r"t[wh]")[2] == "one"
+
+
+def test_invalid_stop_regex_names_the_field():
+    with pytest.raises(ValueError, match="stop_regex: '\\(' is not a valid regular expression"):
+        SamplingParams.from_dict({"stop_regex": ["ok", "("]})

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import demo_path
 from specserve.grammar import GrammarError, GrammarSpec, Matcher, make_grammar_backend, new_bitmask
-from specserve.grammar.masks import allowed_tokens, ban_mask, fill_rows, path_rows, tree_rows
+from specserve.grammar.masks import allowed_tokens, ban_mask, fill_rows, jump_forward, path_rows, single_token
 
 BACKENDS = ["llguidance", "xgrammar"]
 
@@ -71,22 +71,49 @@ def test_ban_mask_adds_the_stop_ids_where_the_grammar_accepts():
     assert (~ban).nonzero().tolist() == [[0, 1], [0, 2], [1, 1], [1, 2], [1, 5], [1, 7]]
 
 
-def test_tree_rows_follow_each_path_and_skip_forbidden_nodes():
+def test_jump_forward_drops_forbidden_nodes_and_keeps_each_nodes_row():
     m = WordsMatcher([[1, 2], [1, 3, 4], [5]])
     # tree: 0 root; 1: tok 1 (ok); 2: tok 2 under 1 (ok, a complete word); 3: tok 3 under 1; 4: tok 4 under 3;
-    # 5: tok 6 under root (forbidden), 6: tok 1 under 5 (unreachable); 7: tok 0 (a stop id) under 2
+    # 5: tok 6 under root (forbidden), 6: tok 1 under 5 (under a forbidden node); 7: tok 0 (a stop id) under 2
     tokens = [9, 1, 2, 3, 4, 6, 1, 0]
     parents = [-1, 0, 1, 1, 3, 0, 5, 2]
-    bm, accepting = tree_rows(m, tokens, parents, stop_ids={0})
-    rows = rows_as_sets(bm, 8)
+    t = jump_forward(m, tokens, parents, stop_ids={0}, width=8, vocab_size=8)
+    assert t.tokens == [9, 1, 2, 3, 4, 0] and t.parents == [-1, 0, 1, 1, 3, 2]  # nodes 5 and 6 dropped
+    rows = rows_as_sets(t.bitmask, 8)
     assert rows[0] == {1, 5}  # after the root: the words' first tokens
     assert rows[1] == {2, 3}
-    assert rows[2] == {0} and accepting[2]  # [1, 2] is complete: only the stop token follows
+    assert rows[2] == {0} and t.accepting[2]  # [1, 2] is complete: only the stop token follows
     assert rows[3] == {4}
-    assert rows[4] == {0} and accepting[4]
-    assert rows[5] == rows[6] == rows[7] == set(range(8))  # never verified: left all-allowed
-    assert accepting == [False, False, True, False, True, False, False, False]
+    assert rows[4] == {0} and t.accepting[4]
+    assert rows[5] == set(range(8))  # after a stop: never verified, left all-allowed
+    assert t.accepting == [False, False, True, False, True, False]
+    assert t.forced_from == 6  # the deepest leaf ([1, 3, 4]) is complete: nothing is forced after it
     assert m.path == []  # the walk runs on forks: the matcher is untouched
+
+
+def test_jump_forward_appends_the_forced_run_after_the_deepest_leaf():
+    m = WordsMatcher([[1, 2, 3, 4, 5], [1, 6]])
+    tokens, parents = [9, 1, 2, 7], [-1, 0, 1, 0]  # root; 1; 2 under 1; 7 under the root (forbidden)
+    t = jump_forward(m, tokens, parents, stop_ids={0}, width=6, vocab_size=8)
+    assert t.tokens == [9, 1, 2, 3, 4, 5] and t.parents == [-1, 0, 1, 2, 3, 4] and t.forced_from == 3
+    assert rows_as_sets(t.bitmask, 8)[3:] == [{4}, {5}, {0}] and t.accepting == [False] * 5 + [True]
+    short = jump_forward(m, tokens, parents, stop_ids={0}, width=5, vocab_size=8)
+    assert short.tokens == [9, 1, 2, 3, 4]  # as far as the width allows
+    assert jump_forward(m, tokens, parents, {0}, width=6, vocab_size=4).tokens == [9, 1, 2, 3]  # 4, 5: no logits
+    alone = jump_forward(WordsMatcher([[3, 4]]), [9, 5], [-1, 0], {0}, width=4, vocab_size=8)
+    assert alone.tokens == [9, 3, 4] and alone.forced_from == 1  # from the root itself, the drafted node dropped
+    assert m.path == []
+
+
+def test_single_token_reads_one_set_bit():
+    row = torch.zeros(3, dtype=torch.int32)
+    assert single_token(row) is None
+    row[1] = 1 << 5
+    assert single_token(row) == 37
+    row[1] |= 1
+    assert single_token(row) is None
+    row[:] = torch.tensor([0, 0, -(2**31)], dtype=torch.int32)  # the sign bit: token 2 * 32 + 31
+    assert single_token(row) == 95
 
 
 def test_fill_rows_one_row_per_matcher():
@@ -178,7 +205,7 @@ def fresh_row(backend, spec: GrammarSpec, path: list[int]) -> tuple[set[int], bo
     return rows_as_sets(bm, backend.vocab_size)[0], accepting[0]
 
 
-def test_tree_rows_equal_fresh_matchers_fed_each_path(backend, tokenizer):
+def test_jump_forward_rows_equal_fresh_matchers_fed_each_path(backend, tokenizer):
     case = SCHEMA_CASES[2]
     spec = GrammarSpec.from_field("json_schema", json.dumps(case.schema))
     ids = tokenizer.encode(json.dumps(case.example), add_special_tokens=False)
@@ -190,21 +217,19 @@ def test_tree_rows_equal_fresh_matchers_fed_each_path(backend, tokenizer):
         tokens += [ids[k], other[k % 3], other[(k + 1) % 3]]
         parents += [true_node, true_node, len(tokens) - 2]
         true_node = len(tokens) - 3
-    bm, accepting = tree_rows(m, tokens, parents, stop_ids=set())
-    rows = rows_as_sets(bm, backend.vocab_size)
-    entered = 0
-    for node in range(len(tokens)):
+    t = jump_forward(m, tokens, parents, stop_ids=set(), width=len(tokens) + 4, vocab_size=backend.vocab_size)
+    rows = rows_as_sets(t.bitmask, backend.vocab_size)
+    for node in range(len(t.tokens)):
         path, p = [], node
         while p > 0:
-            path.insert(0, tokens[p])
-            p = parents[p]
+            path.insert(0, t.tokens[p])
+            p = t.parents[p]
         want = fresh_row(backend, spec, ids[:5] + path)
-        if want is None:  # a path the grammar refuses: never verified, left all-allowed
-            assert rows[node] == set(range(backend.vocab_size))
-        else:
-            entered += 1
-            assert (rows[node], accepting[node]) == want, node
-    assert entered >= 5  # the root and the true chain at least
+        assert want is not None, node  # every node left is one the grammar allows
+        assert (rows[node], t.accepting[node]) == want, node
+        if node >= t.forced_from:  # a forced node: the only token its parent allows
+            assert rows[t.parents[node]] == {t.tokens[node]}
+    assert len(t.tokens) >= 5  # the root and the true chain at least
     assert fresh_row(backend, spec, ids[:5])[0] == rows_as_sets(fill_rows([m])[0],
                                                                   backend.vocab_size)[0]  # the matcher is back
 

@@ -33,6 +33,7 @@ EXPECTED_DEFAULTS = {
     "regex": None,
     "ebnf": None,
     "structural_tag": None,
+    "stop_regex": None,
 }
 
 
