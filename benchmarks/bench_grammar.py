@@ -7,8 +7,8 @@ with the demo model's tokenizer (or ``--tokenizer``):
   tables lazily);
 - mask: the time to compute one next-token bitmask, over every position of the schema's example output (tokenized),
   and the time to accept a token;
-- tree: one draft tree's masks (``tree_rows``: 12 nodes, the example's next tokens with a wrong sibling at each
-  level), the work a speculative verify step adds per constrained request.
+- tree: one draft tree's masks (``jump_forward`` without room to append: 12 nodes, the example's next tokens with a
+  wrong sibling at each level, which it drops), the work a speculative verify step adds per constrained request.
 Backends alternate schema by schema, ``--reps`` times; medians are printed, with the ratio xgrammar / llguidance.
 
     python benchmarks/bench_grammar.py --reps 5
@@ -27,7 +27,7 @@ from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import demo_path
 from specserve.grammar import GrammarSpec, new_bitmask
 from specserve.grammar.backend import grammar_backend_class
-from specserve.grammar.masks import tree_rows
+from specserve.grammar.masks import jump_forward
 
 TREE_LEVELS = 6  # a chain of the example's tokens with one wrong sibling per level: 12 nodes
 
@@ -73,7 +73,7 @@ def measure(name: str, tokenizer, case) -> dict[str, float]:
         tokens += [ids[k], wrong]
         parents += [node, node]
         node = len(tokens) - 2
-    out["tree_ms"] = timed(lambda: tree_rows(fresh, tokens, parents, set())) * 1e3
+    out["tree_ms"] = timed(lambda: jump_forward(fresh, tokens, parents, set(), 0, backend.vocab_size)) * 1e3
     return out
 
 

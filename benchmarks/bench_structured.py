@@ -6,7 +6,8 @@ with the grammar engines of ``--backends``:
 - constrained: ``json_schema`` = the case's schema (the output ends when the JSON does, or at ``--max-new-tokens``);
 - free: right after, the same prompts without a grammar, each generating as many tokens as its constrained run did
   (``ignore_eos``), so both runs have the same batch shapes over time: the unconstrained baseline.
-At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE-3 runs twice: with grammar
+At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE-3 speculates at every step
+(``disable_speculative_auto_off``) and runs twice: with grammar
 jump-forward (the tokens a grammar forces appended to the draft tree, the default) and without it
 (``--disable-grammar-jump-forward``, constrained only). Configurations alternate within each round; tokens/s is
 completion tokens over wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios
@@ -28,12 +29,15 @@ from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import demo_path
 
 
-def engines(backends: list[str], threads: int | None) -> dict[tuple[str, str], Engine]:
+def engines(backends: list[str], threads: int | None, compact: bool) -> dict[tuple[str, str], Engine]:
     out = {}
     for backend in backends:
-        common = dict(model_path=demo_path("demo"), grammar_backend=backend, num_threads=threads)
+        common = dict(model_path=demo_path("demo"), grammar_backend=backend, num_threads=threads,
+                      constrained_json_disable_any_whitespace=compact)
         out["plain", backend] = Engine(**common)
-        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=demo_path("demo-eagle3"), **common)
+        # every step speculative: batch-aware speculation's timing-based plain steps would make the figures vary
+        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=demo_path("demo-eagle3"),
+                    disable_speculative_auto_off=True, **common)
         out["eagle3", backend] = Engine(**spec)
         out["eagle3-nojf", backend] = Engine(disable_grammar_jump_forward=True, **spec)
     return out
@@ -71,15 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="llguidance,xgrammar")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch-1", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run one request at a time (--no-batch-1: only --batch)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--constrained-json-disable-any-whitespace", action="store_true",
+                   help="JSON without whitespace beyond single spaces after , and : (the server flag)")
     args = p.parse_args(argv)
     backends = args.backends.split(",")
-    eng = engines(backends, args.num_threads)
+    eng = engines(backends, args.num_threads, args.constrained_json_disable_any_whitespace)
     rows: dict[tuple, dict[str, list]] = {}
     for rnd in range(args.rounds + 1):
-        for batch in (1, args.batch):
+        for batch in ((1, args.batch) if args.batch_1 else (args.batch,)):
             for algo in ("plain", "eagle3", "eagle3-nojf"):
                 for backend in backends:
                     # constrained, then free with the same output lengths (the same batch shapes over time)
@@ -98,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                             r["forced"].append(forced / ver)
     for e in eng.values():
         e.shutdown()
-    print(f"demo bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens; "
+    space = "compact JSON" if args.constrained_json_disable_any_whitespace else "JSON whitespace up to 24 chars"
+    print(f"demo bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, {space}; "
           f"median of {args.rounds} rounds (ratio: round by round)")
     print(f"{'batch':>5} {'algo':>11} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
           f"{'vs plain':>9} {'accept free':>12} {'accept':>7} {'drafted':>8} {'forced':>7}")

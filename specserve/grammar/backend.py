@@ -75,6 +75,11 @@ class Matcher:
     def terminated(self) -> bool:
         raise NotImplementedError
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from this state, as the engine tokenizes the forced text (a jump-forward
+        guess: ``masks.jump_forward`` checks each before appending it). Default: none known."""
+        return []
+
 
 class GrammarBackend:
     """Compiles specs for one tokenizer and makes matchers (see the module docstring).

@@ -53,6 +53,9 @@ class LLGuidanceMatcher(Matcher):
     def accepting(self) -> bool:
         return self.m.is_accepting()
 
+    def forced_tokens(self) -> list[int]:
+        return self.m.compute_ff_tokens()  # llguidance's fast-forward tokens: the forced bytes, canonically tokenized
+
     def terminated(self) -> bool:
         return self.ended
 

@@ -89,7 +89,8 @@ def jump_forward(matcher: Matcher, tokens: list[int], parents: list[int], stop_i
     """Grammar-aware reshaping of one request's draft tree ``tokens`` / ``parents`` (node 0 = the root, whose token
     the matcher has accepted): the nodes the grammar forbids are dropped with their subtrees (they could never be
     accepted), and the room this leaves, up to ``width`` nodes, goes to the tokens the grammar forces after the
-    deepest remaining leaf (a JSON key, ``": "``, a closing brace): appended as a chain, with no draft forward.
+    remaining leaves, deepest first (a JSON key, ``": "``, a closing brace): each run appended as a chain below its
+    leaf, with no draft forward. width <= the kept nodes: nothing is appended.
     A forced token is the only one a node's row allows where the grammar may not stop; verification accepts it
     whenever it reaches its parent. Token ids at or past ``vocab_size`` (the model's) are never appended.
     Each node's row allows what the grammar allows after the path root -> node; after a stop id or the grammar's own
@@ -115,8 +116,9 @@ def jump_forward(matcher: Matcher, tokens: list[int], parents: list[int], stop_i
             stack.extend(reversed(children[node]))
     kept = sorted(states)  # parents before children
     new_index = {old: new for new, old in enumerate(kept)}
+    rows = max(width, len(kept))
     out = ForcedTree([tokens[i] for i in kept], [-1] + [new_index[parents[i]] for i in kept[1:]],
-                     new_bitmask(width, matcher.vocab_size), [False] * width, len(kept))
+                     new_bitmask(rows, matcher.vocab_size), [False] * rows, len(kept))
     depth = [0] * len(kept)
     for i in range(1, len(kept)):
         depth[i] = depth[out.parents[i]] + 1
@@ -126,8 +128,9 @@ def jump_forward(matcher: Matcher, tokens: list[int], parents: list[int], stop_i
             out.accepting[i] = states[old].accepting()
     has_child = set(out.parents[1:])
     leaves = [i for i, old in enumerate(kept) if states[old] is not None and i not in has_child]
-    if leaves:
-        leaf = max(leaves, key=lambda i: (depth[i], -i))  # the deepest, the earliest drafted among equals
+    for leaf in sorted(leaves, key=lambda i: (-depth[i], i)):  # the deepest first, the earliest drafted among equals
+        if len(out.tokens) >= width:
+            break
         _append_forced(out, states[kept[leaf]].fork(), leaf, stop_ids, width, vocab_size)
     n_new = len(out.tokens)
     out.bitmask, out.accepting = out.bitmask[:n_new], out.accepting[:n_new]
@@ -137,16 +140,22 @@ def jump_forward(matcher: Matcher, tokens: list[int], parents: list[int], stop_i
 def _append_forced(tree: ForcedTree, state: Matcher, leaf: int, stop_ids: set[int], width: int,
                    vocab_size: int) -> None:
     """Appends to ``tree`` the chain of tokens the grammar forces after node ``leaf`` (whose state is ``state``,
-    advanced in place), while there is room."""
+    advanced in place), while there is room: the engine's forced tokens (``Matcher.forced_tokens``), each checked
+    against the row before it, else the only token a row allows."""
     node = leaf
     while len(tree.tokens) < width and not tree.accepting[node]:
-        token = single_token(tree.bitmask[node])
-        if token is None or token >= vocab_size or token in stop_ids or not state.accept(token):
-            return
-        if state.terminated():
-            return
-        tree.tokens.append(token)
-        tree.parents.append(node)
-        node = len(tree.tokens) - 1
-        state.fill(tree.bitmask, node)
-        tree.accepting[node] = state.accepting()
+        run = state.forced_tokens() or [single_token(tree.bitmask[node])]
+        for token in run:
+            if len(tree.tokens) >= width or token is None or token >= vocab_size or token in stop_ids:
+                return
+            if not _allows(tree.bitmask[node], token) or not state.accept(token) or state.terminated():
+                return
+            tree.tokens.append(token)
+            tree.parents.append(node)
+            node = len(tree.tokens) - 1
+            state.fill(tree.bitmask, node)
+            tree.accepting[node] = state.accepting()
+
+
+def _allows(row: torch.Tensor, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)

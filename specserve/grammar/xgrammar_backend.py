@@ -12,9 +12,10 @@ from specserve.grammar.spec import ANY_JSON, GrammarError, GrammarSpec
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int, encode) -> None:
         self.m = xgrammar.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.encode = encode  # text -> token ids, the model's tokenizer
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
@@ -32,6 +33,12 @@ class XGrammarMatcher(Matcher):
 
     def terminated(self) -> bool:
         return self.m.is_terminated()
+
+    def forced_tokens(self) -> list[int]:
+        """xgrammar's jump-forward string, tokenized; its last token is left out (with the text after it, the model
+        may well write it as another token)."""
+        text = self.m.find_jump_forward_string()
+        return self.encode(text)[:-1] if text else []
 
 
 class XGrammarBackend(GrammarBackend):
@@ -59,7 +66,10 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(spec.kind, _message(str(e))) from None
 
     def _matcher(self, compiled: xgrammar.CompiledGrammar) -> XGrammarMatcher:
-        return XGrammarMatcher(compiled, self.vocab_size)
+        return XGrammarMatcher(compiled, self.vocab_size, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _message(text: str) -> str:

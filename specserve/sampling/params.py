@@ -177,23 +177,17 @@ class SamplingParams:
     @property
     def stop_strs(self) -> list[str]:
         """The non-empty stop strings as a list (without mutating the params)."""
-        if self.stop is None:
-            return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]
+        return _non_empty(self.stop)
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        """The non-empty stop_regex patterns as a list."""
+        return _non_empty(self.stop_regex)
 
     @property
     def has_text_stops(self) -> bool:
         """Stop strings or stop regexes: the scheduler detokenizes to find them."""
         return bool(self.stop_strs or self.stop_regexes)
-
-    @property
-    def stop_regexes(self) -> list[str]:
-        """The non-empty stop_regex patterns as a list."""
-        if self.stop_regex is None:
-            return []
-        patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
-        return [p for p in patterns if p]
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -270,6 +264,13 @@ class SamplingParams:
             _check_token_id("logit_bias", _bias_key_to_int(key), vocab_size)
             if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
+
+
+def _non_empty(value: str | list[str] | None) -> list[str]:
+    """A string, a list of strings or None -> its non-empty strings as a list."""
+    if value is None:
+        return []
+    return [s for s in ([value] if isinstance(value, str) else value) if s]
 
 
 def _check_finite(name: str, value: float) -> None:

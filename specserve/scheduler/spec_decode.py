@@ -423,7 +423,7 @@ class SpecDecoder(DecodeStep):
             for b in rows:
                 n, req = sizes[b], reqs[b]
                 out[b] = jump_forward(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids,
-                                      n if self.no_jump_forward else room, self.runner.spec.vocab_size)
+                                      0 if self.no_jump_forward else room, self.runner.spec.vocab_size)
         if all(out[b].tokens == tokens[b][:sizes[b]] for b in rows):
             return tree, out  # nothing dropped, nothing forced: the drafted tree as it is
         for b in rows:

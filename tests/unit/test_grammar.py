@@ -105,6 +105,15 @@ def test_jump_forward_appends_the_forced_run_after_the_deepest_leaf():
     assert m.path == []
 
 
+def test_jump_forward_fills_the_room_leaf_by_leaf_deepest_first():
+    m = WordsMatcher([[1, 2, 3, 4], [5, 6, 7]])
+    # root; 1: tok 1; 2: tok 2 under 1 (depth 2); 3: tok 5 under the root (depth 1)
+    t = jump_forward(m, [9, 1, 2, 5], [-1, 0, 1, 0], stop_ids={0}, width=7, vocab_size=8)
+    # after [1, 2] the grammar forces 3, 4; after [5] it forces 6, 7 (one fits)
+    assert t.tokens == [9, 1, 2, 5, 3, 4, 6] and t.parents == [-1, 0, 1, 0, 2, 4, 3] and t.forced_from == 4
+    assert jump_forward(m, [9, 1, 2, 5], [-1, 0, 1, 0], {0}, width=0, vocab_size=8).tokens == [9, 1, 2, 5]
+
+
 def test_single_token_reads_one_set_bit():
     row = torch.zeros(3, dtype=torch.int32)
     assert single_token(row) is None
@@ -232,6 +241,22 @@ def test_jump_forward_rows_equal_fresh_matchers_fed_each_path(backend, tokenizer
     assert len(t.tokens) >= 5  # the root and the true chain at least
     assert fresh_row(backend, spec, ids[:5])[0] == rows_as_sets(fill_rows([m])[0],
                                                                   backend.vocab_size)[0]  # the matcher is back
+
+
+def test_jump_forward_appends_a_forced_key_as_the_engine_tokenizes_it(tokenizer):
+    """Compact JSON after "{": the grammar forces the only key and its colon, several tokens of text that each
+    engine reports (llguidance's fast-forward tokens, xgrammar's jump-forward string); they are appended whole."""
+    schema = {"type": "object", "properties": {"weather_report": {"type": "string"}}, "required": ["weather_report"],
+              "additionalProperties": False}
+    spec = GrammarSpec.from_field("json_schema", json.dumps(schema))
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    for name in BACKENDS:
+        backend = make_grammar_backend(name, tokenizer, len(tokenizer), any_whitespace=False)
+        m = walk(backend, spec, brace)
+        t = jump_forward(m, [brace[-1]], [-1], set(), width=10, vocab_size=backend.vocab_size)
+        forced = tokenizer.decode(t.tokens[1:])
+        assert t.forced_from == 1 and len(t.tokens) > 2 and '"weather_report": "'.startswith(forced), (name, forced)
+        assert forced.startswith('"weather'), (name, forced)
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary(tokenizer):
