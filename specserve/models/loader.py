@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from specserve.models.gguf import GGUFError, converted_folder, find_gguf_file
 from specserve.models.registry import resolve_architecture
 from specserve.models.spec import ModelSpec
 
@@ -35,11 +36,18 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve_model_path(path: str, revision: str | None = None) -> str:
-    """A local folder as is; otherwise a hub id looked up in the local HF cache only (we run offline)."""
+    """A local folder as is; a GGUF file (or a folder holding one) as its converted HF folder (``models/gguf.py``);
+    otherwise a hub id looked up in the local HF cache only (we run offline)."""
+    try:
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            return converted_folder(gguf_file)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
-        raise ModelLoadError(f"model path {path!r} is a file, expected an HF model folder")
+        raise ModelLoadError(f"model path {path!r} is a file, expected an HF model folder or a .gguf file")
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/"))
     if not looks_like_hub_id:
         raise ModelLoadError(f"model path {path!r} does not exist")
@@ -149,9 +157,12 @@ def load_model(model_path: str, dtype: str = "auto", device: str | torch.device 
     """-> (model in eval mode on device, its ModelSpec, the resolved folder).
 
     registry: architecture name -> class (default: the target-model registry; draft heads pass their own).
-    load_format: "auto" / "safetensors" read the checkpoint; "dummy" fills random weights (``init_dummy_weights``
-    with ``seed``) and needs only config.json.
+    load_format: "auto" / "safetensors" read the checkpoint; "gguf" too, and requires model_path to be a GGUF file
+    (``models/gguf.py``); "dummy" fills random weights (``init_dummy_weights`` with ``seed``) and needs only
+    config.json.
     """
+    if load_format == "gguf" and find_gguf_file(model_path) is None:
+        raise ModelLoadError(f"--load-format gguf: {model_path!r} is not a .gguf file or a folder holding one")
     model_dir, cls, spec = _model_class(model_path, revision, registry)
     torch_dtype = resolve_dtype(dtype, spec)
     with torch.device("meta"):

