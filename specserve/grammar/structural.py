@@ -85,8 +85,7 @@ def check_format(fmt: Any) -> None:
         raise _error("regex's pattern must be a string")
     if kind == "tag":
         _check_strings(fmt["begin"], "tag's begin")
-        ends = fmt["end"] if isinstance(fmt["end"], list) else [fmt["end"]]
-        for end in ends:
+        for end in _ends(fmt):
             _check_strings(end, "tag's end")
         check_format(fmt["content"])
     if kind in ("sequence", "or"):
@@ -105,6 +104,18 @@ def check_format(fmt: Any) -> None:
         _check_strings(fmt["separator"], "tags_with_separator's separator")
     if kind == "triggered_tags":
         _check_triggers(fmt)
+
+
+def _ends(tag: dict) -> list:
+    """A tag's end strings (its ``end`` is one, or a list of alternatives)."""
+    return tag["end"] if isinstance(tag["end"], list) else [tag["end"]]
+
+
+def _guided(schema: dict | bool, json_options: dict) -> dict:
+    """A tag's JSON schema with llguidance's JSON options in it (``x-guidance``)."""
+    if schema is False:
+        raise _error("the json_schema false matches nothing")
+    return {**({} if schema is True else schema), "x-guidance": json_options}
 
 
 def _check_strings(value: Any, what: str) -> None:
@@ -145,17 +156,13 @@ class _Lark:
         return json.dumps(fmt["value"]) if fmt["value"] else '""'
 
     def _json_schema(self, fmt: dict) -> str:
-        schema = fmt["json_schema"]
-        schema = {} if schema is True else schema
-        if schema is False:
-            raise _error("the json_schema false matches nothing")
-        return self.rule("%json " + json.dumps({**schema, "x-guidance": self.json_options}))
+        return self.rule("%json " + json.dumps(_guided(fmt["json_schema"], self.json_options)))
 
     def _regex(self, fmt: dict) -> str:
         return self.rule("/" + fmt["pattern"].replace("/", "\\/") + "/")
 
     def _tag(self, fmt: dict) -> str:
-        ends = fmt["end"] if isinstance(fmt["end"], list) else [fmt["end"]]
+        ends = _ends(fmt)
         end = "(" + " | ".join(json.dumps(e) for e in ends) + ")" if any(ends) else ""
         return self.rule(" ".join(x for x in (_lit(fmt["begin"]), self.element(fmt["content"]), end) if x))
 
@@ -175,7 +182,8 @@ class _Lark:
         return self.rule(body if fmt.get("at_least_one") else f"({body})?")
 
     def _triggered_tags(self, fmt: dict) -> str:
-        raise AssertionError("triggered tags are built by llguidance's StructTag")  # see to_lark
+        # free text with triggers is llguidance's StructTag construction, a whole grammar (see to_lark)
+        raise _error("with the llguidance backend, triggered_tags must be the whole format, not a part of it")
 
 
 def _lit(text: str) -> str:
@@ -192,9 +200,7 @@ def to_lark(fmt: dict, json_options: dict, struct_tag_grammar: Callable[[list], 
             if t["content"].get("type") != "json_schema" or isinstance(t["end"], list):
                 raise _error("with the llguidance backend, a triggered tag holds a json_schema and has one end")
             trigger = next(tr for tr in fmt["triggers"] if t["begin"].startswith(tr))
-            schema = t["content"]["json_schema"]
-            schema = {**({} if schema is True else schema), "x-guidance": json_options}
-            tags.append((trigger, t["begin"], schema, t["end"]))
+            tags.append((trigger, t["begin"], _guided(t["content"]["json_schema"], json_options), t["end"]))
         return struct_tag_grammar(tags)
     lark = _Lark(json_options)
     top = lark.element(fmt)

@@ -72,6 +72,17 @@ def _json_values(text: str, separator: str) -> list | None:
         values.append(value)
 
 
+def _call_tag(f: Function, begin: str, end: str) -> dict:
+    """The structural tag element of one call of f: begin, its arguments (a JSON value of f's schema), end."""
+    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": f.parameters}, "end": end}
+
+
+def _calls(tags: list[dict], separator: str, single: bool) -> dict:
+    """One or more of the tags (exactly one when single) separated by separator, and nothing else."""
+    return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+            "stop_after_first": single}
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Characters at the end of text that may be the start of marker (held back from a stream until known)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -116,11 +127,9 @@ class TaggedJsonFormat(ToolCallFormat):
     begin, end, separator = "<tool_call>", "</tool_call>", "\n"
 
     def grammar(self, functions: list[Function], single: bool) -> dict:
-        tags = [{"type": "tag", "begin": f'{self.begin}\n{{"name": {json.dumps(f.name)}, "arguments": ',
-                 "content": {"type": "json_schema", "json_schema": f.parameters}, "end": f"}}\n{self.end}"}
+        tags = [_call_tag(f, f'{self.begin}\n{{"name": {json.dumps(f.name)}, "arguments": ', f"}}\n{self.end}")
                 for f in functions]
-        return {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
-                "stop_after_first": single}
+        return _calls(tags, self.separator, single)
 
     def find_start(self, text: str, at_output_start: bool) -> int | None:
         i = text.find(self.begin)
@@ -175,16 +184,14 @@ class LeadingJsonFormat(ToolCallFormat):
         """The call objects of the JSON text after the marker."""
 
     def _tags(self, functions: list[Function]) -> list[dict]:
-        return [{"type": "tag", "begin": f'{{"name": {json.dumps(f.name)}, "{self.name_key}": ',
-                 "content": {"type": "json_schema", "json_schema": f.parameters}, "end": "}"} for f in functions]
+        return [_call_tag(f, f'{{"name": {json.dumps(f.name)}, "{self.name_key}": ', "}") for f in functions]
 
 
 class Llama3Format(LeadingJsonFormat):
     marker, opening, name_key, separator = "<|python_tag|>", "{", "parameters", ";"
 
     def grammar(self, functions: list[Function], single: bool) -> dict:
-        return {"type": "tags_with_separator", "tags": self._tags(functions), "separator": self.separator + " ",
-                "at_least_one": True, "stop_after_first": single}
+        return _calls(self._tags(functions), self.separator + " ", single)
 
     def values(self, body: str) -> list | None:
         return _json_values(body, self.separator)
@@ -194,8 +201,7 @@ class MistralFormat(LeadingJsonFormat):
     marker, opening, name_key = "[TOOL_CALLS]", "[", "arguments"
 
     def grammar(self, functions: list[Function], single: bool) -> dict:
-        calls = {"type": "tags_with_separator", "tags": self._tags(functions), "separator": ", ",
-                 "at_least_one": True, "stop_after_first": single}
+        calls = _calls(self._tags(functions), ", ", single)
         return {"type": "sequence", "elements": [{"type": "const_string", "value": "["}, calls,
                                                  {"type": "const_string", "value": "]"}]}
 

@@ -170,6 +170,17 @@ def test_a_formats_grammar_refuses_what_breaks_the_schema(backend, tokenizer, pa
     assert not takes(backend, tokenizer, single, two)[0]  # parallel_tool_calls false: one call
 
 
+def test_llguidance_refuses_triggered_tags_inside_another_element(tokenizer):
+    """Free text with triggers is a whole grammar in llguidance: nested, it is a GrammarError (a 400), not a crash."""
+    backend = make_grammar_backend("llguidance", tokenizer, len(tokenizer))
+    triggered = {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+        {"type": "tag", "begin": "<f=noop>", "content": {"type": "json_schema", "json_schema": True}, "end": "</f>"}]}
+    nested = {"type": "sequence", "elements": [{"type": "const_string", "value": "go "}, triggered]}
+    with pytest.raises(GrammarError, match="triggered_tags must be the whole format") as e:
+        backend.compile(GrammarSpec.from_field("structural_tag", json.dumps({"format": nested})))
+    assert e.value.field == "structural_tag"
+
+
 def test_triggered_tags_allow_free_text_until_a_trigger(backend, tokenizer):
     grammar = {"type": "triggered_tags", "triggers": ["<f="], "tags": [
         {"type": "tag", "begin": "<f=noop>", "content": {"type": "json_schema", "json_schema": NOOP.parameters},
