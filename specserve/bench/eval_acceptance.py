@@ -12,9 +12,10 @@ drafted tokens / verify steps; see ``specserve.speculative.accept_stats``), toke
 / wall time of the generate calls, prefill included), their ratio, and at temperature 0 how many prompts got
 the same text as plain decoding (all of them, for a lossless engine).
 
-``--prompts held-out`` takes ``specserve.train.corpus.held_out_prompts`` (code from standard-library modules that
-training never sees); ``--prompts FILE`` reads one prompt per line, or a ``.jsonl`` file with a "prompt" or
-"text" string per record.
+``--prompts held-out`` takes the target family's held-out prompts: for SmolLM2 (``--model-path smollm2``) the chat
+requests its heads' training data left out (``smollm2-held-out.jsonl``, in its chat template); for the code family
+``specserve.train.corpus.held_out_prompts`` (code from standard-library modules that training never sees).
+``--prompts FILE`` reads one prompt per line, or a ``.jsonl`` file with a "prompt" or "text" string per record.
 """
 
 from __future__ import annotations
@@ -54,8 +55,16 @@ class RunResult:
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def load_prompts(source: str, num_prompts: int | None = None) -> list[str]:
-    """``held-out`` -> held-out code prompts (16 unless num_prompts); else a prompt file (first num_prompts)."""
+def load_prompts(source: str, num_prompts: int | None = None, model_path: str | None = None) -> list[str]:
+    """``held-out`` -> the held-out prompts of the target's family (16 unless num_prompts): for SmolLM2 the chat
+    requests its training data left out, rendered with its chat template; otherwise held-out code. Else a prompt
+    file (first num_prompts)."""
+    from specserve.demo_models import is_smollm2
+
+    if source == HELD_OUT and model_path is not None and is_smollm2(model_path):
+        from specserve.demo_models import smollm2_held_out_prompts
+
+        return smollm2_held_out_prompts(num_prompts or DEFAULT_HELD_OUT_PROMPTS)
     if source == HELD_OUT:
         from specserve.train.corpus import held_out_prompts
 
@@ -164,8 +173,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specserve eval-acceptance",
                                 description="Acceptance and speed of speculative decoding vs plain decoding.")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--prompts", default=HELD_OUT, help="'held-out' (code from held-out standard-library modules) "
-                   "or a file: one prompt per line, or .jsonl with a \"prompt\"/\"text\" field (default: held-out)")
+    g.add_argument("--prompts", default=HELD_OUT, help="'held-out' (the target family's held-out prompts: chat "
+                   "requests for SmolLM2, code otherwise) or a file: one prompt per line, or .jsonl with a "
+                   "\"prompt\"/\"text\" field (default: held-out)")
     g.add_argument("--num-prompts", type=int, default=None,
                    help=f"prompts to use (default: {DEFAULT_HELD_OUT_PROMPTS} held-out ones, or the whole file)")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -191,7 +201,7 @@ def check_args(ns: argparse.Namespace, args: ServerArgs) -> None:
 
 
 def evaluate(ns: argparse.Namespace, args: ServerArgs) -> dict:
-    prompts = load_prompts(ns.prompts, ns.num_prompts)
+    prompts = load_prompts(ns.prompts, ns.num_prompts, args.model_path)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "ignore_eos": ns.ignore_eos}
     plain = run_engine(plain_args(args), prompts, params, ns.batch_size)
     # acceptance is measured on speculative steps only: batch-aware auto-off would run a poor draft's steps plain

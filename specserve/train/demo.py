@@ -28,10 +28,12 @@ from dataclasses import replace
 import torch
 
 from specserve.demo_models import TOKEN_MAP
+from specserve.train import chat_demo
 from specserve.train.corpus import stdlib_files, tokenize_files
 from specserve.train.lm import LmShape, lm_config, pretrain
 from specserve.train.loop import TrainConfig, bf16_supported
 
+FAMILIES = ("code", "smollm2")
 STAGES = ("tokenizer", "target", "eagle", "eagle3", "token-map", "draft", "mtp")
 VOCAB_SIZE = 4096
 TOKEN_MAP_SIZE = 1024
@@ -169,20 +171,22 @@ STAGE_FUNCS = {
 }
 
 
-def build(b: Build, stages: list[str]) -> None:
+def build(b, stages: list[str], funcs: dict) -> None:
+    """Run the stages in order, each skipped once its marker exists (b.marker(stage))."""
     for stage in stages:
         if os.path.isfile(b.marker(stage)):
             print(f"== stage {stage}: done already (delete {b.marker(stage)} to redo)", file=sys.stderr)
             continue
         print(f"== stage {stage}", file=sys.stderr)
-        STAGE_FUNCS[stage](b)
+        funcs[stage](b)
         with open(b.marker(stage), "w") as f:
             f.write("done\n")
 
 
-def default_work_dir(out: str) -> str:
+def default_work_dir(out: str, family: str = "code") -> str:
+    name = os.path.abspath(out).strip(os.sep).replace(os.sep, "_")
     return os.path.join(os.path.expanduser("~"), ".cache", "specserve", "build-demo",
-                        os.path.abspath(out).strip(os.sep).replace(os.sep, "_"))
+                        name if family == "code" else f"{family}_{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                    "default: the package's bundled folder, replacing the shipped weights)")
     p.add_argument("--work-dir", default=None, help="trainer states, token cache and stage markers "
                    "(default: ~/.cache/specserve/build-demo/<out>)")
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--family", default="code", choices=FAMILIES, help="code: the small code model family (target "
+                   "trained from scratch); smollm2: the heads of the pretrained SmolLM2-135M-Instruct target")
+    p.add_argument("--stages", default=None, help=f"comma-separated subset of the family's stages (code: "
+                   f"{','.join(STAGES)}; smollm2: {','.join(chat_demo.STAGES)}; default: all)")
     p.add_argument("--resume", action="store_true", help="continue half-trained stages from their checkpoints")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every stage's training steps (e.g. 0.01 for "
@@ -202,16 +209,21 @@ def main(argv: list[str] | None = None) -> int:
                    "files (quick smoke builds; the bundled family uses all)")
     p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(argv)
-    stages = [s.strip() for s in ns.stages.split(",") if s.strip()]
-    bad = [s for s in stages if s not in STAGES]
+    family_stages = STAGES if ns.family == "code" else chat_demo.STAGES
+    stages = [s.strip() for s in (ns.stages or ",".join(family_stages)).split(",") if s.strip()]
+    bad = [s for s in stages if s not in family_stages]
     if bad:
-        print(f"error: --stages: unknown stage(s) {', '.join(bad)} (choose from {', '.join(STAGES)})",
-              file=sys.stderr)
+        print(f"error: --stages: unknown stage(s) {', '.join(bad)} for --family {ns.family} (choose from "
+              f"{', '.join(family_stages)})", file=sys.stderr)
         return 2
     if ns.scale <= 0:
         print("error: --scale must be > 0", file=sys.stderr)
         return 2
-    b = Build(ns.out, ns.work_dir or default_work_dir(ns.out), ns.device, not ns.no_progress, ns.scale, ns.resume,
-              ns.max_corpus_files)
-    build(b, stages)
+    work = ns.work_dir or default_work_dir(ns.out, ns.family)
+    if ns.family == "code":
+        b = Build(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume, ns.max_corpus_files)
+        build(b, stages, STAGE_FUNCS)
+    else:
+        b = chat_demo.ChatBuild(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume)
+        build(b, stages, chat_demo.STAGE_FUNCS)
     return 0

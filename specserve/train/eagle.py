@@ -32,6 +32,7 @@ from specserve.speculative.heads.eagle import EagleHead
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.train.corpus import sample_windows
 from specserve.train.export import checkpoint_tensors, save_folder
+from specserve.train.features import FeatureCache, TopK, topk_cross_entropy
 from specserve.train.lm import default_work_dir, soft_cross_entropy
 from specserve.train.loop import TrainConfig, autocast, train
 
@@ -99,15 +100,20 @@ class EagleTrainer:
     """One object per run: the frozen target, the head, the draft vocabulary and the per-step loss."""
 
     def __init__(self, target: nn.Module, target_cfg: dict, opts: EagleOptions, tokens: torch.Tensor, seed: int,
-                 eos_ids: list[int]):
-        self.target, self.opts, self.tokens = target, opts, tokens
+                 eos_ids: list[int], cache: FeatureCache | None = None):
+        """cache: the target's outputs over `tokens`, computed once (``train.features``); the trainer then reads
+        them instead of running the target at each step."""
+        self.target, self.opts, self.tokens, self.cache = target, opts, tokens, cache
         spec = target.spec
         self.capture = eagle3_capture_layers(spec.num_layers, None) if opts.algorithm == "EAGLE3" else ()
-        self.draft_ids = None
+        self.draft_ids = self.draft_index = None
         if opts.algorithm == "EAGLE3":
             size = min(opts.draft_vocab_size or 32768, spec.vocab_size)
             if size < spec.vocab_size:
                 self.draft_ids = draft_vocabulary(tokens, spec.vocab_size, size, eos_ids)
+                # target id -> draft id, -1 outside the draft vocabulary [V]
+                self.draft_index = torch.full((spec.vocab_size,), -1, dtype=torch.long)
+                self.draft_index[self.draft_ids.long()] = torch.arange(size)
         self.config = head_config(target_cfg, opts, spec.num_layers,
                                   None if self.draft_ids is None else self.draft_ids.numel())
         cls = Eagle3Head if opts.algorithm == "EAGLE3" else EagleHead
@@ -119,6 +125,8 @@ class EagleTrainer:
 
     # ------------------------------------------------------------------ one step
     def loss(self, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
+        if self.cache is not None:
+            return self._cached_loss(cfg, step)
         x = sample_windows(self.tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step).to(self.tokens.device)
         bsz, seq = x.shape[0], cfg.seq_len  # x [B, L+1]
         with autocast(cfg):
@@ -129,7 +137,17 @@ class EagleTrainer:
             hidden = (torch.cat(out.aux_hidden, -1).view(bsz, seq + 1, -1) if self.capture else feats)[:, :seq]
             return self._unroll(x, z, feats, hidden.reshape(bsz * seq, -1), cfg)
 
+    def _cached_loss(self, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
+        x, top, feats, aux = self.cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        bsz, seq = x.shape[0], cfg.seq_len
+        hidden = aux if self.capture else feats[:, :seq]  # [B, L, 3h] or [B, L, h]
+        dev = cfg.device
+        with autocast(cfg):
+            return self._unroll(x.to(dev), TopK(top.ids.to(dev), top.logits.to(dev)), feats.to(dev),
+                                hidden.reshape(bsz * seq, -1).to(dev), cfg)
+
     def _unroll(self, x, z, feats, hidden, cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
+        """z: the target's next-token logits [B, L+1, V], or their top k (TopK, from a feature cache)."""
         bsz, seq = x.shape[0], cfg.seq_len
         step_kv, total, weights, metrics = StepKV(), 0.0, 0.0, {}
         pad = torch.zeros(bsz, seq, dtype=x.dtype, device=x.device)
@@ -139,7 +157,8 @@ class EagleTrainer:
             fb = train_batch(ids, position_offset=k, step_kv=step_kv)
             hidden = self.head(fb, self.target.embed(fb.input_ids), hidden)  # [B*L, h]
             valid = (rows <= seq - 1 - k).repeat(bsz)  # [B*L]: the label z_{i+1+k} exists
-            labels = torch.cat([z[:, 1 + k :], z[:, :k]], dim=1)[:, :seq].reshape(bsz * seq, -1)
+            labels = z.shifted(k, seq) if isinstance(z, TopK) else \
+                torch.cat([z[:, 1 + k :], z[:, :k]], dim=1)[:, :seq].reshape(bsz * seq, -1)
             loss_k, acc = self._step_loss(hidden, labels, feats, k, valid)
             total, weights = total + STEP_DECAY**k * loss_k, weights + STEP_DECAY**k
             metrics[f"acc{k}"] = acc
@@ -149,18 +168,28 @@ class EagleTrainer:
         if isinstance(self.head, Eagle3Head):
             logits = self.head.lm_head(self.head.norm(hidden)) if self.head.lm_head is not None else \
                 self.target.compute_logits(self.head.norm(hidden))
-            if self.draft_ids is not None:
-                labels = labels.index_select(-1, self.draft_ids.to(labels.device))
-            loss = soft_cross_entropy(logits, labels, valid)
+            loss, best = self._token_loss(logits, labels, valid, draft_space=True)
         else:
             logits = self.target.compute_logits(hidden)
             bsz, seq1, h = feats.shape
             want = torch.cat([feats[:, 1 + k :], feats[:, : k]], dim=1)[:, : seq1 - 1].reshape(-1, h)
             feat_loss = F.smooth_l1_loss(hidden.float(), want.float(), reduction="none").mean(-1)
             feat_loss = (feat_loss * valid).sum() / valid.sum().clamp_min(1)
-            loss = FEATURE_WEIGHT * feat_loss + TOKEN_WEIGHT * soft_cross_entropy(logits, labels, valid)
-        hit = (logits.argmax(-1) == labels.argmax(-1)) & valid
+            token_loss, best = self._token_loss(logits, labels, valid, draft_space=False)
+            loss = FEATURE_WEIGHT * feat_loss + TOKEN_WEIGHT * token_loss
+        hit = (logits.argmax(-1) == best) & valid
         return loss, float(hit.sum() / valid.sum().clamp_min(1))
+
+    def _token_loss(self, logits, labels, valid, draft_space: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """CE against the target's distribution, over the draft vocabulary when draft_space (EAGLE-3) ->
+        (loss, the target's best id per row [R], in the logits' vocabulary; -1 when outside it)."""
+        index = self.draft_index if draft_space else None
+        if isinstance(labels, TopK):
+            labels = labels.mapped(None if index is None else index.to(logits.device))
+            return topk_cross_entropy(logits, labels, valid), labels.ids[:, 0]
+        if draft_space and self.draft_ids is not None:
+            labels = labels.index_select(-1, self.draft_ids.to(labels.device))
+        return soft_cross_entropy(logits, labels, valid), labels.argmax(-1)
 
     # ------------------------------------------------------------------ export
     def export(self, out_dir: str, dtype: torch.dtype, tokenizer_dir: str | None) -> None:
@@ -177,10 +206,12 @@ class EagleTrainer:
         save_folder(out_dir, config, tensors, dtype, tokenizer_dir)
 
 
-def train_eagle(target_path: str, tokens: torch.Tensor, opts: EagleOptions, cfg: TrainConfig, out_dir: str,
-                resume: bool = False, dtype: torch.dtype = torch.bfloat16, work_dir: str | None = None) -> dict:
-    """Train a head for the target folder on the token stream [N]; write it to out_dir (HF folder, loadable by
-    ``--speculative-draft-model-path``). -> the last step's metrics (loss, acc0.. per unrolled step)."""
+def train_eagle(target_path: str, tokens: torch.Tensor | None, opts: EagleOptions, cfg: TrainConfig, out_dir: str,
+                resume: bool = False, dtype: torch.dtype = torch.bfloat16, work_dir: str | None = None,
+                cache: FeatureCache | None = None) -> dict:
+    """Train a head for the target folder on the token stream [N] (or on a feature cache's stream and target
+    outputs); write it to out_dir (HF folder, loadable by ``--speculative-draft-model-path``). -> the last step's
+    metrics (loss, acc0.. per unrolled step)."""
     from transformers import AutoTokenizer
 
     from specserve.models.loader import load_model, read_config
@@ -189,6 +220,7 @@ def train_eagle(target_path: str, tokens: torch.Tensor, opts: EagleOptions, cfg:
     target, _spec, target_dir = load_model(target_path, dtype="float32", device=cfg.device)
     tok = AutoTokenizer.from_pretrained(target_dir)
     _, eos_ids = target_vocab_and_eos(target_dir, tok)
-    trainer = EagleTrainer(target, read_config(target_dir), opts, tokens.to(cfg.device), cfg.seed, eos_ids)
+    tokens = cache.tokens if cache is not None else tokens
+    trainer = EagleTrainer(target, read_config(target_dir), opts, tokens.to(cfg.device), cfg.seed, eos_ids, cache)
     return train(cfg, trainer.head, lambda step: trainer.loss(cfg, step), work_dir or default_work_dir(out_dir), resume,
                  lambda _s: trainer.export(out_dir, dtype, None), desc=f"Training {opts.algorithm} head")

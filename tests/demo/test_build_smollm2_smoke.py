@@ -1,0 +1,69 @@
+"""`specserve build-demo --family smollm2` end to end at a tiny scale (a handful of prompts, a few training steps):
+every stage writes its output in the served formats, and the EAGLE-3 head it trains loads and drafts for SmolLM2
+losslessly. (A few steps teach a head nothing: acceptance is tested on the bundled, fully trained head.)"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.cli import main as cli_main
+from specserve.demo_models import SMOLLM2_HELD_OUT
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("smollm2-build"))
+    work = str(tmp_path_factory.mktemp("smollm2-work"))
+    rc = cli_main(["build-demo", "--family", "smollm2", "--out", out, "--work-dir", work, "--scale", "0.004",
+                   "--no-progress", "--device", "cpu"])
+    assert rc == 0
+    return out, work
+
+
+def test_every_stage_writes_its_output(built):
+    out, work = built
+    assert sorted(f for f in os.listdir(work) if f.endswith(".done")) == sorted(
+        f"{s}.done" for s in ("data", "features", "eagle3", "token-map"))
+    with open(os.path.join(work, "train.jsonl")) as f:
+        train = [json.loads(line) for line in f]
+    assert train and all(r["completion"] and r["prompt"] for r in train)
+    held = os.path.join(out, SMOLLM2_HELD_OUT)
+    assert os.path.isfile(held)
+    with open(held) as f:
+        assert not {json.loads(line)["prompt"] for line in f} & {r["prompt"] for r in train}
+    with open(os.path.join(out, "smollm2-eagle3", "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8192
+    ids = torch.load(os.path.join(out, "smollm2-fr-spec", "freq_8192.pt"))
+    assert ids.numel() == 8192 and ids.unique().numel() == 8192
+    # a second run skips every finished stage
+    assert cli_main(["build-demo", "--family", "smollm2", "--out", out, "--work-dir", work, "--no-progress"]) == 0
+
+
+def test_the_head_loads_and_drafts_for_smollm2_losslessly(built):
+    out, work = built
+    with open(os.path.join(work, "train.jsonl")) as f:
+        prompt = json.loads(f.readline())["prompt"]
+    params = {"max_new_tokens": 24, "temperature": 0}
+    msgs = [{"role": "user", "content": prompt}]
+    with Engine(model_path="smollm2", dtype="float32") as e:
+        text = e.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        want = e.generate(text, params)["output_ids"]
+    with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=os.path.join(out, "smollm2-eagle3"), speculative_num_steps=3,
+                speculative_eagle_topk=2, speculative_num_draft_tokens=4, disable_speculative_auto_off=True) as e:
+        got = e.generate(text, params)
+    assert got["output_ids"] == want
+    assert got["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_unknown_stage_names_the_family(capsys):
+    assert cli_main(["build-demo", "--family", "smollm2", "--stages", "target"]) == 2
+    assert "--family smollm2" in capsys.readouterr().err
