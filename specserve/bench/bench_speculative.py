@@ -15,11 +15,11 @@ engine (the same server flags, no speculation) is always measured too. ``--stop-
 to the grid (EAGLE-family trees; given once as server flags instead, they hold for every point). One Engine is
 built per configuration, warmed up once, and runs every batch size; a batch of size b is b prompts submitted in
 one ``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size
-the prompts (``held_out_prompts``, cycled) are ``max(--num-prompts, b)`` rounded up to a multiple of b; the
-prefix cache is flushed before each of the ``--reps`` passes over them. With ``--interleave`` every engine is
-loaded at once and each generate call (one batch of prompts) runs on every configuration in turn before the
-next (A B C A B C): the machine's drift then reaches every configuration alike, at the cost of memory for all the
-engines.
+the prompts (the target family's held-out ones, cycled: ``held_out_prompts_for``) are ``max(--num-prompts, b)``
+rounded up to a multiple of b; the prefix cache is flushed before each of the ``--reps`` passes over them. With
+``--interleave`` every engine is loaded at once and each generate call (one batch of prompts) runs on every
+configuration in turn before the next (A B C A B C): the machine's drift then reaches every configuration alike, at
+the cost of memory for all the engines.
 
 Figures per (batch size, configuration):
 
@@ -486,14 +486,14 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     from tqdm import tqdm
 
     from specserve.bench.eval_acceptance import plain_args
-    from specserve.train.corpus import held_out_prompts
+    from specserve.demo_models import held_out_prompts_for
 
     configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"],
                                    grid["stop_threshold"], grid["score_temperature"])
     for s in skipped:
         shape = TreeShape(s["steps"], s["topk"], s["num_draft_tokens"], s["stop_threshold"], s["score_temperature"])
         print(f"skip {shape.label}: {s['reason']}", file=sys.stderr)
-    pool = held_out_prompts(max(ns.num_prompts, *grid["batch_sizes"]))
+    pool = held_out_prompts_for(args.model_path, max(ns.num_prompts, *grid["batch_sizes"]))
     batches = {b: prompts_for_batch(pool, b, ns.num_prompts) for b in grid["batch_sizes"]}
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "ignore_eos": True}
     todo = [(BASELINE, plain_args(args)), *configs]

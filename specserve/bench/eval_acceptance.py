@@ -59,16 +59,10 @@ def load_prompts(source: str, num_prompts: int | None = None, model_path: str | 
     """``held-out`` -> the held-out prompts of the target's family (16 unless num_prompts): for SmolLM2 the chat
     requests its training data left out, rendered with its chat template; otherwise held-out code. Else a prompt
     file (first num_prompts)."""
-    from specserve.demo_models import is_smollm2
-
-    if source == HELD_OUT and model_path is not None and is_smollm2(model_path):
-        from specserve.demo_models import smollm2_held_out_prompts
-
-        return smollm2_held_out_prompts(num_prompts or DEFAULT_HELD_OUT_PROMPTS)
     if source == HELD_OUT:
-        from specserve.train.corpus import held_out_prompts
+        from specserve.demo_models import held_out_prompts_for
 
-        return held_out_prompts(num_prompts or DEFAULT_HELD_OUT_PROMPTS)
+        return held_out_prompts_for(model_path, num_prompts or DEFAULT_HELD_OUT_PROMPTS)
     prompts = read_prompt_file(source)
     if not prompts:
         raise ValueError(f"--prompts: {source} holds no prompt")

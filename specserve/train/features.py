@@ -6,7 +6,7 @@ step (SmolLM2-135M: ~5 s for 4k tokens against a fraction of that for a one-laye
 token of the packed training stream:
 
     tokens      [N]          int32     the conversations one after another
-    aux         [N, 3h]      bf16      the captured residual streams (EAGLE-3's input), eagle3_capture_layers
+    aux         [N, 3h]      bf16      the captured residual streams (EAGLE-3's input; none without capture layers)
     feats       [N, h]       bf16      the post-norm hidden (EAGLE-1/2's input and feature target)
     top_ids     [N, k]       int32     the target's k most likely next tokens
     top_logits  [N, k]       float32   their logits (a soft label kept to its top k)
@@ -126,7 +126,8 @@ def build_feature_cache(target, sequences: list[list[int]], capture: tuple[int, 
         logits = out.logits.view(len(group), width, -1)
         lv, li = logits.float().topk(top_k, dim=-1)  # [G, W, k]
         hid = out.hidden.view(len(group), width, -1)
-        cap = torch.cat(out.aux_hidden, -1).view(len(group), width, -1)
+        cap = (torch.cat(out.aux_hidden, -1) if capture else hid.new_empty(len(group) * width, 0)).view(
+            len(group), width, -1)
         for row, i in enumerate(group):
             a, n = offsets[i], lengths[i]
             aux[a : a + n], feats[a : a + n] = cap[row, :n].cpu(), hid[row, :n].cpu()

@@ -107,25 +107,44 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor, mask: 
     return (loss * mask).sum() / mask.sum().clamp_min(1)
 
 
-def distill(teacher: nn.Module, config: dict, tokens: torch.Tensor, cfg: TrainConfig, out_dir: str,
+def distill(teacher: nn.Module | None, config: dict, tokens: torch.Tensor | None, cfg: TrainConfig, out_dir: str,
             tokenizer_dir: str, resume: bool = False, dtype: torch.dtype = torch.bfloat16,
-            hard_weight: float = 0.1, work_dir: str | None = None) -> dict:
+            hard_weight: float = 0.1, work_dir: str | None = None, cache=None,
+            student: nn.Module | None = None) -> dict:
     """Train a (smaller) causal LM to match the teacher's next-token distributions (a STANDALONE draft).
 
-    loss = CE(teacher probs, student) + hard_weight * CE(data token, student)."""
-    student = build_model(config, cfg.seed).to(cfg.device)
-    teacher.requires_grad_(False)
-    tokens = tokens.to(cfg.device)
+    loss = CE(teacher probs, student) + hard_weight * CE(data token, student). With a feature cache
+    (``train.features``) the teacher's distributions are its top k there (tokens and teacher unused). student: an
+    initialised model (default: a fresh one for config)."""
+    from specserve.train.features import TopK, topk_cross_entropy
+
+    student = (student if student is not None else build_model(config, cfg.seed)).to(cfg.device)
+    if teacher is not None:
+        teacher.requires_grad_(False)
+    tokens = tokens.to(cfg.device) if cache is None else None
+
+    def teacher_label(step: int):
+        """-> windows x [B, L+1], the teacher's label per input row (dense logits [B*L, V] or TopK [B*L, k])."""
+        if cache is None:
+            x = sample_windows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+            with autocast(cfg), torch.no_grad():
+                return x, lm_logits(teacher, x[:, :-1]).logits
+        x, top, _, _ = cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        return x.to(cfg.device), TopK(*(t[:, :-1].reshape(-1, t.shape[-1]).to(cfg.device) for t in (top.ids,
+                                                                                                     top.logits)))
 
     def loss_fn(step: int):
-        x = sample_windows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        x, label = teacher_label(step)
         with autocast(cfg):
-            with torch.no_grad():
-                t_logits = lm_logits(teacher, x[:, :-1]).logits
             s_logits = lm_logits(student, x[:, :-1]).logits
-        soft = soft_cross_entropy(s_logits, t_logits)
+        if isinstance(label, TopK):
+            soft = topk_cross_entropy(s_logits, label, torch.ones(len(s_logits), dtype=torch.bool,
+                                                                  device=s_logits.device))
+            best = label.ids[:, 0]
+        else:
+            soft, best = soft_cross_entropy(s_logits, label), label.argmax(-1)
         hard = F.cross_entropy(s_logits.float(), x[:, 1:].reshape(-1))
-        agree = (s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()
+        agree = (s_logits.argmax(-1) == best).float().mean()
         return soft + hard_weight * hard, {"top1_agree": float(agree)}
 
     def export(_step: int) -> None:

@@ -114,3 +114,20 @@ def test_head_trained_from_a_feature_cache_is_lossless_and_learns(bigram_target,
     assert_drafting_happened(outs)
     print(f"accept length trained {_accept_length(outs):.2f}, untrained {_accept_length(before):.2f}")
     assert _accept_length(outs) > _accept_length(before) + 0.1, (_accept_length(outs), _accept_length(before))
+
+
+def test_distilling_from_a_feature_cache_is_distilling_from_the_teacher(bigram_target, tokens, tmp_path):
+    """The bigram target's distributions do not depend on context, so a cache of its outputs over one sequence (top
+    k = the whole vocabulary) labels every window as the teacher itself would: the same run, step for step."""
+    from specserve.train.lm import distill
+
+    target, spec, _ = load_model(bigram_target, dtype="float32")
+    stream = tokens[:1000]
+    cache = build_feature_cache(target, [stream.tolist()], (), top_k=spec.vocab_size, bf16=False, progress=False)
+    cfg = replace(HEAD_TRAIN, steps=3, seq_len=16, batch_size=2)
+    config = read_config(bigram_target)
+    config.update(num_hidden_layers=1)
+    online = distill(target, config, stream, cfg, str(tmp_path / "a"), bigram_target, dtype=torch.float32)
+    cached = distill(None, config, None, cfg, str(tmp_path / "b"), bigram_target, dtype=torch.float32, cache=cache)
+    assert cached["top1_agree"] == online["top1_agree"]
+    assert cached["loss"] == pytest.approx(online["loss"], rel=1e-4)
