@@ -71,6 +71,10 @@ def train(cfg: TrainConfig, model: nn.Module, loss_fn: Callable[[int], tuple[tor
     """
     from tqdm import tqdm
 
+    if torch.device(cfg.device).type == "cpu":
+        from specserve.platform.cpu.malloc import tune_malloc_for_training
+
+        tune_malloc_for_training()
     torch.manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]

@@ -102,3 +102,34 @@ def test_trim_heap_hands_free_holes_back():
                          check=True, env=_clean_env())
     released, freed_mib = out.stdout.split()
     assert released == "True" and int(freed_mib) >= 150, out.stdout
+
+
+REFAULT_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    from specserve.platform.cpu.malloc import tune_malloc_for_training
+    tuned = tune_malloc_for_training() if sys.argv[1] == "tuned" else False
+    x = torch.ones(1)
+    faults = []
+    for _ in range(4):  # what a training step does: the same large activation allocated, written and freed again
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        y = torch.ones(16 * 2**20)  # 64 MiB
+        x = x + y.sum()
+        del y
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(tuned, min(faults[1:]))
+""")
+
+
+def test_training_settings_keep_large_blocks_in_the_heap():
+    """Tuned, a freed 64 MiB block is reused without touching the kernel; with glibc's defaults it is unmapped and
+    each new one faults its 16k pages in again."""
+    def run(mode: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", REFAULT_SCRIPT, mode], capture_output=True, text=True,
+                             timeout=120, check=True, env=_clean_env())
+        tuned, faults = out.stdout.split()
+        return tuned, int(faults)
+
+    tuned, tuned_faults = run("tuned")
+    _, default_faults = run("default")
+    assert tuned == "True"
+    assert default_faults > 10_000 and tuned_faults < 100, (default_faults, tuned_faults)
