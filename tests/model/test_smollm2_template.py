@@ -66,3 +66,17 @@ def test_with_tools_it_lists_them_and_writes_calls_the_qwen25_parser_reads(tok, 
     assert end == len(assistant)
     calls = fmt.parse_region(assistant[:end])
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_held_out_prompts_follow_the_target_family(tok):
+    from specserve.demo_models import SMOLLM2, held_out_prompts_for, resolve_demo
+    from specserve.train.corpus import held_out_prompts
+
+    chat = held_out_prompts_for(resolve_demo(SMOLLM2), 5)
+    assert chat == held_out_prompts_for(SMOLLM2, 5) and len(chat) == 5 and len(set(chat)) == 5
+    for text in chat:
+        assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+        user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert text == tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                               add_generation_prompt=True)
+    assert held_out_prompts_for("demo", 3) == held_out_prompts(3)
