@@ -485,8 +485,7 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     """Measure the baseline and every valid grid point; returns (rows with speed-ups, skipped points)."""
     from tqdm import tqdm
 
-    from specserve.bench.eval_acceptance import plain_args
-    from specserve.demo_models import held_out_prompts_for
+    from specserve.bench.eval_acceptance import held_out_prompts_for, plain_args
 
     configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"],
                                    grid["stop_threshold"], grid["score_temperature"])

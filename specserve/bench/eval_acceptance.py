@@ -60,13 +60,23 @@ def load_prompts(source: str, num_prompts: int | None = None, model_path: str | 
     requests its training data left out, rendered with its chat template; otherwise held-out code. Else a prompt
     file (first num_prompts)."""
     if source == HELD_OUT:
-        from specserve.demo_models import held_out_prompts_for
-
         return held_out_prompts_for(model_path, num_prompts or DEFAULT_HELD_OUT_PROMPTS)
     prompts = read_prompt_file(source)
     if not prompts:
         raise ValueError(f"--prompts: {source} holds no prompt")
     return prompts[:num_prompts] if num_prompts else prompts
+
+
+def held_out_prompts_for(model_path: str | None, n: int) -> list[str]:
+    """The held-out evaluation prompts of a target's family: SmolLM2's held-out chat requests in its chat template,
+    else held-out code (``train.corpus.held_out_prompts``)."""
+    from specserve.demo_models import is_smollm2, smollm2_held_out_prompts
+
+    if model_path is not None and is_smollm2(model_path):
+        return smollm2_held_out_prompts(n)
+    from specserve.train.corpus import held_out_prompts
+
+    return held_out_prompts(n)
 
 
 def read_prompt_file(path: str) -> list[str]:

@@ -73,12 +73,3 @@ def smollm2_held_out_prompts(n: int) -> list[str]:
     return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts[::step][:n]]
 
-
-def held_out_prompts_for(model_path: str | None, n: int) -> list[str]:
-    """The held-out evaluation prompts of a target's family: SmolLM2's held-out chat requests in its chat template,
-    else held-out code (``train.corpus.held_out_prompts``)."""
-    if model_path is not None and is_smollm2(model_path):
-        return smollm2_held_out_prompts(n)
-    from specserve.train.corpus import held_out_prompts
-
-    return held_out_prompts(n)

@@ -69,7 +69,8 @@ def test_with_tools_it_lists_them_and_writes_calls_the_qwen25_parser_reads(tok, 
 
 
 def test_held_out_prompts_follow_the_target_family(tok):
-    from specserve.demo_models import SMOLLM2, held_out_prompts_for, resolve_demo
+    from specserve.bench.eval_acceptance import held_out_prompts_for
+    from specserve.demo_models import SMOLLM2, resolve_demo
     from specserve.train.corpus import held_out_prompts
 
     chat = held_out_prompts_for(resolve_demo(SMOLLM2), 5)
