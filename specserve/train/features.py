@@ -76,6 +76,15 @@ class FeatureCache:
                     "top_logits": self.top.logits}, path)
 
     @classmethod
+    def concat(cls, caches: list[FeatureCache]) -> FeatureCache:
+        """The caches' streams one after another (one cache: itself, nothing copied)."""
+        if len(caches) == 1:
+            return caches[0]
+        tokens, aux, feats, ids, logits = (torch.cat(ts) for ts in zip(
+            *[(c.tokens, c.aux, c.feats, c.top.ids, c.top.logits) for c in caches], strict=True))
+        return cls(tokens, aux, feats, TopK(ids, logits))
+
+    @classmethod
     def load(cls, path: str) -> FeatureCache:
         d = torch.load(path, weights_only=True)
         return cls(d["tokens"], d["aux"], d["feats"], TopK(d["top_ids"], d["top_logits"]))

@@ -146,6 +146,12 @@ def dedup(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+def unseen(samples: list[Sample], earlier: list[Sample]) -> list[Sample]:
+    """The samples whose request (by dedup key) none of earlier has."""
+    seen = {dedup_key(s.prompt) for s in earlier}
+    return [s for s in samples if dedup_key(s.prompt) not in seen]
+
+
 # ----------------------------------------------------------------------------------------------- generation
 def sample_prompts(engine, render, opts: GenOptions, progress: bool = True) -> list[Sample]:
     """Sample opts.num_prompts user requests from the model; filtered and deduplicated."""

@@ -31,7 +31,8 @@ def test_every_stage_writes_its_output(built):
     out, work = built
     assert sorted(f for f in os.listdir(work) if f.endswith(".done")) == sorted(
         f"{s}.done" for s in ("data", "features", "eagle3", "token-map"))
-    with open(os.path.join(work, "train.jsonl")) as f:
+    assert os.path.isfile(os.path.join(work, "features-0.pt"))  # a smoke build writes one shard
+    with open(os.path.join(work, "train-0.jsonl")) as f:
         train = [json.loads(line) for line in f]
     assert train and all(r["completion"] and r["prompt"] for r in train)
     held = os.path.join(out, SMOLLM2_HELD_OUT)
@@ -49,7 +50,7 @@ def test_every_stage_writes_its_output(built):
 
 def test_the_head_loads_and_drafts_for_smollm2_losslessly(built):
     out, work = built
-    with open(os.path.join(work, "train.jsonl")) as f:
+    with open(os.path.join(work, "train-0.jsonl")) as f:
         prompt = json.loads(f.readline())["prompt"]
     params = {"max_new_tokens": 24, "temperature": 0}
     msgs = [{"role": "user", "content": prompt}]

@@ -13,7 +13,7 @@ from specserve.attention.training import train_batch
 from specserve.models.loader import load_model, read_config
 from specserve.speculative.draft_models import eagle3_capture_layers
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
-from specserve.train.features import TopK, build_feature_cache, length_batches, topk_cross_entropy
+from specserve.train.features import FeatureCache, TopK, build_feature_cache, length_batches, topk_cross_entropy
 from tests.speculative.helpers import assert_drafting_happened
 from tests.train.test_trainers import HEAD_TRAIN, _accept_length, _plain, _spec
 
@@ -69,6 +69,24 @@ def test_cached_features_equal_each_sequence_run_alone(bigram_target):
             assert torch.equal(cache.top.ids[start : start + n].long(), top.indices)
             torch.testing.assert_close(cache.top.logits[start : start + n], top.values)
             start += n
+
+
+def test_caches_of_shards_concatenate_to_the_cache_of_all(bigram_target):
+    target, spec, _ = load_model(bigram_target, dtype="float32")
+    capture = eagle3_capture_layers(spec.num_layers, None)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in (6, 9, 4)]
+
+    def build(ss):
+        return build_feature_cache(target, ss, capture, top_k=3, bf16=False, progress=False)
+
+    whole, parts = build(seqs), FeatureCache.concat([build(seqs[:1]), build(seqs[1:])])
+    for name in ("tokens", "aux", "feats"):
+        torch.testing.assert_close(getattr(parts, name), getattr(whole, name))
+    assert torch.equal(parts.top.ids, whole.top.ids)
+    torch.testing.assert_close(parts.top.logits, whole.top.logits)
+    one = build(seqs)
+    assert FeatureCache.concat([one]) is one
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])

@@ -15,6 +15,7 @@ from specserve.train.selfgen import (
     pre_query,
     prompt_plan,
     read_jsonl,
+    unseen,
     write_jsonl,
 )
 
@@ -53,6 +54,12 @@ def test_dedup_ignores_case_and_spacing_and_keeps_the_first():
     a, b, c = Sample("Tell me  a Joke", "chat", "x"), Sample("tell me a joke", "chat", "y"), Sample("Other", "t", "z")
     assert dedup([a, b, c]) == [a, c]
     assert dedup_key(" A\n b ") == "a b"
+
+
+def test_unseen_drops_requests_an_earlier_shard_has():
+    a, b, c = Sample("Tell me a joke", "chat", "x"), Sample("Other", "t", "y"), Sample("New one", "t", "z")
+    assert unseen([Sample("tell me  A joke", "chat", "w"), c, b], earlier=[a, b]) == [c]
+    assert unseen([a], earlier=[]) == [a]
 
 
 def test_held_out_split_is_stable_and_about_one_in_25():
