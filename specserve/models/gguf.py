@@ -46,24 +46,75 @@ def cache_root() -> str:
     return os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
 
 
-def converted_folder(gguf_file: str) -> str:
-    """The HF folder of a GGUF file, converting it on the first call (later calls, and other processes, reuse it)."""
+def _cached(gguf_file: str, name: str, build) -> str:
+    """cache_root()/gguf/<stem>-<key> (a folder; name "") or <stem>-<key>.<name>.gguf (a file), built once by build(real_file, path) (later calls, and other
+    processes, reuse it); the key is the file's real path, size and modification time. build writes a folder with
+    DONE_MARK last, or one file by os.replace."""
     real = os.path.realpath(gguf_file)
     st = os.stat(real)
     key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     stem = os.path.basename(real)[: -len(SUFFIX)]
     root = os.path.join(cache_root(), "gguf")
-    folder = os.path.join(root, f"{stem}-{key}")
-    if os.path.isfile(os.path.join(folder, DONE_MARK)):
-        return folder
+    path = os.path.join(root, f"{stem}-{key}.{name}{SUFFIX}" if name else f"{stem}-{key}")
+
+    def done() -> bool:
+        return os.path.isfile(os.path.join(path, DONE_MARK)) or (bool(name) and os.path.isfile(path))
+
+    if done():
+        return path
     os.makedirs(root, exist_ok=True)
-    with open(folder + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process converting it: wait for it, then reuse its folder
-        if not os.path.isfile(os.path.join(folder, DONE_MARK)):
-            logger.info("Converting %s into %s (once; later starts reuse it)", gguf_file, folder)
-            shutil.rmtree(folder, ignore_errors=True)
-            convert(real, folder)
-    return folder
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it, then reuse its output
+        if not done():
+            logger.info("Converting %s into %s (once; later starts reuse it)", gguf_file, path)
+            shutil.rmtree(path, ignore_errors=True)
+            build(real, path)
+    return path
+
+
+def converted_folder(gguf_file: str) -> str:
+    """The HF folder of a GGUF file, converting it on the first call (later calls, and other processes, reuse it)."""
+    return _cached(gguf_file, "", convert)
+
+
+def sixteen_bit_file(gguf_file: str, dtype: str = "F16") -> str:
+    """A 16-bit copy of a GGUF file (cached like converted_folder): what llama.cpp runs as the same model at 16-bit
+    weights. See write_sixteen_bit."""
+    return _cached(gguf_file, dtype, lambda real, path: write_sixteen_bit(real, path, dtype))
+
+
+def write_sixteen_bit(gguf_file: str, out_file: str, dtype: str = "F16", progress: bool = True) -> None:
+    """Copy `gguf_file` to `out_file` with every quantized tensor dequantized and stored as `dtype` (F16 or BF16);
+    float tensors (norms, and any already F32/F16) and every metadata key are copied as they are, general.file_type
+    set to match."""
+    import gguf
+    import numpy as np
+
+    qtype = {"F16": gguf.GGMLQuantizationType.F16, "BF16": gguf.GGMLQuantizationType.BF16}[dtype]
+    file_type = {"F16": gguf.LlamaFileType.MOSTLY_F16, "BF16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    reader = gguf.GGUFReader(gguf_file)
+    arch = reader.fields["general.architecture"].contents()
+    tmp = f"{out_file}.tmp-{os.getpid()}"
+    writer = gguf.GGUFWriter(tmp, arch=arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    writer.add_file_type(file_type)
+    for t in reader.tensors:
+        if t.tensor_type in floats:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            continue
+        # dequantize: [rows, cols] float32 (numpy order: the GGUF dims reversed)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        writer.add_tensor(t.name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=progress)
+    writer.close()
+    os.replace(tmp, out_file)
 
 
 def convert(gguf_file: str, out_dir: str) -> None:

@@ -91,3 +91,43 @@ def test_the_bundled_smollm2_gguf_matches_transformers(tmp_path_factory, monkeyp
         got = e.generate(None, {"temperature": 0, "max_new_tokens": 16}, input_ids=ids)
     assert got["output_ids"] == want, (tok.decode(got["output_ids"]), tok.decode(want))
     assert "capital" in tok.decode(want).lower() or any(c in tok.decode(want) for c in "123"), tok.decode(want)
+
+
+def test_a_sixteen_bit_copy_keeps_metadata_and_dequantizes_the_weights(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    from specserve.models.gguf import sixteen_bit_file
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 64)).astype(np.float32)  # [rows, cols]: two Q8_0 blocks per row
+    norm = rng.standard_normal(64).astype(np.float32)
+    src = tmp_path / "m.Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(src), "llama")
+    writer.add_block_count(1)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_chat_template("{{ messages }}")
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out = sixteen_bit_file(str(src))
+    assert sixteen_bit_file(str(src)) == out  # cached
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(out)
+    keys = {k for k in a.fields if not k.startswith("GGUF.")}
+    assert keys == {k for k in b.fields if not k.startswith("GGUF.")}
+    for k in keys - {"general.file_type"}:
+        assert b.fields[k].contents() == a.fields[k].contents(), k
+    assert b.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_F16
+    q, n = (next(t for t in b.tensors if t.name == name) for name in ("blk.0.attn_q.weight", "blk.0.attn_norm.weight"))
+    assert q.tensor_type == gguf.GGMLQuantizationType.F16 and n.tensor_type == gguf.GGMLQuantizationType.F32
+    deq = gguf.quants.dequantize(a.tensors[0].data, a.tensors[0].tensor_type)
+    np.testing.assert_allclose(np.asarray(q.data, dtype=np.float32), deq, rtol=1e-3, atol=1e-4)
+    assert np.abs(deq - w).max() < 0.05  # and that is the original, up to Q8_0's rounding
+    np.testing.assert_array_equal(np.asarray(n.data), norm)
