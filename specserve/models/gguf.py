@@ -47,9 +47,9 @@ def cache_root() -> str:
 
 
 def _cached(gguf_file: str, name: str, build) -> str:
-    """cache_root()/gguf/<stem>-<key> (a folder; name "") or <stem>-<key>.<name>.gguf (a file), built once by build(real_file, path) (later calls, and other
-    processes, reuse it); the key is the file's real path, size and modification time. build writes a folder with
-    DONE_MARK last, or one file by os.replace."""
+    """What build(real_file, path) makes of a GGUF file, made once (later calls, and other processes, reuse it):
+    cache_root()/gguf/<stem>-<key>, a folder with DONE_MARK written last (name ""), or <stem>-<key>.<name>.gguf, a
+    file put in place by os.replace. The key is the file's real path, size and modification time."""
     real = os.path.realpath(gguf_file)
     st = os.stat(real)
     key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
