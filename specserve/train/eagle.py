@@ -139,15 +139,18 @@ class EagleTrainer:
 
     def _cached_loss(self, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
         x, top, feats, aux = self.cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        mask = self.cache.window_mask(cfg.batch_size, cfg.seq_len, cfg.seed, step)
         bsz, seq = x.shape[0], cfg.seq_len
         hidden = aux if self.capture else feats[:, :seq]  # [B, L, 3h] or [B, L, h]
         dev = cfg.device
         with autocast(cfg):
             return self._unroll(x.to(dev), TopK(top.ids.to(dev), top.logits.to(dev)), feats.to(dev),
-                                hidden.reshape(bsz * seq, -1).to(dev), cfg)
+                                hidden.reshape(bsz * seq, -1).to(dev), cfg,
+                                None if mask is None else mask.to(dev))
 
-    def _unroll(self, x, z, feats, hidden, cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
-        """z: the target's next-token logits [B, L+1, V], or their top k (TopK, from a feature cache)."""
+    def _unroll(self, x, z, feats, hidden, cfg: TrainConfig, mask=None) -> tuple[torch.Tensor, dict]:
+        """z: the target's next-token logits [B, L+1, V], or their top k (TopK, from a feature cache); mask [B, L+1]
+        bool: the rows whose label is one to learn (FeatureCache.mask; None: all)."""
         bsz, seq = x.shape[0], cfg.seq_len
         step_kv, total, weights, metrics = StepKV(), 0.0, 0.0, {}
         pad = torch.zeros(bsz, seq, dtype=x.dtype, device=x.device)
@@ -157,6 +160,8 @@ class EagleTrainer:
             fb = train_batch(ids, position_offset=k, step_kv=step_kv)
             hidden = self.head(fb, self.target.embed(fb.input_ids), hidden)  # [B*L, h]
             valid = (rows <= seq - 1 - k).repeat(bsz)  # [B*L]: the label z_{i+1+k} exists
+            if mask is not None:  # and that label is one to learn
+                valid = valid & torch.cat([mask[:, 1 + k :], pad.bool()], dim=1)[:, :seq].reshape(-1)
             labels = z.shifted(k, seq) if isinstance(z, TopK) else \
                 torch.cat([z[:, 1 + k :], z[:, :k]], dim=1)[:, :seq].reshape(bsz * seq, -1)
             loss_k, acc = self._step_loss(hidden, labels, feats, k, valid)

@@ -10,6 +10,9 @@ token of the packed training stream:
     feats       [N, h]       bf16      the post-norm hidden (EAGLE-1/2's input and feature target)
     top_ids     [N, k]       int32     the target's k most likely next tokens
     top_logits  [N, k]       float32   their logits (a soft label kept to its top k)
+    mask        [N]          bool      optional: whether a row's label (the token after it) is one a head learns
+                                       to predict (``label_mask`` of ``answer_mask``: the assistant's turns of a
+                                       chat); None: every row
 
 Each conversation is run alone (right-padded in a batch of similar lengths), so its features are the ones serving
 computes: its context starts at its own first token.
@@ -54,12 +57,36 @@ def topk_cross_entropy(logits: torch.Tensor, label: TopK, mask: torch.Tensor) ->
     return (loss * mask).sum() / mask.sum().clamp_min(1)
 
 
+def answer_mask(tokens: torch.Tensor, open_ids: list[int], close_id: int) -> torch.Tensor:
+    """tokens [N] -> bool [N]: True from the token after each occurrence of the sequence open_ids (a chat template's
+    assistant header) up to and including the next close_id (its end of turn)."""
+    n, m = tokens.numel(), len(open_ids)
+    if n < m:
+        return torch.zeros(n, dtype=torch.bool)
+    win = tokens.unfold(0, m, 1)  # [N-m+1, m]
+    starts = (win == torch.tensor(open_ids, dtype=tokens.dtype)).all(-1).nonzero().flatten() + m
+    ends = (tokens == close_id).nonzero().flatten()
+    delta = torch.zeros(n + 1, dtype=torch.int32)
+    for s in starts.tolist():
+        after = ends[ends >= s]
+        e = after[0].item() + 1 if after.numel() else n
+        delta[s] += 1
+        delta[e] -= 1
+    return delta.cumsum(0)[:n] > 0
+
+
+def label_mask(token_mask: torch.Tensor) -> torch.Tensor:
+    """[N] bool over tokens -> [N] bool over rows: row p is kept when token p + 1 is (the last row: never)."""
+    return torch.cat([token_mask[1:], token_mask.new_zeros(1)])
+
+
 @dataclass
 class FeatureCache:
     tokens: torch.Tensor
     aux: torch.Tensor
     feats: torch.Tensor
     top: TopK
+    mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -70,6 +97,12 @@ class FeatureCache:
         idx = sample_windows(torch.arange(len(self)), batch_size, seq_len, seed, step)  # [B, L+1]
         top = TopK(self.top.ids[idx], self.top.logits[idx])
         return self.tokens[idx].long(), top, self.feats[idx], self.aux[idx[:, :-1]]
+
+    def window_mask(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor | None:
+        """The mask over the same windows as window(): [B, L+1] bool, or None without a mask."""
+        if self.mask is None:
+            return None
+        return self.mask[sample_windows(torch.arange(len(self)), batch_size, seq_len, seed, step)]
 
     def save(self, path: str) -> None:
         torch.save({"tokens": self.tokens, "aux": self.aux, "feats": self.feats, "top_ids": self.top.ids,
@@ -82,7 +115,9 @@ class FeatureCache:
             return caches[0]
         tokens, aux, feats, ids, logits = (torch.cat(ts) for ts in zip(
             *[(c.tokens, c.aux, c.feats, c.top.ids, c.top.logits) for c in caches], strict=True))
-        return cls(tokens, aux, feats, TopK(ids, logits))
+        masks = [c.mask for c in caches]
+        mask = None if any(m is None for m in masks) else torch.cat(masks)
+        return cls(tokens, aux, feats, TopK(ids, logits), mask)
 
     @classmethod
     def load(cls, path: str) -> FeatureCache:

@@ -44,6 +44,17 @@ def test_every_stage_writes_its_output(built):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8192
     ids = torch.load(os.path.join(out, "smollm2-fr-spec", "freq_8192.pt"))
     assert ids.numel() == 8192 and ids.unique().numel() == 8192
+    # the trainer's loss mask: the rows whose next token is an answer's, the first of them the header's last token
+    from transformers import AutoTokenizer
+
+    from specserve.train.chat_demo import ChatBuild, assistant_markers, load_features
+
+    build = ChatBuild(out, work, "cpu", False, 0.004, False)
+    cache = load_features(build)
+    open_ids, close_id = assistant_markers(AutoTokenizer.from_pretrained(build.target))
+    assert 0.2 < cache.mask.float().mean().item() < 0.98
+    first = int(cache.mask.int().argmax())
+    assert cache.tokens[first - len(open_ids) + 1 : first + 1].tolist() == open_ids
     # a second run skips every finished stage
     assert cli_main(["build-demo", "--family", "smollm2", "--out", out, "--work-dir", work, "--no-progress"]) == 0
 

@@ -13,7 +13,15 @@ from specserve.attention.training import train_batch
 from specserve.models.loader import load_model, read_config
 from specserve.speculative.draft_models import eagle3_capture_layers
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
-from specserve.train.features import FeatureCache, TopK, build_feature_cache, length_batches, topk_cross_entropy
+from specserve.train.features import (
+    FeatureCache,
+    TopK,
+    answer_mask,
+    build_feature_cache,
+    label_mask,
+    length_batches,
+    topk_cross_entropy,
+)
 from tests.speculative.helpers import assert_drafting_happened
 from tests.train.test_trainers import HEAD_TRAIN, _accept_length, _plain, _spec
 
@@ -109,6 +117,38 @@ def test_topk_labels_over_the_whole_vocabulary_give_the_dense_loss(bigram_target
         sparse, sm = trainer._unroll(x, TopK(top.indices, top.values), feats, hidden, cfg)
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
     assert sm == dm
+
+
+def test_answer_mask_by_hand():
+    # 7 8 = the assistant header, 9 = end of turn
+    tokens = torch.tensor([1, 7, 8, 4, 5, 9, 3, 7, 8, 6, 9, 2, 7, 8, 4])
+    want = [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1]  # an unfinished last answer runs to the end
+    assert answer_mask(tokens, [7, 8], 9).int().tolist() == want
+    assert answer_mask(torch.tensor([7]), [7, 8], 9).tolist() == [False]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_a_loss_mask_keeps_only_the_rows_it_marks(bigram_target, tokens, algorithm):
+    """An all-true mask is no mask, an all-false one leaves no loss; label_mask moves a token mask to the rows that
+    predict those tokens."""
+    target, spec, _ = load_model(bigram_target, dtype="float32")
+    trainer = EagleTrainer(target, read_config(bigram_target), EagleOptions(algorithm, draft_vocab_size=480), tokens,
+                           0, [1])
+    seq = 16
+    x = tokens[:2 * (seq + 1)].view(2, seq + 1).long()
+    cfg = replace(HEAD_TRAIN, seq_len=seq)
+    with torch.no_grad():
+        out = target(train_batch(x, capture_layers=trainer.capture))
+        z = out.logits.view(2, seq + 1, -1)
+        feats = out.hidden.view(2, seq + 1, -1)
+        hidden = (torch.cat(out.aux_hidden, -1).view(2, seq + 1, -1) if trainer.capture else feats)[:, :seq]
+        hidden = hidden.reshape(2 * seq, -1)
+        plain, _ = trainer._unroll(x, z, feats, hidden, cfg)
+        same, _ = trainer._unroll(x, z, feats, hidden, cfg, torch.ones(2, seq + 1, dtype=torch.bool))
+        none, _ = trainer._unroll(x, z, feats, hidden, cfg, torch.zeros(2, seq + 1, dtype=torch.bool))
+    torch.testing.assert_close(same, plain)
+    assert none.item() == 0.0
+    assert label_mask(torch.tensor([False, True, True, False])).tolist() == [True, True, False, False]
 
 
 def test_head_trained_from_a_feature_cache_is_lossless_and_learns(bigram_target, tokens, tmp_path):
