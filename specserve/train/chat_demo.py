@@ -40,7 +40,8 @@ TOKEN_MAP_SIZE = 8192
 class ChatBuild:
     """One build: the target folder (converted GGUF), output and work folders, shared settings."""
 
-    def __init__(self, out: str, work: str, device: str, progress: bool, scale: float, resume: bool) -> None:
+    def __init__(self, out: str, work: str, device: str, progress: bool, scale: float, resume: bool,
+                 data_shards: int | None = None) -> None:
         from specserve.demo_models import SMOLLM2, resolve_demo
         from specserve.models.loader import resolve_model_path
 
@@ -50,6 +51,7 @@ class ChatBuild:
         self.target = resolve_model_path(gguf)
         self.out, self.work, self.scale, self.resume = out, work, scale, resume
         self.device, self.progress = device, progress
+        self.data_shards = data_shards
         os.makedirs(out, exist_ok=True)
         os.makedirs(work, exist_ok=True)
 
@@ -76,7 +78,9 @@ class ChatBuild:
                        answer_tokens=max(16, int(GEN.answer_tokens * self.scale)))
 
     def shards(self) -> int:
-        """GEN_SHARDS; a smoke build (scale < 1) writes one."""
+        """--data-shards, else GEN_SHARDS (a smoke build, scale < 1: one)."""
+        if self.data_shards is not None:
+            return self.data_shards
         return GEN_SHARDS if self.scale >= 1 else 1
 
     def shard_path(self, k: int, kind: str) -> str:

@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    "a quick smoke build)")
     p.add_argument("--max-corpus-files", type=int, default=None, help="train on an even spread of at most N corpus "
                    "files (quick smoke builds; the bundled family uses all)")
+    p.add_argument("--data-shards", type=int, default=None, help="smollm2: self-generated data shards to write and "
+                   f"train on (default {chat_demo.GEN_SHARDS}; a smoke build: 1)")
     p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(argv)
     family_stages = STAGES if ns.family == "code" else chat_demo.STAGES
@@ -219,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.scale <= 0:
         print("error: --scale must be > 0", file=sys.stderr)
         return 2
+    if ns.data_shards is not None and (ns.data_shards < 1 or ns.family != "smollm2"):
+        print("error: --data-shards takes a count >= 1, with --family smollm2", file=sys.stderr)
+        return 2
     work = ns.work_dir or default_work_dir(ns.out, ns.family)
     if ns.family == "code":
         b = Build(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume, ns.max_corpus_files)
         build(b, stages, STAGE_FUNCS)
     else:
-        b = chat_demo.ChatBuild(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume)
+        b = chat_demo.ChatBuild(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume, ns.data_shards)
         build(b, stages, chat_demo.STAGE_FUNCS)
     return 0

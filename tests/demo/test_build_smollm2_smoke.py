@@ -79,3 +79,10 @@ def test_the_head_loads_and_drafts_for_smollm2_losslessly(built):
 def test_unknown_stage_names_the_family(capsys):
     assert cli_main(["build-demo", "--family", "smollm2", "--stages", "target"]) == 2
     assert "--family smollm2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--family", "smollm2", "--data-shards", "0"],
+                                  ["--family", "code", "--data-shards", "2"]])
+def test_data_shards_is_a_count_for_smollm2(argv, capsys):
+    assert cli_main(["build-demo", *argv]) == 2
+    assert "--data-shards" in capsys.readouterr().err
