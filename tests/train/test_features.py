@@ -97,22 +97,26 @@ def test_caches_of_shards_concatenate_to_the_cache_of_all(bigram_target):
     assert FeatureCache.concat([one]) is one
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_topk_labels_over_the_whole_vocabulary_give_the_dense_loss(bigram_target, tokens, algorithm):
-    """The cached path's label (the top k ids) with k = the vocabulary is the dense soft label: same loss."""
+def _unroll_inputs(bigram_target, tokens, algorithm, seq=16):
+    """A trainer and one batch of 2 windows through the target: (trainer, x, z, feats, hidden, cfg, vocab)."""
     target, spec, _ = load_model(bigram_target, dtype="float32")
     trainer = EagleTrainer(target, read_config(bigram_target), EagleOptions(algorithm, draft_vocab_size=480), tokens,
                            0, [1])
-    x = tokens[:2 * 17].view(2, 17).long()
-    seq = 16
+    x = tokens[:2 * (seq + 1)].view(2, seq + 1).long()
     with torch.no_grad():
         out = target(train_batch(x, capture_layers=trainer.capture))
-        z = out.logits.view(2, seq + 1, -1)
-        feats = out.hidden.view(2, seq + 1, -1)
-        hidden = (torch.cat(out.aux_hidden, -1).view(2, seq + 1, -1) if trainer.capture else feats)[:, :seq]
-        hidden = hidden.reshape(2 * seq, -1)
-        top = z.topk(spec.vocab_size, dim=-1)
-        cfg = replace(HEAD_TRAIN, seq_len=seq)
+    z = out.logits.view(2, seq + 1, -1)
+    feats = out.hidden.view(2, seq + 1, -1)
+    hidden = (torch.cat(out.aux_hidden, -1).view(2, seq + 1, -1) if trainer.capture else feats)[:, :seq]
+    return trainer, x, z, feats, hidden.reshape(2 * seq, -1), replace(HEAD_TRAIN, seq_len=seq), spec.vocab_size
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_topk_labels_over_the_whole_vocabulary_give_the_dense_loss(bigram_target, tokens, algorithm):
+    """The cached path's label (the top k ids) with k = the vocabulary is the dense soft label: same loss."""
+    trainer, x, z, feats, hidden, cfg, vocab = _unroll_inputs(bigram_target, tokens, algorithm)
+    top = z.topk(vocab, dim=-1)
+    with torch.no_grad():
         dense, dm = trainer._unroll(x, z, feats, hidden, cfg)
         sparse, sm = trainer._unroll(x, TopK(top.indices, top.values), feats, hidden, cfg)
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
@@ -131,21 +135,11 @@ def test_answer_mask_by_hand():
 def test_a_loss_mask_keeps_only_the_rows_it_marks(bigram_target, tokens, algorithm):
     """An all-true mask is no mask, an all-false one leaves no loss; label_mask moves a token mask to the rows that
     predict those tokens."""
-    target, spec, _ = load_model(bigram_target, dtype="float32")
-    trainer = EagleTrainer(target, read_config(bigram_target), EagleOptions(algorithm, draft_vocab_size=480), tokens,
-                           0, [1])
-    seq = 16
-    x = tokens[:2 * (seq + 1)].view(2, seq + 1).long()
-    cfg = replace(HEAD_TRAIN, seq_len=seq)
+    trainer, x, z, feats, hidden, cfg, _ = _unroll_inputs(bigram_target, tokens, algorithm)
     with torch.no_grad():
-        out = target(train_batch(x, capture_layers=trainer.capture))
-        z = out.logits.view(2, seq + 1, -1)
-        feats = out.hidden.view(2, seq + 1, -1)
-        hidden = (torch.cat(out.aux_hidden, -1).view(2, seq + 1, -1) if trainer.capture else feats)[:, :seq]
-        hidden = hidden.reshape(2 * seq, -1)
         plain, _ = trainer._unroll(x, z, feats, hidden, cfg)
-        same, _ = trainer._unroll(x, z, feats, hidden, cfg, torch.ones(2, seq + 1, dtype=torch.bool))
-        none, _ = trainer._unroll(x, z, feats, hidden, cfg, torch.zeros(2, seq + 1, dtype=torch.bool))
+        same, _ = trainer._unroll(x, z, feats, hidden, cfg, torch.ones(x.shape, dtype=torch.bool))
+        none, _ = trainer._unroll(x, z, feats, hidden, cfg, torch.zeros(x.shape, dtype=torch.bool))
     torch.testing.assert_close(same, plain)
     assert none.item() == 0.0
     assert label_mask(torch.tensor([False, True, True, False])).tolist() == [True, True, False, False]
