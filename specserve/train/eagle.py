@@ -138,8 +138,7 @@ class EagleTrainer:
             return self._unroll(x, z, feats, hidden.reshape(bsz * seq, -1), cfg)
 
     def _cached_loss(self, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
-        x, top, feats, aux = self.cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
-        mask = self.cache.window_mask(cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        x, top, feats, aux, mask = self.cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
         bsz, seq = x.shape[0], cfg.seq_len
         hidden = aux if self.capture else feats[:, :seq]  # [B, L, 3h] or [B, L, h]
         dev = cfg.device

@@ -93,16 +93,11 @@ class FeatureCache:
 
     def window(self, batch_size: int, seq_len: int, seed: int, step: int):
         """A training step's random windows (a pure function of seed and step): x [B, L+1] int64, the labels TopK
-        [B, L+1, k], feats [B, L+1, h], aux [B, L, 3h]."""
+        [B, L+1, k], feats [B, L+1, h], aux [B, L, 3h], mask [B, L+1] bool (None without a mask)."""
         idx = sample_windows(torch.arange(len(self)), batch_size, seq_len, seed, step)  # [B, L+1]
         top = TopK(self.top.ids[idx], self.top.logits[idx])
-        return self.tokens[idx].long(), top, self.feats[idx], self.aux[idx[:, :-1]]
-
-    def window_mask(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor | None:
-        """The mask over the same windows as window(): [B, L+1] bool, or None without a mask."""
-        if self.mask is None:
-            return None
-        return self.mask[sample_windows(torch.arange(len(self)), batch_size, seq_len, seed, step)]
+        mask = None if self.mask is None else self.mask[idx]
+        return self.tokens[idx].long(), top, self.feats[idx], self.aux[idx[:, :-1]], mask
 
     def save(self, path: str) -> None:
         torch.save({"tokens": self.tokens, "aux": self.aux, "feats": self.feats, "top_ids": self.top.ids,

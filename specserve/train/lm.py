@@ -129,7 +129,7 @@ def distill(teacher: nn.Module | None, config: dict, tokens: torch.Tensor | None
             x = sample_windows(tokens, cfg.batch_size, cfg.seq_len, cfg.seed, step)
             with autocast(cfg), torch.no_grad():
                 return x, lm_logits(teacher, x[:, :-1]).logits
-        x, top, _, _ = cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        x, top, _, _, _ = cache.window(cfg.batch_size, cfg.seq_len, cfg.seed, step)
         return x.to(cfg.device), TopK(*(t[:, :-1].reshape(-1, t.shape[-1]).to(cfg.device) for t in (top.ids,
                                                                                                      top.logits)))
 
