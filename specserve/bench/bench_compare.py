@@ -1,9 +1,10 @@
-"""``specserve bench-compare``: specserve vs transformers on the same model and prompts, side by side in one run.
+"""``specserve bench-compare``: specserve vs transformers and llama.cpp on the same model and prompts, side by side
+in one run.
 
     specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path demo-eagle3]
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
-        [--only plain,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
-        [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R]
+        [--only plain,llamacpp,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
+        [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R] [--llamacpp-gguf FILE]
 
 Batch 1, greedy (temperature 0), exactly ``--max-new-tokens`` per prompt on both sides (specserve ``ignore_eos``;
 transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same prompt token ids, the same
@@ -14,6 +15,11 @@ a shared machine hits all alike), each compared with its counterpart:
     transformers assisted generation (the draft LM)  <- specserve EAGLE-3 (its head) and specserve STANDALONE (the
                                                         same draft LM); transformers cannot run an EAGLE-3 head
     transformers prompt lookup (N tokens)            <- specserve NGRAM
+
+and every row with llama.cpp's plain decoding of the same model at 16-bit weights (``bench.llamacpp``: the target's
+GGUF file dequantized to F16), the CPU anchor; llama.cpp on the GGUF file itself (its own quantization) runs too.
+The llama.cpp rows need a GGUF target (or ``--llamacpp-gguf``) and the ``llama-cpp-python`` package; by default
+they are left out, with a note, where either is missing.
 
 Our speculative flags stay at the engine's defaults unless ``--eagle3-tree`` / ``--draft-stop-threshold`` set them
 (the resolved tree is printed); transformers' assisted
@@ -38,7 +44,7 @@ import torch
 
 from specserve.bench.report import format_table, plot_bars, report_missing_extra, write_jsonl
 
-SELECTABLE = ("plain", "assisted", "eagle3", "standalone", "lookup", "ngram")
+SELECTABLE = ("plain", "llamacpp", "assisted", "eagle3", "standalone", "lookup", "ngram")
 DTYPES = ("float32", "bfloat16")
 WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
 KV_MARGIN = 64  # KV slots beyond prompt + new tokens: room for a verify step's draft tokens (at least)
@@ -59,6 +65,8 @@ class Config:
 CONFIGS = (
     Config("hf_plain", "transformers", "HF plain", "plain"),
     Config("ours_plain", "specserve", "ours plain", "plain", versus="hf_plain"),
+    Config("llamacpp_f16", "llama.cpp", "llama.cpp 16-bit", "llamacpp"),
+    Config("llamacpp_quant", "llama.cpp", "llama.cpp quantized", "llamacpp"),
     Config("hf_assisted", "transformers", "HF assisted", "assisted", plain="hf_plain"),
     Config("ours_eagle3", "specserve", "ours EAGLE-3", "eagle3", versus="hf_assisted", plain="ours_plain"),
     Config("ours_standalone", "specserve", "ours STANDALONE", "standalone", versus="hf_assisted", plain="ours_plain"),
@@ -73,10 +81,14 @@ TABLE_COLUMNS = (
     ("label", "config", None), ("tokens", "tokens", None), ("seconds", "time (s)", ".2f"),
     ("tokens_per_s", "tok/s", ".1f"), ("ratio_vs_plain", "vs own plain", ".2f"),
     ("versus_label", "compared with", None), ("ratio_vs_versus", "vs transformers", ".2f"),
-    ("accept_length", "accept len", ".2f"), ("equal", "equal to HF plain", None),
+    ("ratio_vs_llamacpp", "vs llama.cpp 16-bit", ".2f"), ("accept_length", "accept len", ".2f"),
+    ("equal", "equal to HF plain", None),
 )
+LLAMACPP_ANCHOR = "llamacpp_f16"
+LLAMACPP_CONFIGS = {"llamacpp_f16", "llamacpp_quant"}
 ROUND_COLUMNS = (("plain_rounds", "vs own plain, each round", None), ("versus_rounds", "vs transformers, each round",
-                                                                     None))
+                                                                     None),
+                 ("llamacpp_rounds", "vs llama.cpp 16-bit, each round", None))
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -100,8 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="generated per prompt on both sides")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="both engines (always the same)")
     p.add_argument("--lookup-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens")
-    p.add_argument("--only", default=",".join(SELECTABLE),
-                   help=f"comma list of configurations to run, from {','.join(SELECTABLE)} (default: all)")
+    p.add_argument("--only", default=None,
+                   help=f"comma list of configurations to run, from {','.join(SELECTABLE)} (default: all; llamacpp "
+                        "only where it can run)")
+    p.add_argument("--llamacpp-gguf", default=None, metavar="FILE",
+                   help="the GGUF file llama.cpp runs (and, dequantized to F16, its 16-bit row); default: the "
+                        "target's own GGUF file")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="our engines compile their decode/verify/draft forwards (graphs are built in the warm-up)")
@@ -131,8 +147,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    args.llamacpp_optional = args.only is None
     try:
-        args.only = selected_configs(args.only)
+        args.only = selected_configs(args.only or ",".join(SELECTABLE))
     except ValueError as e:
         p.error(f"--only: {e}")
     if args.eagle3_tree is not None:
@@ -218,14 +235,17 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_versus"] = _ratio(tps, c.name, c.versus)
         r["plain_ref"] = c.plain
         r["ratio_vs_plain"] = _ratio(tps, c.name, c.plain)
+        r["ratio_vs_llamacpp"] = None if c.name == LLAMACPP_ANCHOR else _ratio(tps, c.name, LLAMACPP_ANCHOR)
     return rows
 
 
 def add_round_ratios(rows: list[dict], round_tps: list[dict[str, float]]) -> list[dict]:
     """Several rounds: each ratio becomes the median of its per-round ratios (round_tps: one dict config ->
-    tokens/s per round), which are kept in ratio_vs_plain_rounds / ratio_vs_versus_rounds."""
+    tokens/s per round), which are kept in ratio_vs_plain_rounds / ratio_vs_versus_rounds / ratio_vs_llamacpp_rounds."""
     for r in rows:
-        for key, den in (("ratio_vs_plain", r["plain_ref"]), ("ratio_vs_versus", r["versus"])):
+        anchor = None if r["config"] == LLAMACPP_ANCHOR else LLAMACPP_ANCHOR
+        for key, den in (("ratio_vs_plain", r["plain_ref"]), ("ratio_vs_versus", r["versus"]),
+                         ("ratio_vs_llamacpp", anchor)):
             per_round = [_ratio(tps, r["config"], den) for tps in round_tps]
             if None in per_round:
                 continue
@@ -247,7 +267,9 @@ def speedup_bars(rows: list[dict]) -> tuple[list[str], list[float]]:
               if r["ratio_vs_versus"] is not None]
     own = [(f"{r['label']} / {label[r['plain_ref']]}", r["ratio_vs_plain"]) for r in rows
            if r["ratio_vs_plain"] is not None]
-    pairs = versus + own
+    anchor = [(f"{r['label']} / {label[LLAMACPP_ANCHOR]}", r["ratio_vs_llamacpp"]) for r in rows
+              if BY_NAME[r["config"]].engine == "specserve" and r.get("ratio_vs_llamacpp") is not None]
+    pairs = versus + anchor + own
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -256,7 +278,9 @@ def setup_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     r0 = rows[0]
-    lines = [f"specserve vs transformers: target {r0['model_path']}, {r0['dtype']} (both), batch 1, temperature 0, "
+    lines = [f"specserve vs transformers and llama.cpp: target {r0['model_path']}, {r0['dtype']} (specserve and "
+             f"transformers), batch 1, "
+             f"temperature 0, "
              f"{r0['max_new_tokens']} new tokens x {r0['num_prompts']} held-out prompts"
              + (f" x {r0['rounds']} rounds" if r0.get("rounds", 1) > 1 else "") + f", {r0['num_threads']} threads"]
     for r in rows:
@@ -273,6 +297,8 @@ def setup_lines(rows: list[dict]) -> list[str]:
             lines.append(f"{r['label']}: num_assistant_tokens {r['hf_num_assistant_tokens']} "
                          f"({r['hf_num_assistant_tokens_schedule']}), confidence threshold "
                          f"{r['hf_assistant_confidence_threshold']} (transformers defaults), draft {r['draft_path']}")
+        if r.get("gguf_file") is not None:
+            lines.append(f"{r['label']}: {r['gguf_file']} ({r['gguf_type']}), llama-cpp-python {r['llamacpp_version']}")
         if r.get("lookup_tokens") is not None:
             lines.append(f"{r['label']}: prompt_lookup_num_tokens={r['lookup_tokens']}")
     return lines
@@ -282,8 +308,9 @@ def render(rows: list[dict]) -> str:
     """The printed/written report: setup lines, the table, how tok/s is measured."""
     shown = [{**r, "equal": None if r["equal_to_hf_plain"] is None else f"{r['equal_to_hf_plain']}/{r['num_prompts']}",
               "plain_rounds": _listed(r.get("ratio_vs_plain_rounds")),
-              "versus_rounds": _listed(r.get("ratio_vs_versus_rounds"))} for r in rows]
-    rounds = any(r.get("ratio_vs_plain_rounds") or r.get("ratio_vs_versus_rounds") for r in rows)
+              "versus_rounds": _listed(r.get("ratio_vs_versus_rounds")),
+              "llamacpp_rounds": _listed(r.get("ratio_vs_llamacpp_rounds"))} for r in rows]
+    rounds = any(r.get(f"ratio_vs_{k}_rounds") for r in rows for k in ("plain", "versus", "llamacpp"))
     note = ("tok/s = generated tokens / summed wall time of the generate calls (prefill included"
             + ("; all rounds); ratios = the median of the rounds' ratios" if rounds else ")")
             + "; accept len = tokens / verify steps; equal = prompts whose greedy ids equal transformers plain")
@@ -302,6 +329,7 @@ class Loaded:
     prepare: dict = field(default_factory=dict)  # config name -> untimed step before each run
     setup: dict = field(default_factory=dict)  # "common" -> fields of every row; config name -> that row's fields
     engines: list = field(default_factory=list)  # specserve Engines to shut down
+    closers: list = field(default_factory=list)  # other engines' close functions
 
 
 def resolve_path(path: str) -> str:
@@ -351,6 +379,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         loaded.setup[name] = spec_setup(engine, given.get(name))
         if tree_given:
             loaded.setup[name]["tree_source"] = "--eagle3-tree"
+    if names & LLAMACPP_CONFIGS:
+        load_llamacpp(args, threads, kv_tokens, loaded)
     if names & {"hf_plain", "hf_assisted", "hf_lookup"}:
         _log("loading transformers models ...")
         model, pad_id = load_hf(target, args.dtype)
@@ -365,6 +395,47 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
             loaded.runners["hf_assisted"] = hf_runner(model, pad_id, n, assistant=assistant)
             loaded.setup["hf_assisted"] = assisted_setup(assistant, args.draft_model_path)
     loaded.runners = {c.name: loaded.runners[c.name] for c in CONFIGS if c.name in loaded.runners}  # run order
+
+
+def check_llamacpp(args: argparse.Namespace) -> None:
+    """Selected llama.cpp rows that cannot run (no llama-cpp-python, no GGUF file): left out with a note when the
+    selection was the default, else a ConfigError saying why."""
+    from specserve.bench import llamacpp
+    from specserve.config import ConfigError
+
+    if not {c.name for c in args.only} & LLAMACPP_CONFIGS:
+        return
+    problem = None if llamacpp.available() else f"llama-cpp-python is not installed: {llamacpp.INSTALL}"
+    if problem is None:
+        try:
+            args.llamacpp_files = llamacpp.gguf_files(args.model_path, args.llamacpp_gguf)
+        except ValueError as e:
+            problem = str(e)
+    if problem is None:
+        return
+    if not args.llamacpp_optional:
+        raise ConfigError(f"--only llamacpp: {problem}")
+    _log(f"leaving the llama.cpp rows out: {problem}")
+    args.only = [c for c in args.only if c.name not in LLAMACPP_CONFIGS]
+
+
+def load_llamacpp(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loaded) -> None:
+    """llama.cpp on the 16-bit copy and on the GGUF file itself (args.llamacpp_files, from check_llamacpp)."""
+    from importlib.metadata import version
+
+    from specserve.bench import llamacpp
+
+    _log("loading llama.cpp ...")
+    names = {c.name for c in args.only}
+    for name, path in args.llamacpp_files.items():
+        if name not in names:
+            continue
+        llm = llamacpp.load(path, threads, kv_tokens)
+        loaded.closers.append(llm.close)
+        loaded.runners[name] = llamacpp.runner(llm, args.max_new_tokens)
+        loaded.prepare[name] = llamacpp.prepare(llm)
+        loaded.setup[name] = {"gguf_file": path, "gguf_type": llamacpp.file_type(path),
+                              "llamacpp_version": version("llama-cpp-python")}
 
 
 def spec_setup(engine, draft_path: str | None) -> dict:
@@ -412,15 +483,16 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     import transformers
 
     from specserve.bench.bench_ngram import run_set
-    from specserve.train.corpus import held_out_prompts
+    from specserve.bench.eval_acceptance import held_out_prompts_for
 
     threads = args.num_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     encode = transformers.AutoTokenizer.from_pretrained(resolve_path(args.model_path)).encode
-    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts(args.num_prompts)]
+    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(args.model_path, args.num_prompts)]
     warmup = encode(WARMUP_TEXT, add_special_tokens=True)
     kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + kv_margin(args)  # one request
+    check_llamacpp(args)
     loaded = Loaded()
     try:
         load_all(args, threads, kv_tokens, loaded)
@@ -431,6 +503,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     finally:
         for engine in loaded.engines:
             engine.shutdown()
+        for close in loaded.closers:
+            close()
     return config_rows(rounds, loaded.setup)
 
 

