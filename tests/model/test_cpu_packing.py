@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve import Engine
+from specserve.platform.cpu import packing
 from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
+    GEMV_MAX_ROWS,
     MixedLinear,
     PackedLinear,
+    cpu_gemv,
     mix_linears_for_cpu,
     pack_linears_for_cpu,
+    packable_bytes,
 )
+from specserve.platform.cpu.policy import CpuPolicy
 from tests.engine.helpers import PROMPTS, greedy
 
 
@@ -28,6 +35,57 @@ def test_packed_linear_matches_plain_linear():
         torch.testing.assert_close(model(x).float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_one_row_calls_take_the_plain_weight_when_kept(monkeypatch):
+    """keep_plain: a one-row call runs cpu_gemv on the plain weight (PyTorch's kernel, oneDNN off for the call
+    only); larger calls the packed kernel; both agree with nn.Linear, eager and compiled."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.SiLU(), nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
+    ref = [nn.Linear(64, 96).to(torch.bfloat16), nn.Linear(96, 32, bias=False).to(torch.bfloat16)]
+    ref[0].load_state_dict(model[0].state_dict())
+    ref[1].load_state_dict(model[2].state_dict())
+    assert pack_linears_for_cpu(model, keep_plain=True) == 2
+    assert all(m.plain is not None for m in (model[0], model[2]))
+    calls = []
+    real = packing.cpu_gemv
+
+    def spy(x, w, b):
+        calls.append(x.shape[0])
+        assert torch._C._get_mkldnn_enabled()  # switched off inside only
+        return real(x, w, b)
+
+    monkeypatch.setattr(packing, "cpu_gemv", spy)
+    with torch.inference_mode():
+        for rows in (1, GEMV_MAX_ROWS + 1, 9):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            want = ref[1](F.silu(ref[0](x)))
+            torch.testing.assert_close(model(x).float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert calls == [1, 1]  # both linears of the one-row call, none of the larger ones
+        assert torch._C._get_mkldnn_enabled()
+        x = torch.randn(1, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(torch.compile(model)(x).float(), model(x).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_gemv_restores_onednn_after_an_error():
+    with pytest.raises(RuntimeError):
+        cpu_gemv(torch.randn(1, 3, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16), None)
+    assert torch._C._get_mkldnn_enabled()
+
+
+def test_plain_copies_are_counted_without_tied_weights(monkeypatch):
+    """packable_bytes: what keep_plain adds; a head tied to an embedding adds nothing. The policy keeps the copy
+    while it fits its share of the memory."""
+    emb = nn.Embedding(100, 16).to(torch.bfloat16)
+    head = nn.Linear(16, 100, bias=False).to(torch.bfloat16)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "proj": nn.Linear(16, 32).to(torch.bfloat16), "head": head,
+                           "fp32": nn.Linear(16, 16)})
+    assert packable_bytes(model) == 32 * 16 * 2
+    monkeypatch.setattr("specserve.platform.cpu.policy.physical_memory", lambda: 8 * 32 * 16 * 2)
+    assert CpuPolicy.keeps_plain_weights(model)
+    monkeypatch.setattr("specserve.platform.cpu.policy.physical_memory", lambda: 8 * 32 * 16 * 2 - 8)
+    assert not CpuPolicy.keeps_plain_weights(model)
+
+
 def test_fp32_is_left_alone():
     model = nn.Sequential(nn.Linear(8, 8))
     assert pack_linears_for_cpu(model) == 0 and isinstance(model[0], nn.Linear)
@@ -38,8 +96,9 @@ def test_engine_greedy_same_with_and_without_packing(model_factory):
     outs = []
     for disable in (False, True):
         with Engine(model_path=path, max_total_tokens=2048, disable_cpu_weight_packing=disable) as e:
-            packed = sum(isinstance(m, PackedLinear) for m in e.scheduler.runner.model.modules())
-            assert (packed > 0) != disable
+            packed = [m for m in e.scheduler.runner.model.modules() if isinstance(m, PackedLinear)]
+            assert (len(packed) > 0) != disable
+            assert all(m.plain is not None for m in packed)  # a small model keeps them: one-row calls use them
             outs.append([o["output_ids"] for o in e.generate(PROMPTS[:4], greedy(16))])
     assert outs[0] == outs[1]
 

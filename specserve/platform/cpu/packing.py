@@ -11,6 +11,14 @@ is checked against ``F.linear`` on a random input when packing; any failure keep
 Under ``--enable-torch-compile`` the call goes through the custom op ``specserve::packed_linear``: inductor's own
 lowering of ``_linear_pointwise`` only accepts weights it packed itself (frozen graph constants) and fails on
 ours, while a custom op is an opaque call inside the compiled graph (no graph break, same kernel).
+
+One row is the exception. oneDNN's kernels, packed or not, stream a bf16 weight at about 15 GB/s for a single row,
+while PyTorch's own matrix-vector kernel (``cpublas`` gemv, reached by ``F.linear`` with oneDNN switched off)
+streams it at about 30 GB/s: SmolLM2-135M's 30 layers of linears take 13.7 ms packed and 7.2 ms that way. From
+two rows up the packed kernel is as fast or faster (2 rows 12.0 / 12.2 ms, 4 rows 9.1 / 26 ms). So a PackedLinear
+may also keep its plain weight (``keep_plain``) and run one-row calls on it (``cpu_gemv``): batch-1 decode, a
+draft's first step. The plain copy doubles the weights' memory, so ``CpuPolicy`` keeps it only for models whose
+linears are small next to the machine's memory (a tied LM head's plain weight is the embedding's: free).
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 #: (docs/benchmarks.md).
 PACK_BATCH_HINT = 64
 
+#: Calls of at most this many rows take ``cpu_gemv`` where a PackedLinear keeps its plain weight: at 1 row it
+#: streams the weights about twice as fast as the packed kernel, at 2 rows they tie (module docstring).
+GEMV_MAX_ROWS = 1
+
 
 def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ a oneDNN-packed weight (+ bias) -> [T, out]."""
@@ -50,19 +62,45 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-class PackedLinear(DirectCall):
-    """A Linear whose weight lives in oneDNN's packed layout (the plain weight is not kept)."""
+def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with oneDNN switched off for the call, so that PyTorch's own kernel runs: for one half-precision
+    row, its matrix-vector product (twice the packed kernel's speed). The switch is process-wide while the call
+    runs; specserve runs its forwards on one thread at a time."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
+
+@torch.library.custom_op("specserve::gemv_linear", mutates_args=())
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_gemv as an op that compiled graphs call as is (the oneDNN switch cannot be traced)."""
+    return cpu_gemv(x, weight, bias)
+
+
+@gemv_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class PackedLinear(DirectCall):
+    """A Linear whose weight lives in oneDNN's packed layout; with keep_plain its plain weight is kept too
+    (``plain``) for calls of at most GEMV_MAX_ROWS rows (``cpu_gemv``), else it is not kept."""
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = packed
         self.bias = linear.bias
+        self.plain = linear.weight.detach() if keep_plain else None  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        gemv = self.plain is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.packed, self.bias)
-        return _packed_matmul(x, self.packed, self.bias)
+            return gemv_linear(x, self.plain, self.bias) if gemv else packed_linear(x, self.packed, self.bias)
+        return cpu_gemv(x, self.plain, self.bias) if gemv else _packed_matmul(x, self.packed, self.bias)
 
 
 #: MixedLinear's float32 / packed-bf16 crossover in rows per call. A batch-1 EAGLE tree level (topk rows) and
@@ -108,6 +146,22 @@ def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor |
     return packed
 
 
+def packable_bytes(model: nn.Module) -> int:
+    """Bytes of the bf16/fp16 CPU linear weights pack_linears_for_cpu would pack, less those shared with another
+    parameter (a tied LM head's is the embedding's, kept anyway): what keep_plain keeps in addition."""
+    others = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, nn.Linear) or w is None or w.device.type != "cpu" or w.dtype not in PACKABLE_DTYPES:
+            continue
+        if id(w) not in others and id(w) not in seen:
+            seen.add(id(w))
+            total += w.numel() * w.element_size()
+    return total
+
+
 def _replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], make) -> int:
     """Replace every CPU nn.Linear of model whose weight has one of ``dtypes`` by make(linear) (unless None)."""
     if not torch.backends.mkldnn.is_available():
@@ -123,11 +177,12 @@ def _replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], make) ->
     return count
 
 
-def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Replace every bf16/fp16 nn.Linear of a CPU model by a PackedLinear; returns how many were packed."""
+def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
+    """Replace every bf16/fp16 nn.Linear of a CPU model by a PackedLinear (keeping each plain weight for one-row
+    calls when keep_plain); returns how many were packed."""
     def make(linear):
         packed = _pack(linear)
-        return None if packed is None else PackedLinear(linear, packed)
+        return None if packed is None else PackedLinear(linear, packed, keep_plain)
 
     count = _replace_linears(model, PACKABLE_DTYPES, make)
     if count:

@@ -12,7 +12,7 @@ from torch import nn
 from specserve.platform.cpu.cpus import usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.malloc import HeapTrimmer, tune_malloc
-from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu
+from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu, packable_bytes
 from specserve.platform.policy import PlatformPolicy
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -34,6 +34,22 @@ HALF_DRAFT_DTYPE = torch.bfloat16
 #: or in float32 the kernel's own grouping is as fast or faster, so they keep it)
 FOLD_MIN_BATCH = 4
 FOLD_MAX_Q = 16
+
+
+#: Packed linears keep their plain weights for one-row calls (``packing.cpu_gemv``: batch-1 decode at about twice
+#: the packed kernel's speed) when that extra copy takes at most this share of the machine's memory. SmolLM2-135M
+#: keeps 214 MB (its tied LM head costs nothing); a 7B model's 13 GB copy is left out on machines under 104 GB.
+PLAIN_COPY_MAX_MEMORY_SHARE = 1 / 8
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes (0 where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class CpuPolicy(PlatformPolicy):
@@ -90,8 +106,16 @@ class CpuPolicy(PlatformPolicy):
 
     # ------------------------------------------------------------------ weights
     def pack_weights(self, module: nn.Module) -> int:
-        """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``)."""
-        return pack_linears_for_cpu(module) if self.packs_weights else 0
+        """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``), keeping their plain weights for
+        one-row calls where that copy is small enough (``keeps_plain_weights``)."""
+        if not self.packs_weights:
+            return 0
+        return pack_linears_for_cpu(module, keep_plain=self.keeps_plain_weights(module))
+
+    @staticmethod
+    def keeps_plain_weights(module: nn.Module) -> bool:
+        """The plain copy of module's packable linears fits in PLAIN_COPY_MAX_MEMORY_SHARE of the memory."""
+        return packable_bytes(module) <= PLAIN_COPY_MAX_MEMORY_SHARE * physical_memory()
 
     # ------------------------------------------------------------------ draft models
     def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
