@@ -41,18 +41,36 @@ def test_compiled_eagle_tree_equals_plain(target, self_head, plain):
     assert info["torch_compile_graphs"] >= 2  # the target's verify and the head's draft steps at least
 
 
-def test_compiled_bf16_with_packed_linears(model_factory):
+def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch):
     """bf16 on CPU: the oneDNN-packed linears stay packed under torch.compile (this used to fail in inductor's
-    lowering) and the compiled engine decodes what the eager one does."""
+    lowering) and the compiled engine decodes what the eager one does, at batch 3 and at batch 1, whose one-token
+    forwards run their graphs with oneDNN off (the plain weights' matrix-vector kernel)."""
+    from contextlib import contextmanager
+
+    from specserve.models import compile as compile_mod
+
+    one_row = []
+    real = compile_mod.onednn_off
+
+    @contextmanager
+    def spy():
+        with real():
+            one_row.append(torch._C._get_mkldnn_enabled())
+            yield
+
+    monkeypatch.setattr(compile_mod, "onednn_off", spy)
     path = model_factory("llama", dtype=torch.bfloat16)
     outs = []
     for compiled in (False, True):
         with Engine(model_path=path, max_total_tokens=2048, enable_torch_compile=compiled) as e:
             assert any(isinstance(m, PackedLinear) for m in e.scheduler.runner.model.modules())
-            outs.append([o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(16))])
+            outs.append([o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(16))]
+                        + [e.generate(PROMPTS[3], greedy(16))["output_ids"]])
             graphs = e.get_server_info()["torch_compile_graphs"] if compiled else None
     assert outs[0] == outs[1]
     assert graphs > 0
+    assert len(one_row) >= 15 and not any(one_row)  # the batch-1 decode steps, oneDNN off inside
+    assert torch._C._get_mkldnn_enabled()
 
 
 def test_grouped_attention_runs_eagerly():

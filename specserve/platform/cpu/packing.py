@@ -24,6 +24,7 @@ linears are small next to the machine's memory (a tied LM head's plain weight is
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -62,27 +63,30 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear with oneDNN switched off for the call, so that PyTorch's own kernel runs: for one half-precision
-    row, its matrix-vector product (twice the packed kernel's speed). The switch is process-wide while the call
-    runs; specserve runs its forwards on one thread at a time."""
+@contextmanager
+def onednn_off():
+    """oneDNN switched off while the block runs, so that ``F.linear`` on a half-precision weight takes PyTorch's own
+    kernel: for one row, its matrix-vector product. The packed kernel is called directly and does not look at the
+    switch. The switch is process-wide; specserve runs its forwards on one thread at a time."""
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        return F.linear(x, weight, bias)
+        yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
 
 
-@torch.library.custom_op("specserve::gemv_linear", mutates_args=())
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """cpu_gemv as an op that compiled graphs call as is (the oneDNN switch cannot be traced)."""
-    return cpu_gemv(x, weight, bias)
+def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with oneDNN off for the call: for one half-precision row, twice the packed kernel's speed."""
+    with onednn_off():
+        return F.linear(x, weight, bias)
 
 
-@gemv_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def one_row_forward(input_ids: torch.Tensor) -> bool:
+    """A forward whose every linear call has at most GEMV_MAX_ROWS rows (its token count), on CPU: a compiled one runs
+    under ``onednn_off`` as a whole (``models.compile``), its graph calling ``F.linear`` on the plain weights directly
+    (a call through a custom op costs about as much as the fusion saves)."""
+    return input_ids.device.type == "cpu" and input_ids.numel() <= GEMV_MAX_ROWS
 
 
 class PackedLinear(DirectCall):
@@ -98,8 +102,8 @@ class PackedLinear(DirectCall):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         gemv = self.plain is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-        if torch.compiler.is_compiling():
-            return gemv_linear(x, self.plain, self.bias) if gemv else packed_linear(x, self.packed, self.bias)
+        if torch.compiler.is_compiling():  # a one-row forward's graph runs under onednn_off (one_row_forward)
+            return F.linear(x, self.plain, self.bias) if gemv else packed_linear(x, self.packed, self.bias)
         return cpu_gemv(x, self.plain, self.bias) if gemv else _packed_matmul(x, self.packed, self.bias)
 
 
