@@ -8,8 +8,8 @@ The page's examples run the demo family in its own half precision (bf16, or the 
 There a verify forward over a tree rounds differently from a one-token decode step (as plain decoding's own
 batches do: a prompt decoded alone and in a batch can differ), so where the target's two best tokens are within
 rounding of each other the two runs may pick differently. The check is therefore token by token: the ids are
-equal, or equal up to a position where the plain run's best two tokens are a near tie (NEAR_TIE nats) and the
-speculative run took the runner-up. Float32 equality, exact, is what tests/spec checks for every algorithm.
+equal, or equal up to a position where the plain run's best two tokens are a near tie (NEAR_TIE nats) and each run
+took one of them. Float32 equality, exact, is what tests/spec checks for every algorithm.
 """
 
 from __future__ import annotations
@@ -100,9 +100,10 @@ def test_seed_example_answers_as_plain_decoding(name):
     check_answer(answer(response), "demo-mtp" if name == "mtp" else "demo")
     plain = reference(launch, client)
     k = first_difference(spec["output_ids"], plain["output_ids"])
-    if k is not None:  # only at a near tie of the target, taking its runner-up
+    if k is not None:  # only at a near tie of the target: the two runs took its two best tokens
         (best_lp, best, _), (second_lp, second, _) = plain["meta_info"]["output_top_logprobs"][k]
-        assert best == plain["output_ids"][k] and spec["output_ids"][k] == second, (k, best, second)
+        # (an exact tie, common among bf16 logits, lists the two in either order)
+        assert {plain["output_ids"][k], spec["output_ids"][k]} == {best, second}, (k, best, second)
         assert best_lp - second_lp < NEAR_TIE, (k, best_lp, second_lp)
     assert info["speculative_algorithm"] is not None
     assert info["spec_verify_ct"] > 0 and info["avg_spec_accept_length"] > 1.0  # drafts verified and accepted
