@@ -12,7 +12,7 @@ variant: decode without a mask, tree verify with one, draft steps). Compile time
 during which dynamo built a new graph counts as compile time (``CompileStats``), reported in the server info.
 
 A one-token CPU forward (batch-1 decode, a draft's first step) runs its compiled graph with oneDNN off
-(``packing.one_row_forward``): its linears then call PyTorch's matrix-vector kernel on the kept plain weights from
+(``models.one_row``): its linears then call PyTorch's matrix-vector kernel on the kept plain weights from
 inside the graph, the fastest one-row path on CPU (SmolLM2-135M bf16 decode: 12.4 ms a token against 17-18 ms
 eager).
 """
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specserve.attention import ForwardBatch, ForwardMode
-from specserve.platform.cpu.packing import one_row_forward, onednn_off
+from specserve.models.one_row import one_row_forward, onednn_off
 
 logger = logging.getLogger(__name__)
 

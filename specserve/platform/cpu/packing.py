@@ -24,13 +24,13 @@ linears are small next to the machine's memory (a tied LM head's plain weight is
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.direct_call import DirectCall
+from specserve.models.one_row import GEMV_MAX_ROWS, onednn_off
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,6 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 #: (docs/benchmarks.md).
 PACK_BATCH_HINT = 64
 
-#: Calls of at most this many rows take ``cpu_gemv`` where a PackedLinear keeps its plain weight: at 1 row it
-#: streams the weights about twice as fast as the packed kernel, at 2 rows they tie (module docstring).
-GEMV_MAX_ROWS = 1
 
 
 def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -63,30 +60,10 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-@contextmanager
-def onednn_off():
-    """oneDNN switched off while the block runs, so that ``F.linear`` on a half-precision weight takes PyTorch's own
-    kernel: for one row, its matrix-vector product. The packed kernel is called directly and does not look at the
-    switch. The switch is process-wide; specserve runs its forwards on one thread at a time."""
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
-
-
 def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear with oneDNN off for the call: for one half-precision row, twice the packed kernel's speed."""
     with onednn_off():
         return F.linear(x, weight, bias)
-
-
-def one_row_forward(input_ids: torch.Tensor) -> bool:
-    """A forward whose every linear call has at most GEMV_MAX_ROWS rows (its token count), on CPU: a compiled one runs
-    under ``onednn_off`` as a whole (``models.compile``), its graph calling ``F.linear`` on the plain weights directly
-    (a call through a custom op costs about as much as the fusion saves)."""
-    return input_ids.device.type == "cpu" and input_ids.numel() <= GEMV_MAX_ROWS
 
 
 class PackedLinear(DirectCall):
