@@ -5,8 +5,8 @@
 ``cpu/`` holds the CPU side: the policy, the thread count (``cpus.py``, ``governor.py``), OpenMP worker pools
 (``omp.py``), glibc's allocator (``malloc.py``) and oneDNN weight packing (``packing.py``).
 
-A leaf package: it imports torch and ``models/direct_call.py`` only, so models/, attention/, speculative/ and
-scheduler/ may all import it.
+A leaf package: it imports torch and ``models/direct_call.py`` / ``models/one_row.py`` only, so models/,
+attention/, speculative/ and scheduler/ may all import it.
 """
 
 from __future__ import annotations

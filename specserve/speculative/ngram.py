@@ -20,9 +20,10 @@ import logging
 import torch
 
 from specserve.flags import ConfigError, env_flag, require_choice, require_positive
+from specserve.platform.cpu.cpus import physical_ram_bytes
 from specserve.speculative.base import PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
-from specserve.speculative.ngram_cache import NgramCache, capacity_memory_warning, physical_ram_bytes
+from specserve.speculative.ngram_cache import NgramCache, capacity_memory_warning
 from specserve.speculative.tree import DraftTree, build_tree
 
 logger = logging.getLogger(__name__)

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from itertools import islice
@@ -104,14 +103,6 @@ def bfs_breadth(depth: int, min_window: int, max_window: int, min_breadth: int, 
 def full_cache_bytes(capacity: int, match_type: str) -> int:
     """Approximate resident memory of a cache holding ``capacity`` nodes (``BYTES_PER_NODE``)."""
     return capacity * BYTES_PER_NODE[match_type]
-
-
-def physical_ram_bytes() -> int | None:
-    """The machine's physical memory, or None where the OS does not tell (non-POSIX)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def capacity_memory_warning(capacity: int, match_type: str, ram_bytes: int | None,

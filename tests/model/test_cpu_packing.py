@@ -80,9 +80,9 @@ def test_plain_copies_are_counted_without_tied_weights(monkeypatch):
     model = nn.ModuleDict({"emb": emb, "proj": nn.Linear(16, 32).to(torch.bfloat16), "head": head,
                            "fp32": nn.Linear(16, 16)})
     assert packable_bytes(model) == 32 * 16 * 2
-    monkeypatch.setattr("specserve.platform.cpu.policy.physical_memory", lambda: 8 * 32 * 16 * 2)
+    monkeypatch.setattr("specserve.platform.cpu.policy.physical_ram_bytes", lambda: 8 * 32 * 16 * 2)
     assert CpuPolicy.keeps_plain_weights(model)
-    monkeypatch.setattr("specserve.platform.cpu.policy.physical_memory", lambda: 8 * 32 * 16 * 2 - 8)
+    monkeypatch.setattr("specserve.platform.cpu.policy.physical_ram_bytes", lambda: 8 * 32 * 16 * 2 - 8)
     assert not CpuPolicy.keeps_plain_weights(model)
 
 

@@ -1,4 +1,5 @@
-"""How many CPUs this process may actually use: its affinity mask and its cgroup's CPU quota.
+"""How many CPUs this process may actually use: its affinity mask and its cgroup's CPU quota (and, beside it,
+how much memory the machine has: ``physical_ram_bytes``).
 
 torch's default thread count is every CPU the OpenMP runtime sees, which ignores a container's quota: a process
 limited to 2 CPUs' worth of time on a 64-core host would run 64 threads, each parallel op waiting at a barrier for
@@ -118,3 +119,11 @@ def threads_for(cpus: int, quota: float | None) -> int:
 def usable_cpus(root: str = CGROUP_ROOT, proc_cgroup: str = PROC_CGROUP) -> int:
     """The thread count the forwards start with: the affinity mask, capped by the cgroup quota."""
     return threads_for(affinity_cpus(), cgroup_cpu_limit(root, proc_cgroup))
+
+
+def physical_ram_bytes() -> int | None:
+    """The machine's physical memory, or None where the OS does not tell (non-POSIX)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -43,7 +43,6 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 PACK_BATCH_HINT = 64
 
 
-
 def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ a oneDNN-packed weight (+ bias) -> [T, out]."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

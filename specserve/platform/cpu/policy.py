@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.platform.cpu.cpus import usable_cpus
+from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.malloc import HeapTrimmer, tune_malloc
 from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu, packable_bytes
@@ -40,16 +40,6 @@ FOLD_MAX_Q = 16
 #: the packed kernel's speed) when that extra copy takes at most this share of the machine's memory. SmolLM2-135M
 #: keeps 214 MB (its tied LM head costs nothing); a 7B model's 13 GB copy is left out on machines under 104 GB.
 PLAIN_COPY_MAX_MEMORY_SHARE = 1 / 8
-
-
-def physical_memory() -> int:
-    """The machine's memory in bytes (0 where the OS does not say)."""
-    import os
-
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class CpuPolicy(PlatformPolicy):
@@ -114,8 +104,9 @@ class CpuPolicy(PlatformPolicy):
 
     @staticmethod
     def keeps_plain_weights(module: nn.Module) -> bool:
-        """The plain copy of module's packable linears fits in PLAIN_COPY_MAX_MEMORY_SHARE of the memory."""
-        return packable_bytes(module) <= PLAIN_COPY_MAX_MEMORY_SHARE * physical_memory()
+        """The plain copy of module's packable linears fits in PLAIN_COPY_MAX_MEMORY_SHARE of the memory (never
+        where the OS does not say how much there is)."""
+        return packable_bytes(module) <= PLAIN_COPY_MAX_MEMORY_SHARE * (physical_ram_bytes() or 0)
 
     # ------------------------------------------------------------------ draft models
     def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
