@@ -235,17 +235,21 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         r["ratio_vs_versus"] = _ratio(tps, c.name, c.versus)
         r["plain_ref"] = c.plain
         r["ratio_vs_plain"] = _ratio(tps, c.name, c.plain)
-        r["ratio_vs_llamacpp"] = None if c.name == LLAMACPP_ANCHOR else _ratio(tps, c.name, LLAMACPP_ANCHOR)
+        r["ratio_vs_llamacpp"] = _ratio(tps, c.name, llamacpp_anchor(c.name))
     return rows
+
+
+def llamacpp_anchor(name: str) -> str | None:
+    """The config every row's llama.cpp ratio divides by (None for that config itself)."""
+    return None if name == LLAMACPP_ANCHOR else LLAMACPP_ANCHOR
 
 
 def add_round_ratios(rows: list[dict], round_tps: list[dict[str, float]]) -> list[dict]:
     """Several rounds: each ratio becomes the median of its per-round ratios (round_tps: one dict config ->
     tokens/s per round), which are kept in ratio_vs_plain_rounds / ratio_vs_versus_rounds / ratio_vs_llamacpp_rounds."""
     for r in rows:
-        anchor = None if r["config"] == LLAMACPP_ANCHOR else LLAMACPP_ANCHOR
         for key, den in (("ratio_vs_plain", r["plain_ref"]), ("ratio_vs_versus", r["versus"]),
-                         ("ratio_vs_llamacpp", anchor)):
+                         ("ratio_vs_llamacpp", llamacpp_anchor(r["config"]))):
             per_round = [_ratio(tps, r["config"], den) for tps in round_tps]
             if None in per_round:
                 continue
@@ -279,9 +283,8 @@ def setup_lines(rows: list[dict]) -> list[str]:
         return []
     r0 = rows[0]
     lines = [f"specserve vs transformers and llama.cpp: target {r0['model_path']}, {r0['dtype']} (specserve and "
-             f"transformers), batch 1, "
-             f"temperature 0, "
-             f"{r0['max_new_tokens']} new tokens x {r0['num_prompts']} held-out prompts"
+             f"transformers), batch 1, temperature 0, {r0['max_new_tokens']} new tokens x {r0['num_prompts']} "
+             "held-out prompts"
              + (f" x {r0['rounds']} rounds" if r0.get("rounds", 1) > 1 else "") + f", {r0['num_threads']} threads"]
     for r in rows:
         if r.get("speculative_num_steps") is not None:

@@ -26,10 +26,10 @@ def gguf_files(model_path: str, gguf_file: str | None) -> dict[str, str]:
     from specserve.demo_models import resolve_demo
     from specserve.models.gguf import find_gguf_file, sixteen_bit_file
 
-    source = gguf_file or find_gguf_file(resolve_demo(model_path))
-    if source is None or find_gguf_file(source) is None:
-        raise ValueError(f"llama.cpp needs a GGUF file: {model_path!r} is not one; pass --llamacpp-gguf FILE")
-    source = find_gguf_file(source)
+    source = find_gguf_file(gguf_file or resolve_demo(model_path))
+    if source is None:
+        raise ValueError(f"llama.cpp needs a GGUF file: {gguf_file or model_path!r} is not one; pass --llamacpp-gguf "
+                         "FILE")
     return {"llamacpp_f16": sixteen_bit_file(source), "llamacpp_quant": source}
 
 

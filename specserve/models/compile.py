@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +75,7 @@ class CompiledForward:
         self.stats.compiled_calls += 1
         _raise_recompile_limit()  # dynamo's config is per thread: set it on the thread that runs the forwards
         before, start = _graph_count(), time.perf_counter()
-        if one_row_forward(fb.input_ids):
-            with onednn_off():
-                out = self.compiled(fb, *args, **kwargs)
-        else:
+        with onednn_off() if one_row_forward(fb.input_ids) else nullcontext():
             out = self.compiled(fb, *args, **kwargs)
         built = _graph_count() - before
         if built:
