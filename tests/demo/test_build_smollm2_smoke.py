@@ -50,7 +50,7 @@ def test_every_stage_writes_its_output(built):
     from specserve.train.chat_demo import ChatBuild, assistant_markers, load_features
 
     build = ChatBuild(out, work, "cpu", False, 0.004, False)
-    cache = load_features(build)
+    cache = load_features(build, answers_only=True)
     open_ids, close_id = assistant_markers(AutoTokenizer.from_pretrained(build.target))
     assert 0.2 < cache.mask.float().mean().item() < 0.98
     first = int(cache.mask.int().argmax())
