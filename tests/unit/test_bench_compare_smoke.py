@@ -80,6 +80,14 @@ def test_llama_cpp_rows_need_a_gguf_target(tmp_path, llama_dir, capsys):
     assert "--only llamacpp" in err and ("--llamacpp-gguf" in err or "llama-cpp-python" in err)
 
 
+def test_the_eagle3_head_defaults_to_the_targets_bundled_one(tmp_path):
+    from specserve.bench.bench_compare import parse_args
+
+    pick = {m: parse_args(["--model-path", m, "--out-dir", str(tmp_path)]).eagle3_path for m in ("demo", "smollm2")}
+    assert pick == {"demo": "demo-eagle3", "smollm2": "smollm2-eagle3"}
+    assert parse_args(["--model-path", "smollm2", "--eagle3-path", "h"]).eagle3_path == "h"
+
+
 def test_rounds_give_median_ratios_and_summed_tallies():
     """Three rounds by hand: ours plain / HF plain is 1.5, 2.0 and 4.0 (a noisy round), so the ratio is the
     median 2.0, while tok/s sums every round (300 tokens in 3 + 2 + 1 = 6 s for ours plain = 50 tok/s)."""

@@ -11,7 +11,7 @@ from specserve.args import add_server_args, server_args_from
 from specserve.cli import main
 from specserve.config import ConfigError, ServerArgs, flag_name
 from specserve.demo_models import demo_path
-from specserve.speculative.eagle3 import DEMO_EAGLE3_TREE
+from specserve.speculative.eagle3 import DEMO_EAGLE3_TREE, SMOLLM2_EAGLE3_TREE
 from specserve.speculative.tree import max_tree_nodes
 
 
@@ -106,9 +106,9 @@ def test_speculative_tree_shape_rules():
     assert parse(["--speculative-algorithm", "NGRAM"]).speculative_num_draft_tokens == 12
 
 
-def test_the_bundled_demo_eagle3_head_gets_its_tuned_default_tree(tmp_path):
-    """demo-eagle3 (by name or folder) without tree flags: DEMO_EAGLE3_TREE; explicit flags, another head, EAGLE-2 on
-    that head's name, or the overlap scheduler keep their own rules."""
+def test_the_bundled_eagle3_heads_get_their_tuned_default_trees(tmp_path):
+    """demo-eagle3 / smollm2-eagle3 (by name or folder) without tree flags: their tuned trees; explicit flags,
+    another head, EAGLE-2 on that head's name, or the overlap scheduler keep their own rules."""
     demo = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path"]
 
     def tree(argv, architecture="LlamaForCausalLM"):
@@ -119,6 +119,7 @@ def test_the_bundled_demo_eagle3_head_gets_its_tuned_default_tree(tmp_path):
     assert DEMO_EAGLE3_TREE == (8, 3, 12)
     assert tree(demo + ["demo-eagle3"]) == DEMO_EAGLE3_TREE
     assert tree(demo + [demo_path("demo-eagle3")]) == DEMO_EAGLE3_TREE
+    assert tree(demo + ["smollm2-eagle3"]) == tree(demo + [demo_path("smollm2-eagle3")]) == SMOLLM2_EAGLE3_TREE
     assert tree(demo + [str(tmp_path)]) == (5, 4, 8)  # another EAGLE-3 head
     assert tree(demo + ["demo-eagle3", "--speculative-num-steps", "6", "--speculative-eagle-topk", "4",
                         "--speculative-num-draft-tokens", "16"]) == (6, 4, 16)

