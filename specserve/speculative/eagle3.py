@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 #: against 1.84x plain decoding in the same interleaved run. Any other head keeps the architecture's default.
 DEMO_EAGLE3_TREE = (8, 3, 12)
 #: The same for SmolLM2's bundled head (``smollm2-eagle3``) on its held-out requests (bf16, batch 1): 2.04 tokens a
-#: step and 1.37x plain decoding, with two draft forwards fewer than (5, 4, 8) (2.07, 1.16x in that run; the
-#: 8-token trees measured 1.16-1.40x, within one run's spread).
+#: step, with two draft forwards fewer than (5, 4, 8) (2.07); the trees' speeds were within one run's spread
+#: (docs/training.md).
 SMOLLM2_EAGLE3_TREE = (3, 4, 8)
 BUNDLED_TREES = {"demo-eagle3": DEMO_EAGLE3_TREE, "smollm2-eagle3": SMOLLM2_EAGLE3_TREE}
 
