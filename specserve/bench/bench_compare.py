@@ -104,7 +104,7 @@ class _BadFlag(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specserve bench-compare", description=__doc__.split("\n")[0].split(": ", 1)[-1])
-    p.add_argument("--model-path", default="demo", help="target (default: the bundled demo target)")
+    p.add_argument("--model-path", default="demo", help="target (default: the code family's target)")
     p.add_argument("--draft-model-path", default="demo-draft",
                    help="draft LM for transformers' assisted generation and our STANDALONE (same tokenizer)")
     p.add_argument("--eagle3-path", default=None,

@@ -41,7 +41,7 @@ DEF_START = re.compile(r"^def \w+\(.*\):[ \t]*$")
 # ---------------------------------------------------------------------------------------------- options
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specserve.bench.bench_ngram", description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", default="demo", help="target (default: the bundled demo target)")
+    p.add_argument("--model-path", default="demo", help="target (default: the code family's target)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="both engines (float32 default: bf16 verification can flip near-ties)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per set")

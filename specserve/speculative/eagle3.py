@@ -4,7 +4,7 @@ in every prefill and verify forward and the head reads their concatenation; its 
 draft vocabulary whose ids map to target ids with ``d2t``).
 
 What is left here are the algorithm's start-up rules: a draft path is required, ``--speculative-token-map`` is
-dropped (the head has its own draft vocabulary), and the bundled demo head gets its own default tree.
+dropped (the head has its own draft vocabulary), and the bundled heads get their own default trees.
 """
 
 from __future__ import annotations

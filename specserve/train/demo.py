@@ -1,4 +1,4 @@
-"""``specserve build-demo``: the bundled demo model family, reproducible with one command.
+"""``specserve build-demo``: the code model family (tests, CI), reproducible with one command.
 
 Stages (each skipped once its marker exists in the work folder, so an interrupted build picks up where it
 stopped; ``--resume`` also continues a half-trained stage from its last checkpoint):
