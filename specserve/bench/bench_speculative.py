@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -322,6 +323,8 @@ def run_config(shape: TreeShape, args: ServerArgs, batches: dict[int, list[str]]
                 for b, prompts in batches.items()]
     finally:
         engine.shutdown()
+        del engine, clock
+        gc.collect()  # the step clock's reference cycles: free this engine's KV pool before the next loads
 
 
 def run_interleaved(todo: list[tuple[TreeShape, ServerArgs]], batches: dict[int, list[str]], params: dict,

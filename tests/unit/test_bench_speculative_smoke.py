@@ -149,6 +149,32 @@ def test_bench_speculative_end_to_end(eagle_pair, tmp_path, capsys):
     assert "skip steps 1 topk 2 draft 4" in printed.err
 
 
+def test_a_sweep_frees_each_engine_before_loading_the_next(eagle_pair, monkeypatch):
+    """A step clock's wrappers put the engine in reference cycles; without the collector each configuration's KV
+    pool would stay until a full collection (a real model's sweep ran out of memory)."""
+    import gc
+    import weakref
+
+    target, _, _ = eagle_pair
+    schedulers = []
+    real_load = bs.load_engine
+
+    def load(*a, **kw):
+        engine, clock = real_load(*a, **kw)
+        schedulers.append(weakref.ref(engine.scheduler))
+        return engine, clock
+
+    monkeypatch.setattr(bs, "load_engine", load)
+    gc.disable()  # only the sweep's own collection may free them
+    try:
+        for _ in range(2):
+            bs.run_config(bs.BASELINE, ServerArgs(model_path=target, num_threads=1), {1: ["hi"]},
+                          {"max_new_tokens": 2, "temperature": 0}, reps=1)
+    finally:
+        gc.enable()
+    assert len(schedulers) == 2 and all(ref() is None for ref in schedulers)
+
+
 def test_bench_speculative_sweeps_score_temperature(eagle_pair, tmp_path):
     out = tmp_path / "out"
     rc = bs.main(eagle_pair[2] + ["--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
