@@ -28,15 +28,14 @@ import time
 
 from specserve import Engine
 from specserve.bench.schemas import SCHEMA_CASES
-from specserve.demo_models import SMOLLM2, SMOLLM2_EAGLE3, demo_path
+from specserve.demo_models import SMOLLM2, bundled_eagle3, demo_path
 
-MODELS = {"demo": (dict(model_path=demo_path("demo")), demo_path("demo-eagle3")),
-          SMOLLM2: (dict(model_path=SMOLLM2, dtype="bfloat16"), SMOLLM2_EAGLE3)}
+MODELS = {"demo": dict(model_path=demo_path("demo")), SMOLLM2: dict(model_path=SMOLLM2, dtype="bfloat16")}
 
 
 def engines(model: str, backends: list[str], threads: int | None, compact: bool) -> dict[tuple[str, str], Engine]:
     out = {}
-    target, head = MODELS[model]
+    target, head = MODELS[model], bundled_eagle3(model)
     for backend in backends:
         common = dict(grammar_backend=backend, num_threads=threads, constrained_json_disable_any_whitespace=compact,
                       **target)

