@@ -183,6 +183,10 @@ class ServerArgs:
                 "draft's probabilities at this temperature (softmax(logits / T)). Below 1 they are sharpened toward "
                 "greedy acceptance (a draft token is accepted when it is the target's argmax), which favours deeper "
                 "trees. Sampled requests always use 1. Outputs never change, only which candidates are verified."})
+    disable_speculative_coupled_drafting: bool = field(default=False, metadata={
+        "help": "EAGLE / EAGLE3 / NEXTN / STANDALONE, sampled requests: rank draft candidates by the draft's own "
+                "probabilities instead of by its race with the noise the request's verification will use (coupled "
+                "drafting, the default at lossless thresholds). Outputs never change, only acceptance."})
     speculative_batch_token_budget: int = field(default=64, metadata={
         "help": "Batch-aware speculation: while batch x num_draft_tokens exceeds this, the draft tree shrinks to a "
                 "chain of budget // batch nodes (off below 2); 0 = never shrink."})

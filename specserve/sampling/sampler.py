@@ -4,15 +4,15 @@ Pipeline for one decode step over B rows (V = vocabulary size):
     raw logits [B, V]
       -> apply_penalties_and_bias  (repetition, frequency, presence, logit_bias, min-tokens ban)
       -> probs_from_logits         (temperature, top_k, top_p, min_p; greedy rows one-hot)
-      -> sample_inverse_cdf        (rows with a generator: the coin of their output position)
+      -> race_sample               (sampled rows: the exponential race of (seed, output position))
 All tensors live on the logits' device; no Python loop runs over the vocabulary.
 
-Seeded randomness is keyed by position: the token a request samples at output position t (0 = its first
-generated token) uses the coin ``position_coin(seed, t)``, a pure function of the request's seed (its
-generator's ``initial_seed()``) and t, and is the first token in token-id order whose cumulative probability
-reaches the coin. So a seeded request's tokens depend neither on its batch mates nor on how its tokens were
-grouped into steps: lossless speculative verification (``verify_sampling_by_position``) uses the same coins and
-emits exactly the tokens plain decoding would. Rows without a generator use the global RNG (torch.multinomial).
+Seeded randomness is keyed by position: a sampled request's token at output position t (0 = its first generated
+token) is the winner of an exponential race whose noise is a pure function of (its seed, t, token id)
+(``specserve.sampling.race``). So its tokens depend neither on its batch mates nor on how its tokens were grouped
+into steps: lossless speculative verification races each tree node with the noise of its position and emits exactly
+the tokens plain decoding would, and drafters rank their candidates with the same noise. Every sampled request has
+a seed (the frontend draws one for a request that gives none).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specserve.sampling.params import SamplingParams
+from specserve.sampling.race import race_sample
 
 
 def is_plain_greedy(p: SamplingParams, num_output: int) -> bool:
@@ -39,46 +40,10 @@ def greedy_ids(logits: Tensor) -> Tensor:
     return logits.max(dim=-1).indices
 
 
-_U64 = (1 << 64) - 1
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's stream increment (odd, 2^64 / golden ratio)
-
-
-def _mix64(z: int) -> int:
-    """SplitMix64's output function (Steele, Lea & Flood, 2014): a bijection of 64-bit ints that scrambles bits."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
-    return z ^ (z >> 31)
-
-
-def position_coin(seed: int, position: int) -> float:
-    """The uniform coin in (0, 1] of output position ``position`` (0-based) of a request seeded with ``seed``.
-
-    Value ``position + 1`` of a SplitMix64 stream whose state starts at mix(seed), as a 53-bit fraction: a pure
-    function (counter-based, no generator state), so the coin of a position never depends on how many coins
-    were drawn before it, by this request or any other."""
-    h = _mix64((_mix64(seed & _U64) + (position + 1) * _GOLDEN_GAMMA) & _U64)
-    return ((h >> 11) + 1) / 2**53
-
-
-def position_coins(generators: list[torch.Generator | None], positions: list[int], width: int,
-                   device: torch.device | str) -> Tensor:
-    """[B, width] float64 coins in (0, 1]: row b, column k is ``position_coin(seed_b, positions[b] + k)`` with
-    seed_b = ``generators[b].initial_seed()`` (the generator is only read, never advanced); rows whose generator
-    is None draw theirs from the global RNG."""
-    if len(positions) != len(generators):
-        raise ValueError(f"{len(positions)} positions for {len(generators)} generators")
-    out = torch.empty(len(generators), width, dtype=torch.float64, device=device)  # [B, width]
-    seeded = [b for b, g in enumerate(generators) if g is not None]
-    unseeded = [b for b, g in enumerate(generators) if g is None]
-    if seeded:
-        rows = torch.tensor(seeded, dtype=torch.int64, device=device)  # [S]
-        seeds = [(generators[b].initial_seed(), positions[b]) for b in seeded]
-        values = [[position_coin(seed, pos + k) for k in range(width)] for seed, pos in seeds]
-        out[rows] = torch.tensor(values, dtype=torch.float64, device=device).view(len(seeded), width)
-    if unseeded:
-        rows = torch.tensor(unseeded, dtype=torch.int64, device=device)  # [U]
-        out[rows] = 1.0 - torch.rand(len(unseeded), width, dtype=torch.float64, device=device)
-    return out
+def request_seeds(generators: list[torch.Generator | None]) -> list[int]:
+    """The seed of each row's randomness: its generator's ``initial_seed()`` (the generator is only read, never
+    advanced), or a fresh one from the global RNG for a row without a generator."""
+    return [g.initial_seed() if g is not None else int(torch.randint(0, 2**62, ()).item()) for g in generators]
 
 
 def sample_inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
@@ -281,12 +246,17 @@ NUCLEUS_MARGIN = 1e-4
 
 
 def _apply_top_k_top_p_min_p(probs: Tensor, info: SamplingBatchInfo) -> Tensor:
-    """probs [B, V] -> filtered and renormalised probs [B, V]. Which way a row is filtered (its top candidates or a
-    full sort) depends on that row alone, so a row's result does not depend on its batch mates. Rows with no
-    filter keep their probabilities."""
+    return filter_top_k_top_p_min_p(probs, info.top_ks, info.top_ps, info.min_ps,
+                                    (info.need_top_k, info.need_top_p, info.need_min_p))
+
+
+def filter_top_k_top_p_min_p(probs: Tensor, top_ks: Tensor, top_ps: Tensor, min_ps: Tensor,
+                             on: tuple[bool, bool, bool] = (True, True, True)) -> Tensor:
+    """probs [B, V]; per row top_k [B] int64 (V or more: off), top_p [B], min_p [B] -> filtered and renormalised
+    probs [B, V] (``probs_from_logits``'s filters; ``on``: which of the three any row uses). Which way a row is
+    filtered (its top candidates or a full sort) depends on that row alone, so a row's result does not depend on
+    its batch mates. Rows with no filter keep their probabilities."""
     B, V = probs.shape
-    top_ks, top_ps, min_ps = info.top_ks, info.top_ps, info.min_ps
-    on = (info.need_top_k, info.need_top_p, info.need_min_p)
     unfiltered = (top_ks >= V) & (top_ps >= 1.0) & (min_ps <= 0.0)  # [B]
     by_head = torch.zeros_like(unfiltered)
     if V > FILTER_CANDIDATES:
@@ -346,26 +316,20 @@ def _filter_sorted(probs: Tensor, sorted_p: Tensor, order: Tensor, top_ks: Tenso
 def sample(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """Raw logits [B, V] -> next token ids [B] int64.
 
-    Greedy rows: argmax of the processed logits. Rows with a generator: inverse CDF of probs_from_logits at the
-    coin of their output position (``position_coins``; it depends on nothing else in the batch). Rows without
-    one: one torch.multinomial call on the global RNG.
+    Greedy rows: argmax of the processed logits. Sampled rows: the exponential race over probs_from_logits keyed
+    by (the row's seed, its output position) (``specserve.sampling.race``; it depends on nothing else in the
+    batch); a row without a generator races with a seed drawn from the global RNG.
     """
     processed = apply_penalties_and_bias(logits, info)  # [B, V]
     next_ids = greedy_ids(processed)  # [B]
     if info.all_greedy:
         return next_ids
     probs = probs_from_logits(processed, info)  # [B, V]
-    greedy = info.is_greedy.tolist()
-    unseeded = [i for i, g in enumerate(greedy) if not g and info.generators[i] is None]
-    seeded = [i for i, g in enumerate(greedy) if not g and info.generators[i] is not None]
-    if seeded:
-        rows = torch.tensor(seeded, dtype=torch.int64, device=logits.device)  # [S]
-        coins = position_coins([info.generators[i] for i in seeded], [info.positions[i] for i in seeded], 1,
-                               logits.device)  # [S, 1]
-        next_ids[rows] = sample_inverse_cdf(probs[rows], coins.view(-1))
-    if unseeded:
-        rows = torch.tensor(unseeded, dtype=torch.int64, device=logits.device)  # [U]
-        next_ids[rows] = torch.multinomial(probs[rows], 1).view(-1)
+    rows = [i for i, g in enumerate(info.is_greedy.tolist()) if not g]
+    if rows:
+        seeds = request_seeds([info.generators[i] for i in rows])
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [S]
+        next_ids[index] = race_sample(probs[index], seeds, [info.positions[i] for i in rows])
     return next_ids
 
 

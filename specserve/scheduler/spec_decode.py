@@ -6,8 +6,9 @@ For B running requests with roots at positions P_b (= seq_len - 1, the root's KV
      columns: they are rewritten at commit); one TARGET_VERIFY forward at positions P_b + depth with the tree
      mask gives logits at every node;
   3. verification: greedy walk (argmax of the processed logits) for greedy rows, lossless tree sampling for the
-     others (``specserve.speculative.verify``; at the default thresholds with the plain sampler's position coins, so a
-     seeded request emits the tokens plain decoding would); the target distributions at each node are processed
+     others (``specserve.speculative.verify``; at the default thresholds each node's exponential race with the noise
+     of its output position, so a seeded request emits the tokens plain decoding would); the target distributions at
+     each node are processed
      exactly as plain decoding would at that point (penalties and min_new_tokens see the drafted path as already
      generated);
   4. the new tokens (accepted drafts, then the bonus token) are appended one by one through the output processor's
@@ -32,28 +33,29 @@ from specserve.grammar.masks import ForcedTree, ban_mask, jump_forward
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
+from specserve.sampling.race import race_keys
 from specserve.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties_and_bias,
     greedy_ids,
     is_plain_greedy,
-    position_coins,
     probs_from_logits,
     request_logprobs,
+    request_seeds,
 )
 from specserve.scheduler.decode_step import DecodeContext, DecodeStep, PlainDecode
 from specserve.scheduler.spec_overlap import OverlapPipeline
 from specserve.speculative.accept_stats import add_step, position_rates
 from specserve.speculative.base import GRAMMAR_ROOM, PrefillChunk, Proposer, VerifiedStep
-from specserve.speculative.batch_policy import BatchPolicy, TreeShape
+from specserve.speculative.batch_policy import BatchPolicy, TreeShape, batch_kind
 from specserve.speculative.simulate import AcceptSimulator
 from specserve.speculative.tree import DraftTree, build_tree
 from specserve.speculative.verify import (
     VerifyResult,
+    race_node_ids,
     simulate_accept,
     verify_greedy,
     verify_sampling,
-    verify_sampling_by_position,
 )
 
 BACKLOG_WINDOW = 32  # plain-decoded tokens a request keeps for its drafter (the most recent ones)
@@ -210,7 +212,8 @@ class SpecDecoder(DecodeStep):
         With the overlap scheduler, the outputs are those of the previous speculative step (spec_overlap)."""
         if self.overlap is not None:
             return self.overlap.run(reqs)
-        shape = self.policy.choose(len(reqs))
+        kind = batch_kind([r.params.is_greedy for r in reqs])
+        shape = self.policy.choose(len(reqs), kind)
         if shape is None:
             return self.timed_plain_step(reqs)
         self.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
@@ -218,13 +221,14 @@ class SpecDecoder(DecodeStep):
         record = self.forward_step(reqs, shape)
         outputs, done = self.process(record)
         self.release_done(done)
-        self.record_step(started, len(reqs), True, record.num_tokens)
+        self.record_step(started, len(reqs), True, record.num_tokens, kind)
         return outputs
 
     def timed_plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
         started = self.step_start()
         outputs = self._plain_step(reqs)
-        self.record_step(started, len(reqs), False, len(reqs))  # a token each (outputs may hold them back)
+        self.record_step(started, len(reqs), False, len(reqs),  # a token each (outputs may hold them back)
+                         batch_kind([r.params.is_greedy for r in reqs]))
         return outputs
 
     def step_start(self) -> tuple[float, int]:
@@ -232,12 +236,13 @@ class SpecDecoder(DecodeStep):
         stats = self.runner.compile_stats
         return time.perf_counter(), 0 if stats is None else stats.graphs
 
-    def record_step(self, started: tuple[float, int], batch: int, speculative: bool, tokens: int) -> None:
-        """Give the batch policy a step's time, flagged when torch.compile built a graph during it."""
+    def record_step(self, started: tuple[float, int], batch: int, speculative: bool, tokens: int, kind: str) -> None:
+        """Give the batch policy a step's time (a batch of this ``batch_kind``), flagged when torch.compile built a
+        graph during it."""
         start, graphs = started
         stats = self.runner.compile_stats
         compiled = stats is not None and stats.graphs != graphs
-        self.policy.record(batch, speculative, time.perf_counter() - start, tokens, compiled)
+        self.policy.record(batch, speculative, time.perf_counter() - start, tokens, compiled, kind)
 
     def release(self, req: Req) -> None:
         """req leaves the batch (finished, aborted, retracted): drop its drafting state and backlog."""
@@ -376,19 +381,28 @@ class SpecDecoder(DecodeStep):
             return verify_greedy(tree, greedy_ids(processed))
         B, N, V = processed.shape
         probs = probs_from_logits(processed.view(B * N, V), info).view(B, N, V)
-        gens = [r.generator for r in reqs]
-        if self.threshold_single == 1.0 and self.threshold_acc == 1.0:  # lossless: plain decoding's own coins
-            coins = position_coins(gens, [len(r.output_ids) for r in reqs], tree.max_depth + 1, self.device)
-            sampled = verify_sampling_by_position(tree, probs, coins)
-        else:
-            sampled = verify_sampling(tree, probs, gens, self.threshold_single, self.threshold_acc)
-        if not any(greedy):
-            return sampled
-        # greedy rows: their probs are one-hot at the processed argmax, but they must not draw coins from a
-        # generator, so they take the greedy walk; results are merged row by row
-        by_argmax = verify_greedy(tree, greedy_ids(processed))
-        pick = torch.tensor(greedy, device=self.device)
-        return _merge_results(pick, by_argmax, sampled)
+        if self.threshold_single != 1.0 or self.threshold_acc != 1.0:  # SGLang's lossy rule
+            sampled = verify_sampling(tree, probs, [r.generator for r in reqs], self.threshold_single,
+                                      self.threshold_acc)
+            if not any(greedy):
+                return sampled
+            # greedy rows: one-hot probs, but they must not draw coins from a generator: the argmax walk
+            by_argmax = verify_greedy(tree, greedy_ids(processed))
+            return _merge_results(torch.tensor(greedy, device=self.device), by_argmax, sampled)
+        # lossless: each sampled row's token at each node is plain decoding's race winner for its seed there
+        ids = greedy_ids(processed)  # [B, N]
+        rows = [b for b, g in enumerate(greedy) if not g]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
+        ids[index] = race_node_ids(tree.depth[index], probs[index],
+                                   self._race_keys([reqs[b] for b in rows], tree.max_depth + 1))
+        return verify_greedy(tree, ids)
+
+    def _race_keys(self, reqs: list[Req], width: int) -> torch.Tensor:
+        """[R, width, 2] int32: column d keys each request's output position len(output) + d."""
+        seeds = request_seeds([r.generator for r in reqs])
+        flat = race_keys([s for s in seeds for _ in range(width)],
+                         [len(r.output_ids) + d for r in reqs for d in range(width)], self.device)
+        return flat.view(len(reqs), width, 2)
 
     def _processed(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor, grammar_ban: torch.Tensor | None):
         """Penalties, bias and min-token bans per node: node i of request b is judged as plain decoding would

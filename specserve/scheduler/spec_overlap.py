@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.speculative.batch_policy import batch_kind
+
 if TYPE_CHECKING:
     from specserve.request import Req, ReqOutput
     from specserve.scheduler.spec_decode import SpecDecoder, StepRecord
@@ -53,7 +55,8 @@ class OverlapPipeline:
         """Start the forward part of this step, process the previous step's outputs meanwhile, join."""
         spec = self.spec
         active = [r for r in reqs if not r.spec_stopped]
-        shape = spec.policy.choose(len(active)) if active else None
+        kind = batch_kind([r.params.is_greedy for r in active])
+        shape = spec.policy.choose(len(active), kind) if active else None
         if active and shape is None:  # a plain step (batch-aware speculation): it needs the pipeline empty
             outputs = self.drain()
             return outputs + spec.timed_plain_step([r for r in reqs if not r.finished])
@@ -73,7 +76,7 @@ class OverlapPipeline:
         self.pending = _result(future)  # exceptions of the forward part surface here
         spec.release_done(done)  # the forward thread is idle: KV and drafter state can be given back
         if self.pending is not None:
-            spec.record_step(started, len(active), True, self.pending.num_tokens)
+            spec.record_step(started, len(active), True, self.pending.num_tokens, kind)
         return outputs
 
     def drain(self) -> list[ReqOutput]:

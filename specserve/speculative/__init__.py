@@ -12,9 +12,9 @@ from specserve.speculative.tree import (
 )
 from specserve.speculative.verify import (
     VerifyResult,
+    race_node_ids,
     verify_greedy,
     verify_sampling,
-    verify_sampling_by_position,
     verify_sampling_with_coins,
 )
 
@@ -27,9 +27,9 @@ __all__ = [
     "build_tree",
     "drafting_can_stop",
     "expand_level",
+    "race_node_ids",
     "select_eagle_tree",
     "verify_greedy",
     "verify_sampling",
-    "verify_sampling_by_position",
     "verify_sampling_with_coins",
 ]

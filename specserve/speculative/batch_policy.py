@@ -15,6 +15,9 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    bucket so the estimate follows changing acceptance
    (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
    the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less.
+   Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
+   mixed), since sampled requests accept differently from greedy ones: a workload's sampled batches never decide
+   for its greedy batches of the same size, nor the reverse.
    Three guards keep a cold start from turning speculation off for good: the first WARMUP_STEPS steps of each
    mode in a bucket are run but not measured (first calls pay allocations, caches and lazy compilation); a step
    during which torch.compile built a graph is not measured either, and a try gets one more step for it
@@ -61,6 +64,16 @@ def shape_for_batch(batch: int, full: TreeShape, token_budget: int, disable_batc
     if nodes < 2:
         return None
     return TreeShape(nodes - 1, 1, nodes)
+
+
+GREEDY, SAMPLED, MIXED = "greedy", "sampled", "mixed"
+
+
+def batch_kind(greedy: list[bool]) -> str:
+    """The kind of a batch from its requests' greedy flags: GREEDY, SAMPLED or MIXED."""
+    if all(greedy):
+        return GREEDY
+    return SAMPLED if not any(greedy) else MIXED
 
 
 def bucket_of(batch: int) -> int:
@@ -125,21 +138,22 @@ class BatchPolicy:
     auto_off: bool = True
     explore_every: int = EXPLORE_EVERY
     warmup_steps: int = WARMUP_STEPS
-    rates: dict[int, _Bucket] = field(default_factory=dict)
+    rates: dict[tuple[int, str], _Bucket] = field(default_factory=dict)
 
-    def _bucket(self, batch: int) -> _Bucket:
-        b = bucket_of(batch)
+    def _bucket(self, batch: int, kind: str) -> _Bucket:
+        b = (bucket_of(batch), kind)
         if b not in self.rates:
             self.rates[b] = _Bucket(self.explore_every, self.explore_every)
             self.rates[b].start_try(True, self.warmup_steps)  # measure speculation first, then plain
         return self.rates[b]
 
-    def choose(self, batch: int) -> TreeShape | None:
-        """The tree for the next step of `batch` requests, or None for a plain step."""
+    def choose(self, batch: int, kind: str = GREEDY) -> TreeShape | None:
+        """The tree for the next step of `batch` requests of this kind (``batch_kind``), or None for a plain
+        step."""
         shape = shape_for_batch(batch, self.full, self.token_budget, self.disable_batch_size)
         if shape is None or not self.auto_off:
             return shape
-        r = self._bucket(batch)
+        r = self._bucket(batch, kind)
         r.steps += 1
         if r.trying is None and r.winner() is None:  # speculation measured, plain not yet
             r.start_try(False, self.warmup_steps)
@@ -150,13 +164,14 @@ class BatchPolicy:
             return shape if r.trying else None
         return shape if r.winner() is not False else None
 
-    def record(self, batch: int, speculative: bool, seconds: float, tokens: int, compiled: bool = False) -> None:
-        """A step of `batch` requests took `seconds` and produced `tokens` tokens (all requests together).
+    def record(self, batch: int, speculative: bool, seconds: float, tokens: int, compiled: bool = False,
+               kind: str = GREEDY) -> None:
+        """A step of `batch` requests of this kind took `seconds` and produced `tokens` tokens (all requests together).
         compiled: torch.compile built a graph during the step, so its time is not the mode's speed: not measured,
         and a try of that mode gets one more step in its place."""
         if not self.auto_off or seconds <= 0:
             return
-        r = self._bucket(batch)
+        r = self._bucket(batch, kind)
         if compiled:
             if r.trying == speculative:
                 r.try_choices += 1
@@ -177,10 +192,11 @@ class BatchPolicy:
         r.trying = None
 
     def summary(self) -> dict[str, dict]:
-        """Per bucket: the current estimates (tokens/s) and which mode wins (for the server info)."""
+        """Per bucket and kind ("<bucket> <kind>", e.g. "4 sampled"): the current estimates (tokens/s) and which mode
+        wins (for the server info)."""
         out = {}
-        for b, r in sorted(self.rates.items()):
+        for (b, kind), r in sorted(self.rates.items()):
             win = r.winner()
-            out[str(b)] = {"spec_tok_s": r.spec.rate, "plain_tok_s": r.plain.rate, "steps": r.steps,
+            out[f"{b} {kind}"] = {"spec_tok_s": r.spec.rate, "plain_tok_s": r.plain.rate, "steps": r.steps,
                            "winner": None if win is None else ("spec" if win else "plain")}
         return out

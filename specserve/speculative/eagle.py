@@ -42,6 +42,7 @@ from specserve.grammar.masks import ban_mask, path_rows
 from specserve.platform import PlatformPolicy
 from specserve.speculative.base import GRAMMAR_ROOM, DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
+from specserve.speculative.coupling import RaceBatch
 from specserve.speculative.draft_models import CatchUp, DraftModel, EagleHeadDraft
 from specserve.speculative.token_map import HotVocabHead
 from specserve.speculative.tree import DraftTree, EagleCandidates, max_tree_nodes
@@ -79,6 +80,9 @@ class EagleProposer(Proposer):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.stop_threshold = args.speculative_draft_stop_threshold
         self.score_temperature = args.speculative_draft_score_temperature  # greedy requests' (see _score_scale)
+        # sampled requests draft with their verification's race noise (``_race``) when verification is lossless
+        self.couples = (args.speculative_accept_threshold_single == 1.0 and args.speculative_accept_threshold_acc == 1.0
+                        and not args.disable_speculative_coupled_drafting)
         self.draft = self.draft_model(args, runner, self.topk)
         self.draft.module.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.draft.spec
@@ -207,15 +211,22 @@ class EagleProposer(Proposer):
 
     def _topk(self, draft_hidden: torch.Tensor, k: int | None = None,
               scale: float | torch.Tensor | None = None,
-              grammar: tuple[list, list[list[list[int]] | None]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              grammar: tuple[list, list[list[list[int]] | None]] | None = None,
+              race: tuple[RaceBatch, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
         to the configured topk (what the per-request state keeps). scale (``_score_scale``): logits are multiplied
         by it before the softmax; the top-k ids are the same either way, only their probabilities (the scores the
         tree is ranked by) change. grammar: (reqs, paths) for structured outputs (``_grammar_ban``): the tokens a
-        request's grammar forbids after a row's path are never drafted (they could never be accepted)."""
+        request's grammar forbids after a row's path are never drafted (they could never be accepted). race:
+        (sampled requests, draft level, rows per request): their rows are scored with their verification's noise
+        at that level (``RaceRows.scores``)."""
         logits, to_target = self._draft_logits(draft_hidden)
         if scale is not None:
             logits = logits * scale
+        if race is not None:
+            batch, level, rows_per_req = race
+            vocab_ids = to_target if to_target is not None else torch.arange(logits.shape[-1], device=logits.device)
+            logits = batch.at_level(level, rows_per_req, vocab_ids).scores(logits)
         ban = self._grammar_ban(*grammar, to_target, logits.shape) if grammar is not None else None
         if ban is None:
             p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
@@ -346,6 +357,14 @@ class EagleProposer(Proposer):
                                     ([reqs[b] for b in grammar], [[[]] for _ in grammar]))
             root_p, root_ids = root_p.clone(), root_ids.clone()
             root_p[grammar], root_ids[grammar] = p, ids
+        race = RaceBatch.of(reqs, S) if self.couples else None
+        if race is not None:  # sampled requests: the root's children again, ranked with their position's noise
+            with torch.inference_mode():
+                p, ids = self._topk(torch.stack([s.hidden for s in states]), K, None,
+                                    (reqs, [[[]] if r.grammar is not None else None for r in reqs])
+                                    if grammar else None, (race, 0, 1))
+            root_p, root_ids = root_p.clone(), root_ids.clone()
+            root_p[race.rows], root_ids[race.rows] = p[race.rows], ids[race.rows]
         cands = EagleCandidates(root_p, root_ids)
         if S > 1:
             hidden = torch.stack([s.hidden for s in states])  # [B, h]
@@ -353,11 +372,11 @@ class EagleProposer(Proposer):
             live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
             self.draft_trees += 1
             with torch.inference_mode():
-                self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1)
+                self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1, race)
         return cands.select(roots, N, distinct=self.distinct_ids)
 
     def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int,
-                      keep: int) -> int:
+                      keep: int, race: RaceBatch | None = None) -> int:
         """Levels 1 .. S-1: one draft forward each over the K live branches of every request, until the kept set
         of `keep` candidates can no longer change (or is confident enough: ``drafting_can_stop``).
         -> the number of draft forwards run."""
@@ -386,7 +405,8 @@ class EagleProposer(Proposer):
                 fb = ForwardBatch(ForwardMode.DRAFT_DECODE, live_tokens.reshape(-1), positions + (j - 1),
                                   scratch[:, j - 1].reshape(-1), keys.level(mask), self.kv_pool)
                 out_hidden = self._forward(fb, live_hidden.reshape(B * K, h_dim)).view(B, K, h_dim)
-                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale, grammar)  # [B*K, K] each
+                child_p, child_ids = self._topk(out_hidden.view(B * K, h_dim), K, scale, grammar,
+                                                None if race is None else (race, j, K))  # [B*K, K] each
                 best = cands.add_level(child_p.view(B, K, K), child_ids.view(B, K, K))  # [B, K]
                 if j == S - 1:
                     return j

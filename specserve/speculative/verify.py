@@ -1,12 +1,11 @@
 """Verification of a draft tree against the target model: greedy walk and lossless tree sampling. Pure functions.
 
-Three rules, all walking the tree from the root:
-  - verify_greedy: argmax at every node;
-  - verify_sampling_by_position (what the scheduler uses for sampled requests at the default thresholds): the
-    token at each node is sampled with the coin of its OUTPUT POSITION, by inverse CDF in token-id order,
-    exactly as the plain sampler does (``specserve.sampling.sampler.position_coin``); a child carrying that
-    token is accepted. A seeded request therefore emits the very tokens of plain decoding with its seed,
-    whatever the draft (so whatever its batch mates, even when drafts come from a shared n-gram cache);
+Rules, all walking the tree from the root:
+  - verify_greedy: a node's child is accepted when it carries the target's token at that node. Greedy rows take the
+    argmax; sampled rows at the default (lossless) thresholds take ``race_node_ids``, the exponential-race winner
+    with the noise of the node's output position, which is the very token plain decoding samples there for the
+    request's seed (``specserve.sampling.race``): so a sampled request emits plain decoding's tokens, whatever the
+    draft or its batch mates;
   - verify_sampling: SGLang's rule (a coin per level compared with the children's running probability sum,
     then a residual draw), which also supports the lossy accept thresholds.
 
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specserve.sampling.race import exponentials, race_argmax
 from specserve.sampling.sampler import sample_inverse_cdf
 from specserve.speculative.tree import DraftTree
 
@@ -187,43 +187,20 @@ def verify_sampling_with_coins(tree: DraftTree, target_probs: Tensor, coins: Ten
     return _result(tree, accept_len, path, last, bonus)
 
 
-def verify_sampling_by_position(tree: DraftTree, target_probs: Tensor, coins: Tensor) -> VerifyResult:
-    """Lossless tree sampling that emits exactly what plain sampling with the same coins would.
+def race_node_ids(depth: Tensor, target_probs: Tensor, keys: Tensor) -> Tensor:
+    """Each node's exponential-race winner -> [B, N] int64.
 
-    target_probs [B, N, V]: the processed target distribution at each node (as for verify_sampling).
-    coins [B, D+1] float in (0, 1], D = tree.max_depth: column d is the coin of the step's d-th new token, i.e.
-    of output position (tokens generated so far) + d; the scheduler passes ``position_coins``.
+    depth [B, N] (``DraftTree.depth``); target_probs [B, N, V], the processed target distribution at each node;
+    keys [B, D+1, 2] int32 (``race_keys``), D the deepest node's depth: column d keys output position (tokens
+    generated so far) + d, the position of the token after a node of depth d.
 
-    Level d: the token after the current node is x = the inverse-CDF sample (token-id order) of the current
-    node's distribution at coin d. If a child of the current node carries x (siblings are distinct), it is
-    accepted and the walk goes on from it; otherwise x is the bonus token and the step ends (at a leaf, always).
-    Every emitted token is thus the plain sampler's token for its position given the tokens before it, so the
-    output is distributed exactly as the target's (lossless), and with position-keyed coins it is the same
-    sequence as plain decoding: the draft only decides how many of those tokens one step yields. A child is
-    accepted with probability = its token's target probability, as with verify_sampling; greedy (one-hot)
-    rows take the argmax path whatever their coins.
-
-    Cost: one [B, V] inverse CDF per level (D + 1 levels), never over all N nodes at once."""
-    B, D = tree.batch_size, coins.shape[1] - 1
-    dev = tree.tokens.device
-    rows = torch.arange(B, device=dev)  # [B]
-    child = _child_nodes(tree)  # [B, N]
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)  # [B] current node
-    active = torch.ones(B, dtype=torch.bool, device=dev)  # [B] still walking
-    bonus = torch.zeros(B, dtype=torch.int64, device=dev)  # [B]
-    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # [B, D+1]
-    path[:, 0] = 0
-    for d in range(D + 1):
-        x = sample_inverse_cdf(target_probs[rows, cur], coins[:, d].to(dev))  # [B]: the token after `cur`
-        match = child & (tree.parents == cur.unsqueeze(1)) & (tree.tokens == x.unsqueeze(1))  # [B, N]
-        step = active & match.any(dim=1)  # [B]
-        bonus = torch.where(active & ~step, x, bonus)
-        cur = torch.where(step, match.to(torch.uint8).argmax(dim=1), cur)
-        if d < D:
-            path[:, d + 1] = torch.where(step, cur, -1)
-        active = step
-    accept_len = (path[:, 1:] >= 0).sum(dim=1)  # [B]
-    return _result(tree, accept_len, path, cur, bonus)
+    The token plain decoding with the same seed would sample after the node's path: verify_greedy over these ids
+    emits exactly plain decoding's tokens, whatever the draft (lossless; see ``specserve.sampling.race``)."""
+    B, N, V = target_probs.shape
+    D1 = keys.shape[1]
+    expo = exponentials(keys.reshape(B * D1, 2), torch.arange(V, device=target_probs.device)).view(B, D1, V)
+    per_node = expo.gather(1, depth.clamp(max=D1 - 1).unsqueeze(2).expand(B, N, V))  # [B, N, V]
+    return race_argmax(target_probs, per_node)
 
 
 def verify_sampling(

@@ -64,4 +64,4 @@ def test_auto_off_runs_plain_steps_when_drafts_never_land(target, tmp_path):
     assert [o["output_ids"] for o in outs] == want
     # a random head's steps yield ~1 token for a draft + verify's cost: plain steps measure faster and win
     assert info["spec_plain_steps"] > info["spec_verify_ct"] > 0
-    assert info["spec_batch_policy"]["1"]["winner"] == "plain"
+    assert info["spec_batch_policy"]["1 greedy"]["winner"] == "plain"

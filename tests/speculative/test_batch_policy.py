@@ -10,6 +10,7 @@ from specserve.speculative.batch_policy import (
     WARMUP_STEPS,
     BatchPolicy,
     TreeShape,
+    batch_kind,
     bucket_of,
     shape_for_batch,
 )
@@ -38,13 +39,14 @@ def test_buckets():
     assert [bucket_of(b) for b in (1, 5, 8, 9, 16, 17, 33)] == [1, 5, 8, 16, 16, 32, 64]
 
 
-def _run(p: BatchPolicy, steps: int, spec_rate: float, plain_rate: float, batch: int = 1) -> list[bool]:
+def _run(p: BatchPolicy, steps: int, spec_rate: float, plain_rate: float, batch: int = 1,
+         kind: str = "greedy") -> list[bool]:
     """Drive the policy for `steps` steps where speculative / plain steps produce these tokens per second;
     -> which steps speculated."""
     out = []
     for _ in range(steps):
-        speculative = p.choose(batch) is not None
-        p.record(batch, speculative, 1.0, int(spec_rate if speculative else plain_rate))
+        speculative = p.choose(batch, kind) is not None
+        p.record(batch, speculative, 1.0, int(spec_rate if speculative else plain_rate), kind=kind)
         out.append(speculative)
     return out
 
@@ -58,7 +60,7 @@ def test_policy_measures_both_then_runs_the_faster():
     p = _policy(explore_every=100)
     # TRY_STEPS = 4 speculative steps, 4 plain steps, then the faster (plain here) until the next try
     assert _run(p, 12, spec_rate=100, plain_rate=200) == [True] * 4 + [False] * 8
-    assert p.summary()["1"] == {"spec_tok_s": pytest.approx(100.0), "plain_tok_s": pytest.approx(200.0),
+    assert p.summary()["1 greedy"] == {"spec_tok_s": pytest.approx(100.0), "plain_tok_s": pytest.approx(200.0),
                                 "steps": 12, "winner": "plain"}
     p = _policy(explore_every=100)
     assert _run(p, 12, spec_rate=300, plain_rate=200) == [True] * 4 + [False] * 4 + [True] * 4
@@ -75,7 +77,7 @@ def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculatio
         flags.append(speculative)
     n = WARMUP_STEPS + TRY_STEPS
     assert flags == [True] * n + [False] * n + [True] * 4
-    assert p.rates[1].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
+    assert p.rates[(1, "greedy")].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
 
 
 def test_steps_that_built_compiled_graphs_are_not_measured():
@@ -90,9 +92,10 @@ def test_steps_that_built_compiled_graphs_are_not_measured():
                  compiled=i in compiling)
         flags.append(speculative)
     assert flags == [True] * (TRY_STEPS + 1) + [False] * (TRY_STEPS + 1) + [True] * 4
-    assert p.rates[1].spec.rate == pytest.approx(300.0) and p.rates[1].plain.rate == pytest.approx(200.0)
+    one = p.rates[(1, "greedy")]
+    assert one.spec.rate == pytest.approx(300.0) and one.plain.rate == pytest.approx(200.0)
     p.record(1, True, 50.0, 1, compiled=True)  # outside a try: not measured either
-    assert p.rates[1].spec.rate == pytest.approx(300.0) and p.choose(1) == FULL
+    assert p.rates[(1, "greedy")].spec.rate == pytest.approx(300.0) and p.choose(1) == FULL
 
 
 def test_plain_must_win_by_the_margin():
@@ -110,14 +113,14 @@ def test_exploration_backs_off_while_the_loser_keeps_losing():
     # both measured by step 8; tries of 4 steps 10 steps later (18), then 20 (41) and 40 (84) steps after the
     # previous try: the interval doubles each time the try loses
     assert tries == [18, 19, 20, 21, 41, 42, 43, 44, 84, 85, 86, 87]
-    assert p.rates[1].interval == 80
+    assert p.rates[(1, "greedy")].interval == 80
 
 
 def test_a_try_measures_afresh_so_speculation_comes_back_when_it_pays_again():
     p = _policy(explore_every=10)
     assert _run(p, 17, spec_rate=100, plain_rate=200)[8:] == [False] * 9  # plain wins for now
     assert _run(p, 8, spec_rate=400, plain_rate=200) == [True] * 8  # the try at step 18 finds 400 > 200
-    assert p.rates[1].interval == 10 and p.summary()["1"]["winner"] == "spec"
+    assert p.rates[(1, "greedy")].interval == 10 and p.summary()["1 greedy"]["winner"] == "spec"
 
 
 def test_policy_without_auto_off_follows_the_schedule_only():
@@ -131,3 +134,20 @@ def test_buckets_are_measured_separately():
     p = _policy(explore_every=100)
     _run(p, 10, spec_rate=100, plain_rate=200, batch=1)
     assert p.choose(2) == FULL  # bucket 2 has no estimate yet: speculation is measured first
+
+
+def test_batch_kinds():
+    assert [batch_kind(g) for g in ([True], [True, True], [False], [False, False], [True, False])] == \
+        ["greedy", "greedy", "sampled", "sampled", "mixed"]
+
+
+def test_sampled_and_greedy_batches_are_measured_separately():
+    """Sampled batches where speculation loses do not turn it off for greedy batches of the same size, nor the
+    reverse."""
+    p = _policy(explore_every=100)
+    _run(p, 12, spec_rate=100, plain_rate=200, batch=4, kind="sampled")
+    _run(p, 12, spec_rate=300, plain_rate=200, batch=4, kind="greedy")
+    assert p.choose(4, "sampled") is None and p.choose(4, "greedy") == FULL
+    summary = p.summary()
+    assert summary["4 sampled"]["winner"] == "plain" and summary["4 greedy"]["winner"] == "spec"
+    assert p.choose(4, "mixed") == FULL and "4 mixed" in p.summary()  # a kind of its own, measured afresh

@@ -62,10 +62,10 @@ def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, plain):
 
 
 def test_seeded_sampling_is_the_same_alone_batched_and_without_speculation(target):
-    """A seeded request samples each output position with the coin of (seed, position), and lossless verification
-    uses those coins: with NGRAM its tokens equal plain decoding's, alone or among other requests, although its
-    drafts differ completely (alone on a fresh engine its sampled text matches nothing; afterwards the shared
-    trie holds that text, so in the batch whole runs of it are drafted and accepted)."""
+    """A seeded request samples each output position with the race noise of (seed, position), and lossless
+    verification races with that noise: with NGRAM its tokens equal plain decoding's, alone or among other
+    requests, although its drafts differ completely (alone on a fresh engine its sampled text matches nothing;
+    afterwards the shared trie holds that text, so in the batch whole runs of it are drafted and accepted)."""
     sp = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": 40, "ignore_eos": True, "seed": 99}
     mates = [{"temperature": 0.8, "max_new_tokens": 40, "ignore_eos": True, "seed": 5 + i} for i in range(3)]
     with Engine(model_path=target, max_total_tokens=8192) as e:
@@ -84,10 +84,10 @@ def test_seeded_sampling_is_the_same_alone_batched_and_without_speculation(targe
     assert_drafting_happened([batch[1]], min_accept_length=2.0)
 
 
-@pytest.mark.parametrize("threshold_acc, rule", [(1.0, "verify_sampling_by_position"), (0.5, "verify_sampling")])
-def test_sampled_rows_use_position_coins_unless_thresholds_are_lossy(target, monkeypatch, threshold_acc, rule):
-    """Lossless thresholds: the position-coin rule (plain decoding's tokens); SGLang's lossy accept thresholds
-    need its running-sum rule."""
+@pytest.mark.parametrize("threshold_acc, rule", [(1.0, "race_node_ids"), (0.5, "verify_sampling")])
+def test_sampled_rows_race_unless_thresholds_are_lossy(target, monkeypatch, threshold_acc, rule):
+    """Lossless thresholds: the exponential race of each position (plain decoding's tokens); SGLang's lossy accept
+    thresholds need its running-sum rule."""
     from specserve.scheduler import spec_decode
 
     calls = []
@@ -100,7 +100,7 @@ def test_sampled_rows_use_position_coins_unless_thresholds_are_lossy(target, mon
             return real(*args, **kwargs)
         return wrapper
 
-    for name in ("verify_sampling", "verify_sampling_by_position"):
+    for name in ("verify_sampling", "race_node_ids"):
         monkeypatch.setattr(spec_decode, name, spy(name))
     with Engine(model_path=target, max_total_tokens=8192, speculative_accept_threshold_acc=threshold_acc,
                 **NGRAM) as e:

@@ -1,5 +1,6 @@
 """Greedy and sampling verification of draft trees: hand-checked walks, a statistical test of both lossless tree
-sampling rules (with mutants it must catch), thresholds and seeded reproducibility."""
+sampling rules (SGLang's running sum and the exponential race, with mutants they must catch), thresholds and seeded
+reproducibility."""
 
 import math
 from collections import Counter
@@ -7,12 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
-from specserve.sampling.sampler import position_coins, sample_inverse_cdf
+from specserve.sampling.race import race_keys, race_sample
 from specserve.speculative import (
     build_tree,
+    race_node_ids,
     verify_greedy,
     verify_sampling,
-    verify_sampling_by_position,
     verify_sampling_with_coins,
 )
 from specserve.speculative import verify as verify_mod
@@ -153,75 +154,60 @@ def test_sampling_walk_by_hand():
     assert res.token_lists() == [[2, 1], [2, 4, 0], [5, 3], [0], [3], [6]]
 
 
-def by_position(coins):
-    rows = len(coins)
-    return verify_sampling_by_position(sampling_tree(rows), S_PROBS.expand(rows, -1, -1),
-                                       torch.tensor(coins, dtype=torch.float64))
+def keys_of(seeds, width, start=0):
+    """[R, width, 2]: row r's keys for output positions start .. start + width - 1 of seed seeds[r]."""
+    flat = race_keys([s for s in seeds for _ in range(width)], [start + d for _ in seeds for d in range(width)], "cpu")
+    return flat.view(len(seeds), width, 2)
 
 
-def test_by_position_walk_by_hand():
-    # The token after a node is the first token (id order) whose cumulative probability reaches the coin.
-    # root cumulative: tok0 .25, tok2 .375, tok3 .4375, tok5 .8125, tok6 1 (children: 1 -> node 1, 2 -> node 2,
-    # 5 -> node 3); node 2: tok0 .1, tok1 .3, tok4 .6, tok5 .75, tok6 1 (children: 4 -> node 4, 6 -> node 5);
-    # node 3: tok1 .5, tok3 1; node 4: tok0 .5, tok7 1; node 5: tok2 .7, tok6 1
-    res = by_position([
-        [0.3, 0.5, 0.9],  # root -> 2 (node 2), node 2 -> 4 (node 4, a leaf), node 4 -> 7: the bonus
-        [0.1, 0.5, 0.9],  # root -> 0: no child carries it, so it is the bonus
-        [0.5, 0.2, 0.3],  # root -> 5 (node 3, a leaf), node 3 -> 1
-        [0.3, 0.05, 1.0],  # root -> 2 (node 2), node 2 -> 0: not a child, the bonus
-        [0.3, 0.8, 0.71],  # root -> 2, node 2 -> 6 (node 5), node 5 -> 6
-        [0.375, 0.5, 0.5],  # boundaries are inclusive: root -> 2, node 2 -> 4, node 4 -> 0
-    ])
-    assert res.token_lists() == [[2, 4, 7], [0], [5, 1], [2, 0], [2, 6, 6], [2, 4, 0]]
-    assert res.accept_len.tolist() == [2, 0, 1, 1, 2, 2]
-    assert res.accepted_nodes.tolist() == [[0, 2, 4], [0, -1, -1], [0, 3, -1], [0, 2, -1], [0, 2, 5], [0, 2, 4]]
-    assert res.last_nodes.tolist() == [4, 0, 3, 2, 5, 4]
+def by_race(tree, probs, seeds, start=0):
+    """Sampled verification as the scheduler runs it: each node's race winner, then the greedy walk."""
+    return verify_greedy(tree, race_node_ids(tree.depth, probs, keys_of(seeds, tree.max_depth + 1, start)))
 
 
-def test_by_position_emits_what_plain_sampling_with_the_same_coins_emits():
-    # Plain sampling, written out: token k of the step is sample_inverse_cdf(distribution after the tokens so
-    # far, coin k), here following the tree while the tokens stay on it (the target's distributions are only
-    # known on the tree). For random coins the walk must give exactly that sequence.
+def test_race_emits_what_plain_sampling_with_the_same_seed_emits():
+    # Plain sampling, written out: token k of the step is race_sample(distribution after the tokens so far, seed,
+    # position start + k), here following the tree while the tokens stay on it (the target's distributions are
+    # only known on the tree). For every seed the walk must give exactly that sequence.
     children = {}
     for node, (tok, par) in enumerate(zip(S_TOKENS, S_PARENTS, strict=True), start=1):
         children.setdefault(par, {})[tok] = node
-    coins = 1.0 - torch.rand(200, 3, dtype=torch.float64, generator=gen(7))
-    res = by_position(coins.tolist())
-    for row, got in zip(coins, res.token_lists(), strict=True):
+    seeds = list(range(300))
+    res = by_race(sampling_tree(len(seeds)), S_PROBS.expand(len(seeds), -1, -1), seeds, start=11)
+    accepted = 0
+    for seed, got in zip(seeds, res.token_lists(), strict=True):
         node, want = 0, []
         for k in range(3):
-            tok = sample_inverse_cdf(S_PROBS[node].view(1, -1), row[k].view(1)).item()
+            tok = race_sample(S_PROBS[node].view(1, -1), [seed], [11 + k]).item()
             want.append(tok)
             if tok not in children.get(node, {}):
                 break
             node = children[node][tok]
         assert got == want
+        accepted += len(got) - 1
+    assert accepted > 100  # the walk went into the tree often (P(first token is a child) = .5)
 
 
-def test_by_position_rows_do_not_depend_on_batch_mates_or_the_draft():
-    # A row's tokens are fixed by its distributions and its coins: another batch (other trees, other coins) or
-    # a root-only tree (no draft: one token per step) gives the same tokens, position by position.
-    coins = 1.0 - torch.rand(1, 3, dtype=torch.float64, generator=gen(3))
-    alone = verify_sampling_by_position(sampling_tree(1), S_PROBS.unsqueeze(0), coins)
+def test_race_rows_do_not_depend_on_batch_mates_or_the_draft():
+    # A row's tokens are fixed by its distributions, its seed and its position: another batch (other trees, other
+    # seeds) or a root-only tree (no draft: one token per step) gives the same tokens, position by position.
+    alone = by_race(sampling_tree(1), S_PROBS.unsqueeze(0), [3], start=5)
     probs_b = torch.rand(2, 8, V, generator=gen(99))
     probs_b = probs_b / probs_b.sum(-1, keepdim=True)
     probs_b[1, :6] = S_PROBS
     tree_b = build_tree(t([3, 3]), t([[1, 2, 3, 4, 5, 6, 7], [*S_TOKENS, 0, 0]]),
                         t([[0, 1, 2, 3, 4, 5, 6], [*S_PARENTS, 0, 0]]), num_nodes=t([8, 6]))
-    coins_b = 1.0 - torch.rand(2, 8, dtype=torch.float64)  # tree_b is 7 deep: 8 coins per row
-    coins_b[1, :3] = coins[0]
-    mixed = verify_sampling_by_position(tree_b, probs_b, coins_b)
+    mixed = by_race(tree_b, probs_b, [17, 3], start=5)
     assert mixed.token_lists()[1] == alone.token_lists()[0]
     first = alone.token_lists()[0][0]
     root_only = build_tree(t([3]), torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64))
-    assert verify_sampling_by_position(root_only, S_PROBS[:1].unsqueeze(0), coins[:, :1]).token_lists() == [[first]]
+    assert by_race(root_only, S_PROBS[:1].unsqueeze(0), [3], start=5).token_lists() == [[first]]
 
 
-def test_by_position_greedy_rows_take_the_argmax_path():
+def test_race_one_hot_rows_take_the_argmax_path():
     one_hot = torch.zeros(1, 6, V)
     one_hot[0, torch.arange(6), S_PROBS.argmax(-1)] = 1.0  # argmax: root 5 (node 3), node 3 -> 1
-    res = verify_sampling_by_position(sampling_tree(1), one_hot, torch.tensor([[0.99, 0.01, 0.5]]))
-    assert res.token_lists() == [[5, 1]]
+    assert by_race(sampling_tree(1), one_hot, [12345]).token_lists() == [[5, 1]]
 
 
 def test_sampling_thresholds_below_one_accept_more_eagerly():
@@ -283,10 +269,9 @@ def check_counts(counts, expected, n):
     return failures
 
 
-def by_position_with_random_coins(tree, probs, generators):
-    """verify_sampling_by_position with fresh uniform coins (the rows have no seed)."""
-    return verify_sampling_by_position(tree, probs, position_coins(generators, [0] * len(generators),
-                                                                   tree.max_depth + 1, "cpu"))
+def by_race_with_random_seeds(tree, probs, generators):
+    """Race verification for rows without a seed: each draws one (as the sampler does)."""
+    return by_race(tree, probs, torch.randint(0, 2**62, (len(generators),)).tolist())
 
 
 def statistical_failures(seed=0, verify=verify_sampling):
@@ -311,18 +296,18 @@ def test_exact_outcomes_fixture_is_consistent():
     assert exact[(2, 4, 7)] == pytest.approx(0.125 * 0.3 * 0.5)
 
 
-@pytest.mark.parametrize("verify", [verify_sampling, by_position_with_random_coins])
+@pytest.mark.parametrize("verify", [verify_sampling, by_race_with_random_seeds])
 def test_sampling_matches_the_target_distribution(verify):
     assert statistical_failures(verify=verify) == []
 
 
-def test_statistical_check_catches_a_by_position_mutant():
-    """Wrong: one coin for the whole step (the level coins must be independent)."""
-    def one_coin(tree, probs, generators):
-        coins = position_coins(generators, [0] * len(generators), 1, "cpu")  # [B, 1]
-        return verify_sampling_by_position(tree, probs, coins.expand(-1, tree.max_depth + 1))
+def test_statistical_check_catches_a_race_mutant():
+    """Wrong: one noise for the whole step (every level must race with its own position's noise)."""
+    def one_noise(tree, probs, generators):
+        keys = keys_of(torch.randint(0, 2**62, (len(generators),)).tolist(), 1)  # [B, 1, 2]
+        return verify_greedy(tree, race_node_ids(tree.depth, probs, keys.expand(-1, tree.max_depth + 1, 2)))
 
-    assert statistical_failures(verify=one_coin) != []
+    assert statistical_failures(verify=one_noise) != []
 
 
 def mutant_keeps_tried_children(tree, target_probs, last):

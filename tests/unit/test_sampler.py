@@ -5,15 +5,15 @@ import torch
 
 from specserve.sampling import SamplingBatchInfo, SamplingParams, sample
 from specserve.sampling import sampler as sampler_mod
+from specserve.sampling.race import position_key
 from specserve.sampling.sampler import (
     apply_penalties_and_bias,
     compute_logprobs,
     greedy_ids,
-    position_coin,
-    position_coins,
     probs_from_logits,
     sample_inverse_cdf,
 )
+from tests.unit.race_reference import reference_exponential
 
 
 def make_info(params, vocab_size, generators=None, prompt_ids=None, output_ids=None, stop_ids=None):
@@ -350,37 +350,6 @@ def test_seeded_sampling_independent_of_batch():
     assert _draw_sequence(row_logits, 1234, 0, []) == alone  # reproducible
 
 
-def test_splitmix64_matches_the_reference_stream():
-    # SplitMix64 started at state 0 (the reference splitmix64.c) outputs these three values first
-    stream = [sampler_mod._mix64(k * sampler_mod._GOLDEN_GAMMA & sampler_mod._U64) for k in (1, 2, 3)]
-    assert stream == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
-
-
-def test_position_coins_are_pure_in_range_and_leave_the_generator_alone():
-    g = gen(42)
-    state = g.get_state()
-    coins = position_coins([g, None, gen(42)], [5, 0, 6], 3, "cpu")  # [3, 3]
-    assert coins.shape == (3, 3) and coins.dtype == torch.float64
-    assert ((coins > 0) & (coins <= 1)).all()
-    assert coins[0].tolist() == [position_coin(42, t) for t in (5, 6, 7)]
-    assert coins[2, :2].tolist() == coins[0, 1:].tolist()  # the same (seed, position) gives the same coin
-    assert torch.equal(g.get_state(), state)  # read, not advanced
-    assert position_coin(42, 5) != position_coin(43, 5) and position_coin(42, 5) != position_coin(42, 4)
-    with pytest.raises(ValueError):
-        position_coins([g], [0, 1], 1, "cpu")
-
-
-def test_position_coins_are_uniform_and_uncorrelated():
-    n = 20_000
-    coins = torch.tensor([[position_coin(seed, t) for t in (0, 1)] + [position_coin(seed + 1, 0)]
-                          for seed in range(n)], dtype=torch.float64)  # [n, 3]
-    counts = torch.histc(coins[:, 0], bins=10, min=0.0, max=1.0).tolist()
-    sigma = math.sqrt(n * 0.1 * 0.9)
-    assert all(abs(c - n / 10) < 6 * sigma for c in counts), counts
-    corr = torch.corrcoef(coins.T)  # next position of the same seed; same position of the next seed (n > 1)
-    assert abs(corr[0, 1].item()) < 0.05 and abs(corr[0, 2].item()) < 0.05, corr
-
-
 def test_sample_inverse_cdf_by_hand():
     # cumulative in token-id order: .5, .75, .875, 1 (exact in binary); boundaries are inclusive
     p = torch.tensor([0.5, 0.25, 0.125, 0.125]).expand(8, 4)
@@ -391,19 +360,18 @@ def test_sample_inverse_cdf_by_hand():
     assert sample_inverse_cdf(w, torch.tensor([1e-9, 0.5, 0.51])).tolist() == [1, 1, 3]
 
 
-def test_seeded_row_samples_at_the_coin_of_its_output_position():
-    # P4 at temperature 1: token 0 for coins <= .4, 1 up to .7, 2 up to .9, else 3
-    def by_hand(coin):
-        return next(tok for tok, edge in enumerate([0.4, 0.7, 0.9, 1.0]) if coin <= edge)
-
+def test_seeded_row_samples_the_race_of_its_output_position():
+    # the race winner argmax p / E with E the hash of (seed, position, token), written out from the hash reference
+    p = torch.softmax(LOGITS4, dim=-1).view(-1).tolist()
     for seed in range(5):
         for t in (0, 1, 7):
             info = make_info([SamplingParams()], 4, generators=[gen(seed)], output_ids=[[2] * t])
-            assert sample(LOGITS4, info).item() == by_hand(position_coin(seed, t))
+            expo = [reference_exponential(position_key(seed, t), x) for x in range(4)]
+            assert sample(LOGITS4, info).item() == max(range(4), key=lambda x: p[x] / expo[x])
 
 
 def test_seeded_rows_follow_the_distribution():
-    # one row per seed (20000 seeds): the position-keyed coins give the target frequencies
+    # one row per seed (20000 seeds): the position-keyed races give the target frequencies
     n = 20_000
     p = torch.tensor([0.1, 0.2, 0.3, 0.4])
     info = make_info([SamplingParams()] * n, 4, generators=[gen(s) for s in range(n)], output_ids=[[0]] * n)

@@ -1,0 +1,99 @@
+"""Drafting coupled to sampled verification: a sampled request's draft candidates are ranked with the very noise
+its verification will race the target with (``specserve.sampling.race``).
+
+Verification emits, at each output position t, the target's race winner argmax_x p_t(x) / E_t(x). A drafter that
+proposes argmax_x q_t(x) / E_t(x) with the same E_t proposes that token whenever its q_t is close enough to p_t
+that both races have the same winner (Gumbel coupling): the chance of a match rises from about sum_x p(x) q(x)
+(independent draws) towards 1 - TV(p, q). So the candidates of a sampled request at draft level j (children of a
+node of depth j, i.e. tokens of output position len(output) + j) are ranked by softmax(log q + log 1/E), with q the
+draft's distribution put through the request's own sampling filters (temperature, then top-k, top-p and min-p, as
+``probs_from_logits`` treats the target): a token the request's filters cut from q is never drafted for it.
+Outputs never depend on any of this (verification alone decides them); only which tokens are drafted does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.sampling.race import exponentials, race_keys
+from specserve.sampling.sampler import filter_top_k_top_p_min_p, request_seeds
+
+
+@dataclass
+class RaceRows:
+    """The racing rows of one draft call's [R, Vd] logits: rows index [S'], their noise expo [S', Vd] over the
+    call's columns, and their filters: 1/T [S', 1], top_k [S'], top_p [S'], min_p [S'] (``on``: which filters any
+    row uses)."""
+
+    index: torch.Tensor
+    expo: torch.Tensor
+    inv_temps: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    on: tuple[bool, bool, bool]
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [R, Vd] -> [R, Vd] where the racing rows hold log q - log E, q their filtered distribution
+        (-inf where a filter cut the token), the other rows unchanged; a softmax of either ranks them."""
+        q = torch.softmax(logits.index_select(0, self.index) * self.inv_temps, dim=-1)  # [S', Vd]
+        if any(self.on):
+            q = filter_top_k_top_p_min_p(q, self.top_ks, self.top_ps, self.min_ps, self.on)
+        return logits.index_copy(0, self.index, torch.log(q) - torch.log(self.expo))
+
+
+@dataclass
+class RaceBatch:
+    """The sampled requests of a drafted batch: their indices in it, seeds, next output positions, and filters.
+    The noise of every drafted level is computed once, on first use (``at_level``)."""
+
+    rows: list[int]
+    seeds: list[int]
+    positions: list[int]
+    inv_temps: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    levels: int
+    _expo: torch.Tensor | None = field(default=None, repr=False)  # [S, levels, Vd]
+
+    @classmethod
+    def of(cls, reqs, levels: int) -> RaceBatch | None:
+        """Racing rows for drafting ``levels`` levels (root's children = level 0); None when no request samples."""
+        rows = [b for b, r in enumerate(reqs) if not r.params.is_greedy]
+        if not rows:
+            return None
+        params = [reqs[b].params for b in rows]
+        return cls(rows, request_seeds([reqs[b].generator for b in rows]),
+                   [len(reqs[b].output_ids) for b in rows], [1.0 / p.temperature for p in params],
+                   [p.top_k if p.top_k > 0 else 1 << 62 for p in params], [p.top_p for p in params],
+                   [p.min_p for p in params], levels)
+
+    def noise(self, ids: torch.Tensor) -> torch.Tensor:
+        """[S, levels, Vd]: E at output positions position + level of each racing request, for the target token ids
+        ids [Vd] of the draft's columns (one hash call for the whole proposal)."""
+        if self._expo is None or self._expo.shape[-1] != ids.numel():
+            S = len(self.rows)
+            keys = race_keys([s for s in self.seeds for _ in range(self.levels)],
+                             [p + j for p in self.positions for j in range(self.levels)], ids.device)
+            self._expo = exponentials(keys, ids).view(S, self.levels, ids.numel())
+        return self._expo
+
+    def at_level(self, level: int, rows_per_req: int, vocab_ids: torch.Tensor) -> RaceRows:
+        """The racing rows of a draft call laid out request-major with rows_per_req rows per request, drafting the
+        tokens of output position (next position) + level over the draft columns' target ids vocab_ids [Vd]."""
+        dev = vocab_ids.device
+        index = torch.tensor([b * rows_per_req + k for b in self.rows for k in range(rows_per_req)],
+                             dtype=torch.int64, device=dev)
+        expo = self.noise(vocab_ids)[:, level].repeat_interleave(rows_per_req, dim=0)  # [S * rows_per_req, Vd]
+
+        def per_row(values, dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(rows_per_req)
+
+        V = vocab_ids.numel()
+        on = (any(k < V for k in self.top_ks), any(p < 1.0 for p in self.top_ps), any(m > 0.0 for m in self.min_ps))
+        return RaceRows(index, expo, per_row(self.inv_temps, torch.float32).view(-1, 1),
+                        per_row([min(k, V) for k in self.top_ks], torch.int64), per_row(self.top_ps, torch.float32),
+                        per_row(self.min_ps, torch.float32), on)
