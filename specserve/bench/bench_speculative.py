@@ -6,17 +6,19 @@
         --num-draft-tokens 4,8,16 --num-prompts 8 --max-new-tokens 64 --reps 1 [--out-dir DIR]
     specserve bench-speculative --steps 6 --topk 4 --num-draft-tokens 16 \\
         --stop-threshold 0,0.02 --score-temperature 1,0.6           # our two tree-shaping flags swept too
+    specserve bench-speculative --temperature 0.7 --coupled-drafting on,off      # sampled, coupled drafting or not
 
-Every (``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``) combination
-of the grid goes through ``ServerArgs.validate``: the ones it rejects are skipped with its message, and the ones
-it normalizes into an earlier one (topk 1 forces draft tokens = steps + 1) are skipped as duplicates. The plain
-engine (the same server flags, no speculation) is always measured too. ``--stop-threshold`` and
-``--score-temperature`` add ``--speculative-draft-stop-threshold`` and ``--speculative-draft-score-temperature``
-to the grid (EAGLE-family trees; given once as server flags instead, they hold for every point). One Engine is
-built per configuration, warmed up once, and runs every batch size; a batch of size b is b prompts submitted in
-one ``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size
-the prompts (the target family's held-out ones, cycled: ``held_out_prompts_for``) are ``max(--num-prompts, b)``
-rounded up to a multiple of b; the prefix cache is flushed before each of the ``--reps`` passes over them. With
+Every (``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``) combination of
+the grid goes through ``ServerArgs.validate``: the ones it rejects are skipped with its message, and the ones it
+normalizes into an earlier one (topk 1 forces draft tokens = steps + 1) are skipped as duplicates. The plain engine
+(the same server flags, no speculation) is always measured too. ``--stop-threshold`` and ``--score-temperature`` add
+``--speculative-draft-stop-threshold`` and ``--speculative-draft-score-temperature`` to the grid, and
+``--coupled-drafting on,off`` the coupling of sampled requests' drafts (``--disable-speculative-coupled-drafting``
+for off) (EAGLE-family trees; given once as server flags instead, they hold for every point). One Engine is built
+per configuration, warmed up once, and runs every batch size; a batch of size b is b prompts submitted in one
+``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size the
+prompts (the target family's held-out ones, cycled: ``held_out_prompts_for``) are ``max(--num-prompts, b)`` rounded
+up to a multiple of b; the prefix cache is flushed before each of the ``--reps`` passes over them. With
 ``--interleave`` every engine is loaded at once and each generate call (one batch of prompts) runs on every
 configuration in turn before the next (A B C A B C): the machine's drift then reaches every configuration alike, at
 the cost of memory for all the engines.
@@ -74,6 +76,7 @@ class TreeShape:
     num_draft_tokens: int | None = None
     stop_threshold: float | None = None  # None: not swept (the server flag's value)
     score_temperature: float | None = None
+    coupled: bool | None = None  # coupled drafting of sampled requests; None: not swept
 
     @property
     def is_baseline(self) -> bool:
@@ -90,6 +93,8 @@ class TreeShape:
             label += f" thr {self.stop_threshold:g}"
         if self.score_temperature is not None:
             label += f" T {self.score_temperature:g}"
+        if self.coupled is not None:
+            label += " coupled" if self.coupled else " uncoupled"
         return label
 
 
@@ -122,6 +127,16 @@ def parse_float_list(text: str | None, flag: str, ok: Callable[[float], bool], b
     return list(dict.fromkeys(values))
 
 
+def parse_on_off_list(text: str | None, flag: str) -> list[bool | None]:
+    """'on,off' -> [True, False] (order kept, duplicates dropped); None (the flag not given) -> [None]."""
+    if text is None:
+        return [None]
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words or any(w not in ("on", "off") for w in words):
+        raise ConfigError(f"{flag} takes a comma list of on / off, got {text!r}")
+    return list(dict.fromkeys(w == "on" for w in words))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from specserve.args import add_server_args
 
@@ -137,6 +152,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="--speculative-draft-stop-threshold values, comma list in [0, 1) (default: not swept)")
     g.add_argument("--score-temperature", default=None,
                    help="--speculative-draft-score-temperature values, comma list in (0, 10] (default: not swept)")
+    g.add_argument("--coupled-drafting", default=None,
+                   help="on,off: sampled requests' drafts ranked with their verification's noise or not "
+                        "(--disable-speculative-coupled-drafting; default: not swept)")
     g.add_argument("--num-prompts", type=int, default=8,
                    help="held-out prompts per batch size (at least the batch size; they cycle; default: 8)")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -171,7 +189,8 @@ def check_args(ns: argparse.Namespace) -> dict[str, list]:
                                                "[0, 1)"),
             "score_temperature": parse_float_list(ns.score_temperature, "--score-temperature",
                                                   lambda v: 0 < v <= MAX_SCORE_TEMPERATURE,
-                                                  f"(0, {MAX_SCORE_TEMPERATURE:g}]")}
+                                                  f"(0, {MAX_SCORE_TEMPERATURE:g}]"),
+            "coupled": parse_on_off_list(ns.coupled_drafting, "--coupled-drafting")}
 
 
 def base_args(ns: argparse.Namespace) -> ServerArgs:
@@ -189,30 +208,33 @@ def base_args(ns: argparse.Namespace) -> ServerArgs:
 
 # ---------------------------------------------------------------------------------------------- grid
 def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: list[int],
-                thresholds: list[float | None] = (None,), temperatures: list[float | None] = (None,)
-                ) -> tuple[list[tuple[TreeShape, ServerArgs]], list[dict]]:
+                thresholds: list[float | None] = (None,), temperatures: list[float | None] = (None,),
+                coupled: list[bool | None] = (None,)) -> tuple[list[tuple[TreeShape, ServerArgs]], list[dict]]:
     """Validated (shape, server args) per distinct grid point, in grid order, and the skipped points with why.
-    A None threshold / temperature keeps `base`'s value and is left out of the label."""
+    A None threshold / temperature / coupling keeps `base`'s value and is left out of the label."""
     configs: list[tuple[TreeShape, ServerArgs]] = []
     skipped: list[dict] = []
     seen: dict[TreeShape, str] = {}
     ngram = base.speculative_algorithm == "NGRAM"
-    for s, k, n, thr, temp in itertools.product(steps, topks, tokens, thresholds, temperatures):
-        asked = {"steps": s, "topk": k, "num_draft_tokens": n, "stop_threshold": thr, "score_temperature": temp}
-        asked_label = TreeShape(s, k, n, thr, temp).label
+    for s, k, n, thr, temp, cpl in itertools.product(steps, topks, tokens, thresholds, temperatures, coupled):
+        asked = {"steps": s, "topk": k, "num_draft_tokens": n, "stop_threshold": thr, "score_temperature": temp,
+                 "coupled": cpl}
+        asked_label = TreeShape(s, k, n, thr, temp, cpl).label
         try:
             args = dataclasses.replace(
                 base, speculative_num_steps=None if ngram else s, speculative_eagle_topk=None if ngram else k,
                 speculative_num_draft_tokens=n,
                 speculative_draft_stop_threshold=base.speculative_draft_stop_threshold if thr is None else thr,
                 speculative_draft_score_temperature=base.speculative_draft_score_temperature if temp is None else temp,
+                disable_speculative_coupled_drafting=(base.disable_speculative_coupled_drafting if cpl is None
+                                                      else not cpl),
             ).validate()
         except ConfigError as e:
             skipped.append({**asked, "reason": str(e)})
             continue
-        # NGRAM has no draft probabilities: neither flag shapes its tree
+        # NGRAM has no draft probabilities: none of these flags shapes its tree
         shape = TreeShape(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-                          None if ngram else thr, None if ngram else temp)
+                          None if ngram else thr, None if ngram else temp, None if ngram else cpl)
         if shape in seen:
             skipped.append({**asked, "reason": f"validation makes it {shape.label}, already measured "
                                                f"(from {seen[shape]})"})
@@ -389,6 +411,7 @@ def row_head(shape: TreeShape, args: ServerArgs, batch_size: int, prompts: list[
             "num_draft_tokens": shape.num_draft_tokens,
             "stop_threshold": args.speculative_draft_stop_threshold if spec else None,
             "score_temperature": args.speculative_draft_score_temperature if spec else None,
+            "coupled_drafting": not args.disable_speculative_coupled_drafting if spec else None,
             "batch_size": batch_size, "num_prompts": len(prompts)}
 
 
@@ -491,9 +514,10 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     from specserve.bench.eval_acceptance import held_out_prompts_for, plain_args
 
     configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"],
-                                   grid["stop_threshold"], grid["score_temperature"])
+                                   grid["stop_threshold"], grid["score_temperature"], grid["coupled"])
     for s in skipped:
-        shape = TreeShape(s["steps"], s["topk"], s["num_draft_tokens"], s["stop_threshold"], s["score_temperature"])
+        shape = TreeShape(s["steps"], s["topk"], s["num_draft_tokens"], s["stop_threshold"], s["score_temperature"],
+                          s["coupled"])
         print(f"skip {shape.label}: {s['reason']}", file=sys.stderr)
     pool = held_out_prompts_for(args.model_path, max(ns.num_prompts, *grid["batch_sizes"]))
     batches = {b: prompts_for_batch(pool, b, ns.num_prompts) for b in grid["batch_sizes"]}

@@ -56,6 +56,18 @@ def test_expand_grid_sweeps_threshold_and_temperature():
     assert all("--speculative-draft-score-temperature must be in" in s["reason"] for s in skipped)
 
 
+def test_parse_on_off_list_and_the_coupling_axis():
+    assert bs.parse_on_off_list(None, "--coupled-drafting") == [None]
+    assert bs.parse_on_off_list("on, off,on", "--coupled-drafting") == [True, False]
+    for bad in ("on,maybe", "", "1"):
+        with pytest.raises(ConfigError, match="--coupled-drafting"):
+            bs.parse_on_off_list(bad, "--coupled-drafting")
+    base = ServerArgs(speculative_algorithm="EAGLE").validate()
+    configs, _ = bs.expand_grid(base, [2], [2], [4], coupled=[True, False])
+    assert [c.label for c, _ in configs] == ["steps 2 topk 2 draft 4 coupled", "steps 2 topk 2 draft 4 uncoupled"]
+    assert [a.disable_speculative_coupled_drafting for _, a in configs] == [False, True]
+
+
 def test_expand_grid_ngram_ignores_threshold_and_temperature():
     base = ServerArgs(speculative_algorithm="NGRAM").validate()
     configs, skipped = bs.expand_grid(base, [1], [1], [4], [None], [1.0, 0.5])
@@ -188,6 +200,18 @@ def test_bench_speculative_sweeps_score_temperature(eagle_pair, tmp_path):
     assert all(r["accept_length"] >= 1.0 for r in rows[1:])
 
 
+def test_bench_speculative_sampled_with_and_without_coupled_drafting(eagle_pair, tmp_path):
+    out = tmp_path / "out"
+    rc = bs.main(eagle_pair[2] + ["--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
+                                  "--temperature", "0.7", "--coupled-drafting", "on,off", "--out-dir", str(out)])
+    assert rc == 0
+    rows = read_jsonl(str(out / "results.jsonl"))
+    assert [(r["config"], r["coupled_drafting"]) for r in rows] == [
+        ("baseline", None), ("steps 2 topk 2 draft 4 coupled", True), ("steps 2 topk 2 draft 4 uncoupled", False)]
+    assert all(r["completion_tokens"] == 16 for r in rows)
+    assert all(r["accept_length"] >= 1.0 for r in rows[1:])
+
+
 def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
     calls, shut = [], []
 
@@ -224,7 +248,7 @@ def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
                     {"config": "A", "batch_size": 2, "mark": "A", "passes": [(1.0, [{"n": 2}] * 2)] * 2},
                     {"config": "B", "batch_size": 2, "mark": "B", "passes": [(1.0, [{"n": 2}] * 2)] * 2}]
     assert skipped == [{"steps": 2, "topk": 1, "num_draft_tokens": 3, "stop_threshold": None,
-                        "score_temperature": None, "reason": "draft vocabulary mismatch"}]
+                        "score_temperature": None, "coupled": None, "reason": "draft vocabulary mismatch"}]
     assert shut == ["A", "B"]
 
 
