@@ -58,6 +58,7 @@ class RaceBatch:
     min_ps: list[float]
     levels: int
     _expo: torch.Tensor | None = field(default=None, repr=False)  # [S, levels, Vd]
+    _layouts: dict = field(default_factory=dict, repr=False)  # (rows per request, Vd) -> (index, filters...)
 
     @classmethod
     def of(cls, reqs, levels: int) -> RaceBatch | None:
@@ -84,16 +85,24 @@ class RaceBatch:
     def at_level(self, level: int, rows_per_req: int, vocab_ids: torch.Tensor) -> RaceRows:
         """The racing rows of a draft call laid out request-major with rows_per_req rows per request, drafting the
         tokens of output position (next position) + level over the draft columns' target ids vocab_ids [Vd]."""
-        dev = vocab_ids.device
-        index = torch.tensor([b * rows_per_req + k for b in self.rows for k in range(rows_per_req)],
-                             dtype=torch.int64, device=dev)
         expo = self.noise(vocab_ids)[:, level].repeat_interleave(rows_per_req, dim=0)  # [S * rows_per_req, Vd]
+        return RaceRows(expo=expo, **self._layout(rows_per_req, vocab_ids))
 
-        def per_row(values, dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(rows_per_req)
+    def _layout(self, rows_per_req: int, vocab_ids: torch.Tensor) -> dict:
+        """The rows' index, 1/T, top_k, top_p, min_p and filter switches for this layout (built once per proposal)."""
+        key = (rows_per_req, vocab_ids.numel())
+        if key not in self._layouts:
+            dev, V = vocab_ids.device, vocab_ids.numel()
 
-        V = vocab_ids.numel()
-        on = (any(k < V for k in self.top_ks), any(p < 1.0 for p in self.top_ps), any(m > 0.0 for m in self.min_ps))
-        return RaceRows(index, expo, per_row(self.inv_temps, torch.float32).view(-1, 1),
-                        per_row([min(k, V) for k in self.top_ks], torch.int64), per_row(self.top_ps, torch.float32),
-                        per_row(self.min_ps, torch.float32), on)
+            def per_row(values, dtype) -> torch.Tensor:
+                return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(rows_per_req)
+
+            index = torch.tensor([b * rows_per_req + k for b in self.rows for k in range(rows_per_req)],
+                                 dtype=torch.int64, device=dev)
+            on = (any(k < V for k in self.top_ks), any(p < 1.0 for p in self.top_ps),
+                  any(m > 0.0 for m in self.min_ps))
+            self._layouts[key] = dict(index=index, inv_temps=per_row(self.inv_temps, torch.float32).view(-1, 1),
+                                      top_ks=per_row([min(k, V) for k in self.top_ks], torch.int64),
+                                      top_ps=per_row(self.top_ps, torch.float32),
+                                      min_ps=per_row(self.min_ps, torch.float32), on=on)
+        return self._layouts[key]
