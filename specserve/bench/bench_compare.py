@@ -6,10 +6,10 @@ in one run.
         [--only plain,llamacpp,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
         [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R] [--llamacpp-gguf FILE]
 
-Batch 1, greedy (temperature 0), exactly ``--max-new-tokens`` per prompt on both sides (specserve ``ignore_eos``;
-transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same prompt token ids, the same
-dtype and thread count for both engines. Configurations, in the order each prompt runs through them (so drift of
-a shared machine hits all alike), each compared with its counterpart:
+Batch 1, greedy (temperature 0) unless ``--temperature`` samples, exactly ``--max-new-tokens`` per prompt on both
+sides (specserve ``ignore_eos``; transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same
+prompt token ids, the same dtype and thread count for both engines. Configurations, in the order each prompt runs
+through them (so drift of a shared machine hits all alike), each compared with its counterpart:
 
     transformers plain generate                      <- specserve plain decoding
     transformers assisted generation (the draft LM)  <- specserve EAGLE-3 (its head) and specserve STANDALONE (the
@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-score-temperature", type=float, default=1.0,
                    help="--speculative-draft-score-temperature of our EAGLE-3 and STANDALONE (default 1: the draft's "
                         "own probabilities)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (default 0: greedy). Our engines give each prompt the same seed, "
+                        "so plain and speculative decoding generate the same tokens; transformers samples with "
+                        "do_sample; llama.cpp rows are greedy only and are left out")
     p.add_argument("--always-speculate", action="store_true",
                    help="our speculative engines speculate on every step (--disable-speculative-auto-off); default: "
                         "the engine's batch-aware policy, which runs plain steps where speculation measures slower")
@@ -149,6 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
     args.llamacpp_optional = args.only is None
     if args.eagle3_path is None:
         from specserve.demo_models import bundled_eagle3
@@ -200,7 +206,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
 
 def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
     """One JSON-ready row per measured configuration (rounds: one dict name -> bench_ngram.Tally per round), with
-    its ratios and its greedy agreement with transformers plain."""
+    its ratios and its greedy agreement with transformers plain (sampled: a speculative row's agreement with our plain
+    decoding, which had the same seeds)."""
     from specserve.bench.harness import compare_ids
 
     tallies = merge_rounds(rounds)
@@ -219,7 +226,10 @@ def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
                "verify_steps": t.verify_steps if spec else None,
                "accept_length": (t.accept_length if t.verify_steps else None) if spec else None,
                "equal_to_hf_plain": None, "first_mismatch_vs_hf_plain": None}
-        if c.name != "hf_plain" and "hf_plain" in tallies:
+        sampled = setup["common"].get("temperature", 0.0) > 0
+        if spec and sampled and "ours_plain" in tallies:  # same seeds: the same tokens as our plain decoding
+            row["equal_to_ours_plain"] = compare_ids(t.outputs, tallies["ours_plain"].outputs)["rows_equal"]
+        if c.name != "hf_plain" and "hf_plain" in tallies and not sampled:
             agree = compare_ids(t.outputs, tallies["hf_plain"].outputs)
             row["equal_to_hf_plain"] = agree["rows_equal"]
             row["first_mismatch_vs_hf_plain"] = agree["first_mismatch"]
@@ -289,8 +299,8 @@ def setup_lines(rows: list[dict]) -> list[str]:
         return []
     r0 = rows[0]
     lines = [f"specserve vs transformers and llama.cpp: target {r0['model_path']}, {r0['dtype']} (specserve and "
-             f"transformers), batch 1, temperature 0, {r0['max_new_tokens']} new tokens x {r0['num_prompts']} "
-             "held-out prompts"
+             f"transformers), batch 1, temperature {r0.get('temperature', 0):g}, {r0['max_new_tokens']} new tokens x "
+             f"{r0['num_prompts']} held-out prompts"
              + (f" x {r0['rounds']} rounds" if r0.get("rounds", 1) > 1 else "") + f", {r0['num_threads']} threads"]
     for r in rows:
         if r.get("speculative_num_steps") is not None:
@@ -363,7 +373,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
     draft = resolve_path(args.draft_model_path) if names & {"hf_assisted", "ours_standalone"} else None
     head = resolve_path(args.eagle3_path) if "ours_eagle3" in names else None
     loaded.setup["common"] = {"model_path": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                              "num_threads": threads, "device": str(device), "rounds": args.rounds}
+                              "num_threads": threads, "device": str(device), "rounds": args.rounds,
+                              "temperature": args.temperature}
     n = args.max_new_tokens
     drafts = {"ours_eagle3": head, "ours_standalone": draft}  # resolved folders; the rows keep the given names
     given = {"ours_eagle3": args.eagle3_path, "ours_standalone": args.draft_model_path}
@@ -384,7 +395,7 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
                         max_total_tokens=kv_tokens, log_level="warning",
                         enable_torch_compile=args.enable_torch_compile, **kw)
         loaded.engines.append(engine)
-        loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n), ours_prepare(engine)
+        loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n, args.temperature), ours_prepare(engine)
         loaded.setup[name] = spec_setup(engine, given.get(name))
         if tree_given:
             loaded.setup[name]["tree_source"] = "--eagle3-tree"
@@ -395,13 +406,15 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         model, pad_id = load_hf(target, args.dtype)
         model.to(device)
         if "hf_plain" in names:
-            loaded.runners["hf_plain"] = hf_runner(model, pad_id, n)
+            loaded.runners["hf_plain"] = hf_runner(model, pad_id, n, temperature=args.temperature)
         if "hf_lookup" in names:
-            loaded.runners["hf_lookup"] = hf_runner(model, pad_id, n, lookup_tokens=args.lookup_tokens)
+            loaded.runners["hf_lookup"] = hf_runner(model, pad_id, n, lookup_tokens=args.lookup_tokens,
+                                                    temperature=args.temperature)
             loaded.setup["hf_lookup"] = {"lookup_tokens": args.lookup_tokens}
         if "hf_assisted" in names:
             assistant = load_hf(draft, args.dtype)[0].to(device)
-            loaded.runners["hf_assisted"] = hf_runner(model, pad_id, n, assistant=assistant)
+            loaded.runners["hf_assisted"] = hf_runner(model, pad_id, n, assistant=assistant,
+                                                      temperature=args.temperature)
             loaded.setup["hf_assisted"] = assisted_setup(assistant, args.draft_model_path)
     loaded.runners = {c.name: loaded.runners[c.name] for c in CONFIGS if c.name in loaded.runners}  # run order
 
@@ -415,6 +428,8 @@ def check_llamacpp(args: argparse.Namespace) -> None:
     if not {c.name for c in args.only} & LLAMACPP_CONFIGS:
         return
     problem = None if llamacpp.available() else f"llama-cpp-python is not installed: {llamacpp.INSTALL}"
+    if args.temperature > 0:
+        problem = "its rows are greedy only (--temperature > 0)"
     if problem is None:
         try:
             args.llamacpp_files = llamacpp.gguf_files(args.model_path, args.llamacpp_gguf)

@@ -25,6 +25,7 @@ import argparse
 import re
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -148,11 +149,14 @@ class Tally:
 RunFn = Callable[[list[int]], tuple[list[int], int, int]]  # prompt ids -> (generated ids, verify steps, plain tokens)
 
 
-def ours_runner(engine, max_new_tokens: int) -> RunFn:
-    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+def ours_runner(engine, max_new_tokens: int, temperature: float = 0.0) -> RunFn:
+    """specserve on one prompt; sampled (temperature > 0) with a seed taken from the prompt's ids, so every engine
+    given the same prompt generates the same tokens (plain and speculative decoding alike)."""
+    params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
 
     def run(ids: list[int]) -> tuple[list[int], int, int]:
-        out = engine.generate(input_ids=ids, sampling_params=params)
+        seeded = {**params, "seed": zlib.crc32(str(ids).encode())} if temperature > 0 else params
+        out = engine.generate(input_ids=ids, sampling_params=seeded)
         meta = out["meta_info"]
         return out["output_ids"], meta.get("spec_verify_ct", 0), meta.get("spec_plain_tokens", 0)
 
@@ -168,10 +172,12 @@ def ours_prepare(engine) -> Callable[[], None]:
 
 
 def hf_runner(model, pad_id: int, max_new_tokens: int, lookup_tokens: int | None = None,
-              assistant=None) -> RunFn:
-    """transformers greedy ``generate`` on one prompt: plain, prompt lookup (``lookup_tokens``) or assisted
-    generation (``assistant``: a draft LM with the target's tokenizer)."""
-    extra: dict = {}
+              assistant=None, temperature: float = 0.0) -> RunFn:
+    """transformers ``generate`` on one prompt, greedy or sampled (temperature > 0): plain, prompt lookup
+    (``lookup_tokens``) or assisted generation (``assistant``: a draft LM with the target's tokenizer)."""
+    extra: dict = {"do_sample": False}
+    if temperature > 0:
+        extra = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     if lookup_tokens is not None:
         extra["prompt_lookup_num_tokens"] = lookup_tokens
     if assistant is not None:
@@ -181,7 +187,7 @@ def hf_runner(model, pad_id: int, max_new_tokens: int, lookup_tokens: int | None
         x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, L]
         with torch.inference_mode():
             out = model.generate(  # [1, L + max_new_tokens]; eos_token_id=None: never stops early
-                input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                 eos_token_id=None, pad_token_id=pad_id, **extra)
         return out[0, x.shape[1]:].tolist(), 0, 0
 

@@ -151,6 +151,21 @@ def test_bench_compare_eagle3_tree_and_draft_stop(tmp_path, llama_dir, capsys):
     assert "steps 3, topk 2, draft tokens 4 (--eagle3-tree), draft stop threshold 0.5" in capsys.readouterr().out
 
 
+def test_bench_compare_sampled_gives_every_engine_the_same_seeds(tmp_path, llama_dir, capsys):
+    head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
+    out = tmp_path / "out"
+    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--eagle3-path", head, "--only", "plain,eagle3,ngram",
+                   "--num-prompts", "2", "--max-new-tokens", "8", "--num-threads", "1", "--eagle3-tree", "3,2,4",
+                   "--always-speculate", "--temperature", "0.8", "--out-dir", str(out)])
+    assert rc == 0
+    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    assert all(r["temperature"] == 0.8 and r["tokens"] == 16 for r in by.values())
+    # sampled with per-prompt seeds: speculative decoding generates our plain decoding's tokens
+    assert by["ours_eagle3"]["equal_to_ours_plain"] == 2 and by["ours_ngram"]["equal_to_ours_plain"] == 2
+    assert by["ours_eagle3"]["verify_steps"] > 0 and by["ours_plain"]["equal_to_hf_plain"] is None
+    assert "batch 1, temperature 0.8," in capsys.readouterr().out
+
+
 def test_bench_compare_rounds_end_to_end(tmp_path, llama_dir, capsys):
     out = tmp_path / "out"
     rc = cli_main(["bench-compare", "--model-path", llama_dir, "--only", "plain", "--num-prompts", "1",
