@@ -36,6 +36,16 @@ def assert_drafting_happened(outs: list[dict], min_accept_length: float = 1.0) -
     assert accept_length([o["meta_info"] for o in outs]) > min_accept_length, verify
 
 
+def joint_counts(outs: list[dict]) -> dict:
+    """How often each pair (output token 2, output token 3) occurs: both come from verify steps (token 1 from the
+    prefill), the cells of the two-sample sampling tests."""
+    counts: dict = {}
+    for o in outs:
+        key = tuple(o["output_ids"][1:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def assert_chunked_radix_and_retraction_lossless(target: str, engine_kwargs: dict, prompts, params, want,
                                                  min_accept_length: float = 1.0,
                                                  retraction_tokens: int | None = None) -> None:

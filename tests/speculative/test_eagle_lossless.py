@@ -13,6 +13,7 @@ from tests.speculative.helpers import (
     assert_chunked_radix_and_retraction_lossless,
     assert_drafting_happened,
     assert_same_outputs,
+    joint_counts,
     plain_finish_case,
     spec_kwargs,
 )
@@ -165,14 +166,6 @@ def test_sampling_top_k_1_is_greedy_and_seeded_runs_repeat(target, heads, plain)
         assert_no_kv_leak(e)
 
 
-def _joint_counts(outs) -> dict:
-    counts: dict = {}
-    for o in outs:
-        key = tuple(o["output_ids"][1:3])  # tokens 2 and 3 come from verify steps (token 1 from the prefill)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("stop_threshold", [0.0, 0.999999])
 def test_sampled_distribution_matches_plain(target, heads, stop_threshold):
     """Two-sample chi-square test: 600 seeded samples of tokens 2-3 with speculation vs 600 without, at
@@ -187,7 +180,7 @@ def test_sampled_distribution_matches_plain(target, heads, stop_threshold):
               for s in range(600)]
     prompts = [PROMPTS[3]] * len(params)
     with Engine(model_path=target, max_total_tokens=8192) as e:
-        plain = _joint_counts(e.generate(prompts, params))
+        plain = joint_counts(e.generate(prompts, params))
     # the whole tree at any batch size (no batch-aware shrinking or turning off), so every step drafts one
     kw = spec_kwargs("EAGLE", heads["self"], 2, 3, 5, speculative_draft_stop_threshold=stop_threshold,
                      speculative_batch_token_budget=0, disable_speculative_auto_off=True)
@@ -197,7 +190,7 @@ def test_sampled_distribution_matches_plain(target, heads, stop_threshold):
     assert_drafting_happened(outs)
     # every step drafted a tree; with the threshold none reached its one draft level
     assert prop.draft_trees > 0 and prop.draft_forwards == (0 if stop_threshold else prop.draft_trees)
-    spec = _joint_counts(outs)
+    spec = joint_counts(outs)
     cells = sorted(set(plain) | set(spec))
     table = [[plain.get(c, 0) for c in cells], [spec.get(c, 0) for c in cells]]
     assert max(len(c) for c in cells) == 2

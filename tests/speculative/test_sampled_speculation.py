@@ -13,7 +13,7 @@ from specserve.scheduler import spec_decode
 from specserve.speculative.accept_stats import accept_length
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
-from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
+from tests.speculative.helpers import assert_drafting_happened, joint_counts, spec_kwargs
 
 ALGORITHMS = ["EAGLE", "EAGLE3", "EAGLE3-d2t", "STANDALONE", "MTP", "NGRAM"]
 CONFIGS = [(0.3, {"top_p": 0.9}), (0.7, {"top_k": 20}), (1.0, {"top_p": 0.9}), (1.0, {"top_k": 20}),
@@ -127,14 +127,6 @@ def test_coupled_drafting_accepts_more_with_the_same_tokens(setups, algorithm):
 
 
 # ---------------------------------------------------------------- the sampled distribution
-def _cells(outs) -> dict:
-    counts: dict = {}
-    for o in outs:
-        key = tuple(o["output_ids"][1:3])  # tokens 2 and 3 come from verify steps (token 1 from the prefill)
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 def chi_square_pvalue(a: dict, b: dict) -> float:
     """Two-sample chi-square over the joint cells, the cells with fewer than 10 draws in both samples together
     pooled into one (so every expected count is large enough for the test)."""
@@ -165,7 +157,7 @@ def plain_runs():
             with Engine(model_path=target, max_total_tokens=16384) as e:
                 for i, (temp, extra) in enumerate(CONFIGS):
                     same = [o["output_ids"] for o in e.generate([PROMPT] * N, _params(temp, extra, range(N)))]
-                    other = _cells(e.generate([PROMPT] * N, _params(temp, extra, range(N, 2 * N))))
+                    other = joint_counts(e.generate([PROMPT] * N, _params(temp, extra, range(N, 2 * N))))
                     cache[target][i] = (same, other)
         return cache[target]
 
@@ -183,7 +175,7 @@ def test_sampled_distribution_matches_plain(setups, plain_runs, algorithm):
         for i, (temp, extra) in enumerate(CONFIGS):
             outs = e.generate([PROMPT] * N, _params(temp, extra, range(N)))
             same, other = plain_runs(target)[i]
-            p_value = chi_square_pvalue(_cells(outs), other)
+            p_value = chi_square_pvalue(joint_counts(outs), other)
             assert p_value > THRESHOLD, (algorithm, temp, extra, p_value)
             # and seed by seed, the very tokens of plain decoding
             assert [o["output_ids"] for o in outs] == same, (algorithm, temp, extra)
@@ -199,7 +191,7 @@ def test_a_broken_verifier_fails_the_distribution_test(target, setups, plain_run
     with Engine(model_path=target, max_total_tokens=16384, **setups["EAGLE"][1], **ALWAYS) as e:
         outs = e.generate([PROMPT] * N, _params(*CONFIGS[i], range(N)))
     assert_drafting_happened(outs)
-    assert chi_square_pvalue(_cells(outs), plain_runs(target)[i][1]) < THRESHOLD
+    assert chi_square_pvalue(joint_counts(outs), plain_runs(target)[i][1]) < THRESHOLD
 
 
 def test_chi_square_pooling_by_hand():
