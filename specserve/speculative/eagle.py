@@ -80,7 +80,7 @@ class EagleProposer(Proposer):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.stop_threshold = args.speculative_draft_stop_threshold
         self.score_temperature = args.speculative_draft_score_temperature  # greedy requests' (see _score_scale)
-        # sampled requests draft with their verification's race noise (``_race``) when verification is lossless
+        # sampled requests draft with their verification's race noise (``RaceBatch``) when verification is lossless
         self.couples = (args.speculative_accept_threshold_single == 1.0 and args.speculative_accept_threshold_acc == 1.0
                         and not args.disable_speculative_coupled_drafting)
         self.draft = self.draft_model(args, runner, self.topk)
