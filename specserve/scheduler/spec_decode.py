@@ -33,7 +33,7 @@ from specserve.grammar.masks import ForcedTree, ban_mask, jump_forward
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import dtype_name
 from specserve.request import Req, ReqOutput
-from specserve.sampling.race import race_keys
+from specserve.sampling.race import grid_keys
 from specserve.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties_and_bias,
@@ -212,7 +212,7 @@ class SpecDecoder(DecodeStep):
         With the overlap scheduler, the outputs are those of the previous speculative step (spec_overlap)."""
         if self.overlap is not None:
             return self.overlap.run(reqs)
-        kind = batch_kind([r.params.is_greedy for r in reqs])
+        kind = self.batch_kind(reqs)
         shape = self.policy.choose(len(reqs), kind)
         if shape is None:
             return self.timed_plain_step(reqs)
@@ -227,9 +227,14 @@ class SpecDecoder(DecodeStep):
     def timed_plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
         started = self.step_start()
         outputs = self._plain_step(reqs)
-        self.record_step(started, len(reqs), False, len(reqs),  # a token each (outputs may hold them back)
-                         batch_kind([r.params.is_greedy for r in reqs]))
+        # a token each (outputs may hold them back)
+        self.record_step(started, len(reqs), False, len(reqs), self.batch_kind(reqs))
         return outputs
+
+    @staticmethod
+    def batch_kind(reqs: list[Req]) -> str:
+        """The batch policy's kind of this batch (``batch_policy.batch_kind``: greedy, sampled or mixed)."""
+        return batch_kind([r.params.is_greedy for r in reqs])
 
     def step_start(self) -> tuple[float, int]:
         """(now, torch.compile graphs built so far): what ``record_step`` measures a step from."""
@@ -393,16 +398,10 @@ class SpecDecoder(DecodeStep):
         ids = greedy_ids(processed)  # [B, N]
         rows = [b for b, g in enumerate(greedy) if not g]
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
-        ids[index] = race_node_ids(tree.depth[index], probs[index],
-                                   self._race_keys([reqs[b] for b in rows], tree.max_depth + 1))
+        keys = grid_keys(request_seeds([reqs[b].generator for b in rows]), [len(reqs[b].output_ids) for b in rows],
+                         tree.max_depth + 1, self.device)  # [S, D+1, 2]: column d keys output position len + d
+        ids[index] = race_node_ids(tree.depth[index], probs[index], keys)
         return verify_greedy(tree, ids)
-
-    def _race_keys(self, reqs: list[Req], width: int) -> torch.Tensor:
-        """[R, width, 2] int32: column d keys each request's output position len(output) + d."""
-        seeds = request_seeds([r.generator for r in reqs])
-        flat = race_keys([s for s in seeds for _ in range(width)],
-                         [len(r.output_ids) + d for r in reqs for d in range(width)], self.device)
-        return flat.view(len(reqs), width, 2)
 
     def _processed(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor, grammar_ban: torch.Tensor | None):
         """Penalties, bias and min-token bans per node: node i of request b is judged as plain decoding would

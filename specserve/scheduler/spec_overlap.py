@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.speculative.batch_policy import batch_kind
-
 if TYPE_CHECKING:
     from specserve.request import Req, ReqOutput
     from specserve.scheduler.spec_decode import SpecDecoder, StepRecord
@@ -55,7 +53,7 @@ class OverlapPipeline:
         """Start the forward part of this step, process the previous step's outputs meanwhile, join."""
         spec = self.spec
         active = [r for r in reqs if not r.spec_stopped]
-        kind = batch_kind([r.params.is_greedy for r in active])
+        kind = spec.batch_kind(active)
         shape = spec.policy.choose(len(active), kind) if active else None
         if active and shape is None:  # a plain step (batch-aware speculation): it needs the pipeline empty
             outputs = self.drain()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.sampling.race import exponentials, race_keys
+from specserve.sampling.race import exponentials, grid_keys, race_scores
 from specserve.sampling.sampler import filter_top_k_top_p_min_p, request_seeds
 
 
@@ -41,7 +41,7 @@ class RaceRows:
         q = torch.softmax(logits.index_select(0, self.index) * self.inv_temps, dim=-1)  # [S', Vd]
         if any(self.on):
             q = filter_top_k_top_p_min_p(q, self.top_ks, self.top_ps, self.min_ps, self.on)
-        return logits.index_copy(0, self.index, torch.log(q) - torch.log(self.expo))
+        return logits.index_copy(0, self.index, race_scores(torch.log(q), self.expo))
 
 
 @dataclass
@@ -76,10 +76,8 @@ class RaceBatch:
         """[S, levels, Vd]: E at output positions position + level of each racing request, for the target token ids
         ids [Vd] of the draft's columns (one hash call for the whole proposal)."""
         if self._expo is None or self._expo.shape[-1] != ids.numel():
-            S = len(self.rows)
-            keys = race_keys([s for s in self.seeds for _ in range(self.levels)],
-                             [p + j for p in self.positions for j in range(self.levels)], ids.device)
-            self._expo = exponentials(keys, ids).view(S, self.levels, ids.numel())
+            keys = grid_keys(self.seeds, self.positions, self.levels, ids.device)  # [S, levels, 2]
+            self._expo = exponentials(keys.view(-1, 2), ids).view(len(self.rows), self.levels, ids.numel())
         return self._expo
 
     def at_level(self, level: int, rows_per_req: int, vocab_ids: torch.Tensor) -> RaceRows:

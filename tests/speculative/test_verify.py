@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specserve.sampling.race import race_keys, race_sample
+from specserve.sampling.race import grid_keys, race_sample
 from specserve.speculative import (
     build_tree,
     race_node_ids,
@@ -154,15 +154,10 @@ def test_sampling_walk_by_hand():
     assert res.token_lists() == [[2, 1], [2, 4, 0], [5, 3], [0], [3], [6]]
 
 
-def keys_of(seeds, width, start=0):
-    """[R, width, 2]: row r's keys for output positions start .. start + width - 1 of seed seeds[r]."""
-    flat = race_keys([s for s in seeds for _ in range(width)], [start + d for _ in seeds for d in range(width)], "cpu")
-    return flat.view(len(seeds), width, 2)
-
-
 def by_race(tree, probs, seeds, start=0):
     """Sampled verification as the scheduler runs it: each node's race winner, then the greedy walk."""
-    return verify_greedy(tree, race_node_ids(tree.depth, probs, keys_of(seeds, tree.max_depth + 1, start)))
+    keys = grid_keys(seeds, [start] * len(seeds), tree.max_depth + 1, "cpu")  # [R, D+1, 2]
+    return verify_greedy(tree, race_node_ids(tree.depth, probs, keys))
 
 
 def test_race_emits_what_plain_sampling_with_the_same_seed_emits():
@@ -304,7 +299,8 @@ def test_sampling_matches_the_target_distribution(verify):
 def test_statistical_check_catches_a_race_mutant():
     """Wrong: one noise for the whole step (every level must race with its own position's noise)."""
     def one_noise(tree, probs, generators):
-        keys = keys_of(torch.randint(0, 2**62, (len(generators),)).tolist(), 1)  # [B, 1, 2]
+        keys = grid_keys(torch.randint(0, 2**62, (len(generators),)).tolist(), [0] * len(generators), 1,
+                         "cpu")  # [B, 1, 2]
         return verify_greedy(tree, race_node_ids(tree.depth, probs, keys.expand(-1, tree.max_depth + 1, 2)))
 
     assert statistical_failures(verify=one_noise) != []

@@ -7,8 +7,22 @@ import pytest
 import torch
 
 from specserve.sampling import race
-from specserve.sampling.race import exponentials, position_key, race_argmax, race_keys, race_sample, race_scores
+from specserve.sampling.race import (
+    exponentials,
+    grid_keys,
+    position_key,
+    race_argmax,
+    race_keys,
+    race_sample,
+    race_scores,
+)
 from tests.unit.race_reference import reference_exponential
+
+
+def test_grid_keys_key_each_row_from_its_start():
+    keys = grid_keys([42, 7], [5, 0], 3, "cpu")  # [2, 3, 2]
+    assert keys.tolist() == [[list(position_key(42, t)) for t in (5, 6, 7)],
+                             [list(position_key(7, t)) for t in (0, 1, 2)]]
 
 
 def test_splitmix64_matches_the_reference_stream():
@@ -91,6 +105,6 @@ def test_race_scores_argmax_is_the_drafts_race_winner_with_the_targets_noise():
     target[:, [1, 3, 5]] = 0.0
     draft_ids = torch.tensor([4, 0, 2])
     logq = torch.log(target[:, draft_ids] / target[:, draft_ids].sum(-1, keepdim=True))
-    drafted = draft_ids[race_scores(logq, keys, draft_ids).argmax(-1)]
+    drafted = draft_ids[race_scores(logq, exponentials(keys, draft_ids)).argmax(-1)]
     full = race_argmax(target, exponentials(keys, torch.arange(6)))
     assert torch.equal(drafted, full)
