@@ -136,14 +136,21 @@ def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
     assert "| ours EAGLE-3 |" in table and table.strip() in printed and str(out / "speedup.png") in printed
 
 
-def test_bench_compare_eagle3_tree_and_draft_stop(tmp_path, llama_dir, capsys):
+def compare_with_random_head(tmp_path, llama_dir, flags: list[str]) -> dict[str, dict]:
+    """bench-compare on llama_dir with a random EAGLE-3 head at tree 3/2/4, every step speculating, 8 new tokens
+    a prompt on 1 thread, plus flags -> its result rows by configuration."""
     head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
     out = tmp_path / "out"
-    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--eagle3-path", head, "--only", "plain,eagle3",
-                   "--num-prompts", "1", "--max-new-tokens", "8", "--num-threads", "1", "--eagle3-tree", "3,2,4",
-                   "--draft-stop-threshold", "0.5", "--always-speculate", "--out-dir", str(out)])
+    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--eagle3-path", head, "--max-new-tokens", "8",
+                   "--num-threads", "1", "--eagle3-tree", "3,2,4", "--always-speculate", *flags,
+                   "--out-dir", str(out)])
     assert rc == 0
-    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    return {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+
+
+def test_bench_compare_eagle3_tree_and_draft_stop(tmp_path, llama_dir, capsys):
+    by = compare_with_random_head(tmp_path, llama_dir, ["--only", "plain,eagle3", "--num-prompts", "1",
+                                                        "--draft-stop-threshold", "0.5"])
     assert set(by) == {"hf_plain", "ours_plain", "ours_eagle3"}
     e3 = by["ours_eagle3"]
     assert (e3["speculative_num_steps"], e3["speculative_eagle_topk"], e3["speculative_num_draft_tokens"]) == (3, 2, 4)
@@ -152,13 +159,8 @@ def test_bench_compare_eagle3_tree_and_draft_stop(tmp_path, llama_dir, capsys):
 
 
 def test_bench_compare_sampled_gives_every_engine_the_same_seeds(tmp_path, llama_dir, capsys):
-    head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
-    out = tmp_path / "out"
-    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--eagle3-path", head, "--only", "plain,eagle3,ngram",
-                   "--num-prompts", "2", "--max-new-tokens", "8", "--num-threads", "1", "--eagle3-tree", "3,2,4",
-                   "--always-speculate", "--temperature", "0.8", "--out-dir", str(out)])
-    assert rc == 0
-    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    by = compare_with_random_head(tmp_path, llama_dir, ["--only", "plain,eagle3,ngram", "--num-prompts", "2",
+                                                        "--temperature", "0.8"])
     assert all(r["temperature"] == 0.8 and r["tokens"] == 16 for r in by.values())
     # sampled with per-prompt seeds: speculative decoding generates our plain decoding's tokens
     assert by["ours_eagle3"]["equal_to_ours_plain"] == 2 and by["ours_ngram"]["equal_to_ours_plain"] == 2

@@ -187,29 +187,30 @@ def test_a_sweep_frees_each_engine_before_loading_the_next(eagle_pair, monkeypat
     assert len(schedulers) == 2 and all(ref() is None for ref in schedulers)
 
 
-def test_bench_speculative_sweeps_score_temperature(eagle_pair, tmp_path):
+def sweep_one_tree(eagle_pair, tmp_path, flags: list[str]) -> list[dict]:
+    """bench-speculative at batch 1 over the tree 2/2/4 with extra flags -> its result rows (each 16 tokens, every
+    speculative row accepting)."""
     out = tmp_path / "out"
     rc = bs.main(eagle_pair[2] + ["--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
-                                  "--stop-threshold", "0.02", "--score-temperature", "1,0.5", "--out-dir", str(out)])
+                                  *flags, "--out-dir", str(out)])
     assert rc == 0
     rows = read_jsonl(str(out / "results.jsonl"))
+    assert all(r["completion_tokens"] == 16 for r in rows)
+    assert all(r["accept_length"] >= 1.0 for r in rows[1:])
+    return rows
+
+
+def test_bench_speculative_sweeps_score_temperature(eagle_pair, tmp_path):
+    rows = sweep_one_tree(eagle_pair, tmp_path, ["--stop-threshold", "0.02", "--score-temperature", "1,0.5"])
     assert [(r["config"], r["stop_threshold"], r["score_temperature"]) for r in rows] == [
         ("baseline", None, None), ("steps 2 topk 2 draft 4 thr 0.02 T 1", 0.02, 1.0),
         ("steps 2 topk 2 draft 4 thr 0.02 T 0.5", 0.02, 0.5)]
-    assert all(r["completion_tokens"] == 16 for r in rows)
-    assert all(r["accept_length"] >= 1.0 for r in rows[1:])
 
 
 def test_bench_speculative_sampled_with_and_without_coupled_drafting(eagle_pair, tmp_path):
-    out = tmp_path / "out"
-    rc = bs.main(eagle_pair[2] + ["--batch-size", "1", "--steps", "2", "--topk", "2", "--num-draft-tokens", "4",
-                                  "--temperature", "0.7", "--coupled-drafting", "on,off", "--out-dir", str(out)])
-    assert rc == 0
-    rows = read_jsonl(str(out / "results.jsonl"))
+    rows = sweep_one_tree(eagle_pair, tmp_path, ["--temperature", "0.7", "--coupled-drafting", "on,off"])
     assert [(r["config"], r["coupled_drafting"]) for r in rows] == [
         ("baseline", None), ("steps 2 topk 2 draft 4 coupled", True), ("steps 2 topk 2 draft 4 uncoupled", False)]
-    assert all(r["completion_tokens"] == 16 for r in rows)
-    assert all(r["accept_length"] >= 1.0 for r in rows[1:])
 
 
 def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
