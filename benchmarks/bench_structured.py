@@ -9,9 +9,11 @@ turn gives the schema. Per engine:
 - free: right after, the same prompts without a grammar, each generating as many tokens as its constrained run did
   (``ignore_eos``), so both runs have the same batch shapes over time: the unconstrained baseline.
 At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE-3 speculates at every step
-(``disable_speculative_auto_off``) and runs twice: with grammar
-jump-forward (the tokens a grammar forces appended to the draft tree, the default) and without it
-(``--disable-grammar-jump-forward``, constrained only). Configurations alternate within each round; tokens/s is
+(``disable_speculative_auto_off``) and runs three ways: as served (grammar-aware drafting and jump-forward, the
+tokens a grammar forces appended to the draft tree), without jump-forward (``--disable-grammar-jump-forward``) and,
+as other engines do it, drafting blind to the grammar with only verification masking it (``nojf`` plus
+``--disable-grammar-aware-drafting``); the last two constrained only. All three produce the same outputs, so their
+accept lengths compare on the same text. Configurations alternate within each round; tokens/s is
 completion tokens over wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios
 taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step), the same without the
 grammar-forced tokens ("drafted"), and the forced tokens accepted per verify step.
@@ -30,21 +32,27 @@ from specserve import Engine
 from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import SMOLLM2, bundled_eagle3, demo_path
 
+# EAGLE-3's variants: engine options on top of EAGLE-3's (all three give the same outputs)
+VARIANTS = {"eagle3": {}, "eagle3-nojf": dict(disable_grammar_jump_forward=True),
+            "eagle3-blind": dict(disable_grammar_jump_forward=True, disable_grammar_aware_drafting=True)}
 MODELS = {"demo": dict(model_path=demo_path("demo")), SMOLLM2: dict(model_path=SMOLLM2, dtype="bfloat16")}
 
 
-def engines(model: str, backends: list[str], threads: int | None, compact: bool) -> dict[tuple[str, str], Engine]:
+def engines(model: str, backends: list[str], algos: list[str], threads: int | None, compact: bool
+            ) -> dict[tuple[str, str], Engine]:
     out = {}
     target, head = MODELS[model], bundled_eagle3(model)
     for backend in backends:
         common = dict(grammar_backend=backend, num_threads=threads, constrained_json_disable_any_whitespace=compact,
                       **target)
-        out["plain", backend] = Engine(**common)
+        if "plain" in algos:
+            out["plain", backend] = Engine(**common)
         # every step speculative: batch-aware speculation's timing-based plain steps would make the figures vary
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     disable_speculative_auto_off=True, **common)
-        out["eagle3", backend] = Engine(**spec)
-        out["eagle3-nojf", backend] = Engine(disable_grammar_jump_forward=True, **spec)
+        for algo in algos:
+            if algo != "plain":
+                out[algo, backend] = Engine(**VARIANTS[algo], **spec)
     return out
 
 
@@ -72,7 +80,7 @@ def run(engine: Engine, texts: list[str], batch: int, lengths: list[int] | None,
         ) -> tuple[float, list[int], int, int]:
     """All cases (their prompts `texts`), `batch` at a time; constrained when `lengths` is None, else free with those
     output lengths -> (seconds, completion tokens per case, verify steps, grammar-forced tokens accepted)."""
-    cases = SCHEMA_CASES
+    cases = SCHEMA_CASES[:len(texts)]
     tokens, verify, forced = [], 0, 0
     start = time.perf_counter()
     for i in range(0, len(cases), batch):
@@ -96,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--batch-1", action=argparse.BooleanOptionalAction, default=True,
                    help="also run one request at a time (--no-batch-1: only --batch)")
+    p.add_argument("--algos", default="plain,eagle3,eagle3-nojf,eagle3-blind",
+                   help="what runs: plain and EAGLE-3's variants (eagle3, eagle3-nojf, eagle3-blind); plain always")
+    p.add_argument("--num-prompts", type=int, default=len(SCHEMA_CASES), help="the first N of the 20 cases")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
@@ -103,16 +114,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="JSON without whitespace beyond single spaces after , and : (the server flag)")
     args = p.parse_args(argv)
     backends = args.backends.split(",")
-    eng = engines(args.model, backends, args.num_threads, args.constrained_json_disable_any_whitespace)
-    texts = prompts(next(iter(eng.values())), args.model)
+    algos = ["plain", *(a for a in args.algos.split(",") if a != "plain")]
+    unknown = set(algos) - {"plain", *VARIANTS}
+    if unknown:
+        p.error(f"--algos: unknown {', '.join(sorted(unknown))}; choose from plain, {', '.join(VARIANTS)}")
+    eng = engines(args.model, backends, algos, args.num_threads, args.constrained_json_disable_any_whitespace)
+    texts = prompts(next(iter(eng.values())), args.model)[:args.num_prompts]
     rows: dict[tuple, dict[str, list]] = {}
     for rnd in range(args.rounds + 1):
         for batch in ((1, args.batch) if args.batch_1 else (args.batch,)):
-            for algo in ("plain", "eagle3", "eagle3-nojf"):
+            for algo in algos:
                 for backend in backends:
                     # constrained, then free with the same output lengths (the same batch shapes over time)
                     runs = {True: run(eng[algo, backend], texts, batch, None, args.max_new_tokens)}
-                    if algo != "eagle3-nojf":  # without a grammar, jump-forward changes nothing
+                    if algo in ("plain", "eagle3"):  # without a grammar, the variants change nothing
                         runs[False] = run(eng[algo, backend], texts, batch, runs[True][1], args.max_new_tokens)
                     if rnd == 0:
                         continue  # warm-up
@@ -127,25 +142,25 @@ def main(argv: list[str] | None = None) -> None:
     for e in eng.values():
         e.shutdown()
     space = "compact JSON" if args.constrained_json_disable_any_whitespace else "JSON whitespace up to 24 chars"
-    print(f"{args.model} bf16, {len(SCHEMA_CASES)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, "
+    print(f"{args.model} (bf16), {len(texts)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, "
           f"{space}; median of {args.rounds} rounds (ratio: round by round)")
-    print(f"{'batch':>5} {'algo':>11} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
+    print(f"{'batch':>5} {'algo':>12} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
           f"{'vs plain':>9} {'accept free':>12} {'accept':>7} {'drafted':>8} {'forced':>7}")
     for (batch, algo, backend, constrained), r in rows.items():
         if not constrained:
             continue
-        free = rows.get((batch, algo.removesuffix("-nojf"), backend, False))
+        free = rows.get((batch, algo, backend, False))  # run for plain and eagle3 only
         plain = rows[batch, "plain", backend, True]["tps"]
-        vs_free = statistics.median(a / b for a, b in zip(r["tps"], free["tps"], strict=True))
         vs_plain = statistics.median(a / b for a, b in zip(r["tps"], plain, strict=True))
 
-        def med(x: dict, key: str) -> str:
-            return f"{statistics.median(x[key]):.2f}" if x[key] else "-"
+        def med(x: dict | None, key: str, fmt: str = ".2f") -> str:
+            return format(statistics.median(x[key]), fmt) if x is not None and x[key] else "-"
 
-        print(f"{batch:>5} {algo:>11} {backend:>11} {statistics.median(free['tps']):>11.1f} "
-              f"{statistics.median(r['tps']):>9.1f} {vs_free:>8.2f} {vs_plain:>9.2f} {med(free, 'accept'):>12} "
-              f"{med(r, 'accept'):>7} {med(r, 'drafted'):>8} {med(r, 'forced'):>7}")
-
+        vs_free = "-" if free is None else \
+            f"{statistics.median(a / b for a, b in zip(r['tps'], free['tps'], strict=True)):.2f}"
+        print(f"{batch:>5} {algo:>12} {backend:>11} {med(free, 'tps', '.1f'):>11} {med(r, 'tps', '.1f'):>9} "
+              f"{vs_free:>8} {vs_plain:>9.2f} {med(free, 'accept'):>12} {med(r, 'accept'):>7} {med(r, 'drafted'):>8} "
+              f"{med(r, 'forced'):>7}")
 
 if __name__ == "__main__":
     main()

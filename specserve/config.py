@@ -114,6 +114,9 @@ class ServerArgs:
     disable_grammar_jump_forward: bool = field(default=False, metadata={
         "help": "Speculative decoding of structured outputs: do not append the tokens a grammar forces (a JSON key, a "
                 "closing brace) to the draft tree in place of the nodes it forbids (outputs are the same either way)."})
+    disable_grammar_aware_drafting: bool = field(default=False, metadata={
+        "help": "Speculative decoding of structured outputs: the EAGLE family drafts blind to the grammar (only "
+                "verification masks it, as other engines do), for A/B benchmarks (outputs are the same either way)."})
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "How the model writes tool calls (SGLang's names): qwen25 (also qwen, hermes: <tool_call> JSON), "
                 "llama3 or mistral. Default: the one the chat template writes, if it writes one of these."})

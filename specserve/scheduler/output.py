@@ -65,8 +65,11 @@ class OutputProcessor:
             return None
         with reqs[rows[0]].grammar.stats.masking():
             bitmask, accepting = fill_rows([reqs[b].grammar for b in rows])
+            rows_ban = ban_mask(bitmask, accepting, [reqs[b].stop_ids for b in rows], self.vocab_size, self.device)
+            if len(rows) == len(reqs):
+                return rows_ban  # [B, V]
             ban = torch.zeros(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)  # [B, V]
-            ban[rows] = ban_mask(bitmask, accepting, [reqs[b].stop_ids for b in rows], self.vocab_size, self.device)
+            ban[rows] = rows_ban
         return ban
 
     # ------------------------------------------------------------------ finishing

@@ -83,6 +83,7 @@ class EagleProposer(Proposer):
         # sampled requests draft with their verification's race noise (``RaceBatch``) when verification is lossless
         self.couples = (args.speculative_accept_threshold_single == 1.0 and args.speculative_accept_threshold_acc == 1.0
                         and not args.disable_speculative_coupled_drafting)
+        self.grammar_aware = not args.disable_grammar_aware_drafting  # draft only what a request's grammar allows
         self.draft = self.draft_model(args, runner, self.topk)
         self.draft.module.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.draft.spec
@@ -349,7 +350,7 @@ class EagleProposer(Proposer):
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
         root_p = torch.stack([s.topk_p for s in states])[:, :K]  # [B, K] stored top-K are sorted
         root_ids = torch.stack([s.topk_ids for s in states])[:, :K]
-        grammar = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        grammar = [b for b, r in enumerate(reqs) if r.grammar is not None] if self.grammar_aware else []
         if grammar:  # structured outputs: the root's children again, over what each grammar allows now
             with torch.inference_mode():
                 p, ids = self._topk(torch.stack([states[b].hidden for b in grammar]), K,
@@ -394,7 +395,7 @@ class EagleProposer(Proposer):
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         scale = self._score_scale(reqs, K)
         # structured outputs: each live branch's tokens after the root, per request with a grammar (None: without)
-        paths = [[[t] for t in live_tokens[b].tolist()] if r.grammar is not None else None
+        paths = [[[t] for t in live_tokens[b].tolist()] if r.grammar is not None and self.grammar_aware else None
                  for b, r in enumerate(reqs)]
         grammar = (reqs, paths) if any(p is not None for p in paths) else None
         try:

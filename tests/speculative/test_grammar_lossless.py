@@ -107,3 +107,25 @@ def test_seeded_constrained_sampling_equals_plain_for_each_seed(setups, algorith
     assert ids(spec) == ids(plain)
     assert sum(o["meta_info"]["spec_verify_ct"] for o in spec) > 0
     assert len({tuple(x) for x in ids(plain)}) > 8  # the seeds matter: sampling, not a fixed answer
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_grammar_aware_drafting_accepts_more_than_blind_drafting(setups, algorithm):
+    """The same outputs (both lossless), so their accept lengths compare like for like: drafting only what the
+    grammar allows accepts more per step than drafting blind to it (other engines' way: only verification masks)."""
+    path, kw = setups[algorithm]
+    params = [constrained("regex", 30), constrained("json_schema", 40), constrained("regex", 30),
+              constrained("json_schema", 40)]
+    plain, _ = generate(path, PROMPTS[:4], params)
+    aware, _ = generate(path, PROMPTS[:4], params, disable_grammar_jump_forward=True, **kw)
+    blind, _ = generate(path, PROMPTS[:4], params, disable_grammar_jump_forward=True,
+                        disable_grammar_aware_drafting=True, **kw)
+    assert ids(aware) == ids(plain) and ids(blind) == ids(plain)
+    assert_drafting_happened(aware)
+    assert_drafting_happened(blind)
+
+    def accept(outs):  # completion tokens per verify step
+        return sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(
+            o["meta_info"]["spec_verify_ct"] for o in outs)
+
+    assert accept(aware) > accept(blind), (accept(aware), accept(blind))
