@@ -22,6 +22,7 @@ ALIASES = {
     "model_path": ["--model"],
     "mem_fraction_static": ["--mem-fraction", "--mem-frac"],
     "speculative_draft_model_path": ["--speculative-draft-model"],
+    "tp_size": ["--tp"],
 }
 
 

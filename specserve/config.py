@@ -151,6 +151,17 @@ class ServerArgs:
     disable_cpu_weight_packing: bool = field(
         default=False, metadata={"help": "Keep plain bf16/fp16 linears on CPU (no oneDNN pre-packing)."}
     )
+    # --- scale-out (specserve.parallel) ---
+    tp_size: int = field(default=1, metadata={
+        "help": "Tensor parallelism: ranks the target model is sharded over (attention heads, MLP columns, "
+                "vocabulary), one process each; on CPU each rank gets its own share of the cores (torch.distributed "
+                "gloo; NCCL on CUDA, untested)."})
+    nnodes: int = field(default=1, metadata={"help": "Nodes the --tp-size ranks are spread over (equally)."})
+    node_rank: int = field(default=0, metadata={
+        "help": "This node's index among --nnodes; node 0 serves, the others run their ranks only."})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port where the ranks meet (node 0's address; required with --nnodes > 1; default: a free "
+                "local port)."})
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for torch, fixed. Default: the CPUs this process may use (affinity mask, cgroup CPU "
                 "quota), lowered while other processes keep cores busy and raised again when they stop."})
@@ -232,6 +243,7 @@ class ServerArgs:
         require_positive(self, "cuda_graph_max_bs", allow_none=True)
         self._validate_sglang_only()
         require_positive(self, "num_threads", allow_none=True)
+        self._validate_parallel()
         require_positive(self, "stream_interval")
         self._validate_server_limits()
         if self.tool_call_parser is not None:
@@ -293,6 +305,24 @@ class ServerArgs:
                                   f"SGLang GPU backend, which runs as torch_native here); got {backend!r}")
             logger.warning("--attention-backend %s: SGLang's kernel library is not part of specserve; attention runs "
                            "on PyTorch SDPA (torch_native)", backend)
+
+    def _validate_parallel(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            require_positive(self, name)
+        if self.tp_size % self.nnodes:
+            raise ConfigError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} (each node runs "
+                              "as many ranks)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--dist-init-addr (node 0's host:port) is required with --nnodes > 1")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.enable_torch_compile:
+            raise ConfigError("--enable-torch-compile is not supported with --tp-size > 1 (the sharded forward's "
+                              "collectives run eagerly)")
 
     def _validate_spec_v2(self) -> None:
         """The overlap scheduler: on by flag or environment (its topk 1 rule is the draft-tree algorithms')."""

@@ -34,6 +34,7 @@ from specserve.frontend import (
 )
 from specserve.grammar import GrammarBackend, make_grammar_backend
 from specserve.grammar.compiles import GrammarCompiles
+from specserve.parallel.ranks import RankFailure
 from specserve.platform import platform_policy
 from specserve.request import Req, ReqOutput, unstarted_output
 from specserve.scheduler.model_runner import ModelRunner, resolve_device
@@ -75,6 +76,7 @@ class SchedulerLoop:
         self.compiles = GrammarCompiles(grammar, self.inbox.put) if grammar is not None else None
         if grammar is not None:
             scheduler.grammar_stats = grammar.stats  # the server info reports compiles and mask time
+        self.failed: str | None = None  # why the loop ended for good (``fatal``)
         self.states: dict[str, RequestState] = {}
         self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
         self._stop = threading.Event()
@@ -85,6 +87,8 @@ class SchedulerLoop:
         self.thread.start()
 
     def submit(self, prepared: list[PreparedRequest], deliver) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"the engine stopped: {self.failed}")
         self.platform.release_thread_pool()  # the caller may have run torch since
         for p in prepared:
             self.deliver[p.req.rid] = deliver(p.state)
@@ -109,6 +113,7 @@ class SchedulerLoop:
         self._stop.set()
         self.inbox.put(("noop", None))
         self.thread.join(timeout=30)
+        self.scheduler.runner.close()
 
     def _run(self) -> None:
         # every tensor the scheduler makes is an inference tensor, so compiled forwards see one kind of input
@@ -126,10 +131,20 @@ class SchedulerLoop:
                 break
             try:
                 outputs = self._timed_step()
+            except RankFailure as e:  # a tensor-parallel rank is gone: nothing can run any more
+                logger.error("%s; the engine stops", e)
+                self._dispatch(self._abort_all(str(e)))
+                self.fatal(str(e))
+                return
             except Exception as e:  # noqa: BLE001 - never leave callers hanging
                 logger.exception("scheduler step failed; aborting running requests")
                 outputs = self._abort_all(f"internal error: {type(e).__name__}: {e}")
             self._dispatch(outputs)
+
+    def fatal(self, message: str) -> None:
+        """The engine cannot go on (``RankFailure``): the loop ends; later requests are refused."""
+        self.failed = message
+        self._stop.set()
 
     def _timed_step(self) -> list[ReqOutput]:
         """One scheduler step at the platform's thread count; a decode step's wall time goes back to the platform,

@@ -135,6 +135,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m specserve.launch_
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(args.log_level)
+    if args.node_rank > 0:  # this node runs its tensor-parallel ranks for node 0, which serves
+        from specserve.parallel.ranks import run_node
+
+        logger.info("node %d of %d: running tensor-parallel ranks for %s", args.node_rank, args.nnodes,
+                    args.dist_init_addr)
+        run_node(args)
+        return 0
     return run_server(args)
 
 

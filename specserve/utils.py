@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -24,6 +25,16 @@ import urllib.request
 
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent exits (PR_SET_PDEATHSIG), so no worker or rank outlives it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:

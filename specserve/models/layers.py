@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention import ForwardBatch, attention
-from specserve.models.direct_call import DirectCall, Linear
+from specserve.models.direct_call import DirectCall, Embedding, Linear
 from specserve.models.spec import ModelSpec, UnsupportedModelError
+from specserve.models.tensor_parallel import FIRST_RANK_ONLY, building_group, kv_heads_of, padded_vocab, split_range
 
 
 class RMSNorm(DirectCall):
@@ -108,11 +109,22 @@ class RotaryEmbedding(DirectCall):
 
 
 class Attention(DirectCall):
+    """Self-attention over fused q/k/v. Under tensor parallelism (``tensor_parallel.py``) this rank's heads only, and
+    o_proj's output summed over the ranks."""
+
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id, self.rotary = layer_id, rotary
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.tp = tp = building_group()
+        self.head_dim = spec.head_dim
+        heads = (0, spec.num_heads) if tp is None else split_range(spec.num_heads, tp.rank, tp.size)
+        kv_heads = (0, spec.num_kv_heads) if tp is None else kv_heads_of(spec.num_heads, spec.num_kv_heads, tp.rank,
+                                                                           tp.size)
+        # this rank's rows of the checkpoint's q and of its k / v ([lo, hi) each)
+        self.q_rows = (heads[0] * spec.head_dim, heads[1] * spec.head_dim)
+        self.kv_rows = (kv_heads[0] * spec.head_dim, kv_heads[1] * spec.head_dim)
+        self.num_heads, self.num_kv_heads = heads[1] - heads[0], kv_heads[1] - kv_heads[0]
+        self.q_size, self.kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
@@ -132,7 +144,15 @@ class Attention(DirectCall):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = self.rotary(positions, qk, fb if positions is fb.positions else None)  # q and k heads in one go
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        return self.o_proj(attention(q, k, v, self.layer_id, fb, self.scale))  # [T, hidden]
+        out = self.o_proj(attention(q, k, v, self.layer_id, fb, self.scale))  # [T, hidden]
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def tp_rules(self) -> dict:
+        """Checkpoint slices of this rank's parameters (``specserve.models.tensor_parallel.shard_rules``)."""
+        return {("qkv_proj.weight", 0): (0, *self.q_rows), ("qkv_proj.weight", 1): (0, *self.kv_rows),
+                ("qkv_proj.weight", 2): (0, *self.kv_rows), ("qkv_proj.bias", 0): (0, *self.q_rows),
+                ("qkv_proj.bias", 1): (0, *self.kv_rows), ("qkv_proj.bias", 2): (0, *self.kv_rows),
+                ("o_proj.weight", -1): (1, *self.q_rows), ("o_proj.bias", -1): FIRST_RANK_ONLY}
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -144,15 +164,52 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 class GatedMLP(DirectCall):
+    """down(act(gate(x)) * up(x)); under tensor parallelism this rank's columns of the intermediate only, and down's
+    output summed over the ranks."""
+
     def __init__(self, hidden: int, intermediate: int, bias: bool, act=F.silu) -> None:
         super().__init__()
-        self.intermediate, self.act = intermediate, act
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.tp = tp = building_group()
+        self.rows = (0, intermediate) if tp is None else split_range(intermediate, tp.rank, tp.size)
+        self.intermediate, self.act = self.rows[1] - self.rows[0], act
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        out = self.down_proj(self.act(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def tp_rules(self) -> dict:
+        return {("gate_up_proj.weight", 0): (0, *self.rows), ("gate_up_proj.weight", 1): (0, *self.rows),
+                ("gate_up_proj.bias", 0): (0, *self.rows), ("gate_up_proj.bias", 1): (0, *self.rows),
+                ("down_proj.weight", -1): (1, *self.rows), ("down_proj.bias", -1): FIRST_RANK_ONLY}
+
+
+class VocabParallelEmbedding(DirectCall):
+    """The embedding table's rows [lo, hi) of a vocabulary padded to a multiple of the group (``padded_vocab``): a
+    token whose row lives elsewhere looks up zeros here, and the sum over the ranks is the embedding."""
+
+    def __init__(self, vocab: int, hidden: int, tp) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rows = split_range(padded_vocab(vocab, tp.size), tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(self.rows[1] - self.rows[0], hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        local = ids - self.rows[0]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+    def tp_rules(self) -> dict:
+        return {("weight", -1): (0, *self.rows)}
+
+
+def vocab_embedding(vocab: int, hidden: int) -> nn.Module:
+    """The token embedding: whole, or this rank's vocabulary rows under tensor parallelism."""
+    tp = building_group()
+    return Embedding(vocab, hidden) if tp is None else VocabParallelEmbedding(vocab, hidden, tp)
 
 
 class DecoderLayer(DirectCall):

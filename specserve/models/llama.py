@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from specserve.attention import ForwardBatch
-from specserve.models.direct_call import DirectCall, Embedding, Linear
-from specserve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from specserve.models.direct_call import DirectCall, Linear
+from specserve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding, vocab_embedding
 from specserve.models.spec import ModelSpec
+from specserve.models.tensor_parallel import building_group, padded_vocab, split_range
 from specserve.models.weights import CheckpointLoadable
 
 
@@ -32,7 +33,7 @@ class DecoderModel(DirectCall):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, self.norm_cls) for i in range(spec.num_layers))
         self.norm = self.norm_cls(spec.hidden_size, spec.rms_norm_eps)
@@ -70,14 +71,34 @@ class LlamaForCausalLM(CheckpointLoadable):
         super().__init__()
         self.spec = spec
         self.model = self.model_cls(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # tensor parallelism (specserve.parallel): this rank's rows of the (padded) vocabulary
+        self.tp = tp = building_group()
+        self.vocab_rows = (0, spec.vocab_size) if tp is None else split_range(padded_vocab(spec.vocab_size, tp.size),
+                                                                              tp.rank, tp.size)
+        self.lm_head = Linear(spec.hidden_size, self.vocab_rows[1] - self.vocab_rows[0], bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, fb: ForwardBatch) -> ModelOutput:
+        """-> logits (None on the ranks other than the first under tensor parallelism), hidden states."""
         hidden, aux = self.model(fb)
         rows = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
-        return ModelOutput(self.compute_logits(rows), hidden, aux)
+        return ModelOutput(self.local_logits(rows), hidden, aux)
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[R, h] -> [R, V] float32; under tensor parallelism every rank's vocabulary rows gathered on rank 0 (None on
+        the others), which every rank must call together."""
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        full = self.tp.gather_columns(logits)
+        return None if full is None else full[:, : self.spec.vocab_size]
+
+    def local_embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def tp_rules(self) -> dict:
+        return {} if self.spec.tie_word_embeddings else {("lm_head.weight", -1): (0, *self.vocab_rows)}
 
     def set_max_positions(self, n: int) -> None:
         """Size the RoPE table for positions up to n (e.g. a --context-length above the config's)."""
@@ -85,11 +106,17 @@ class LlamaForCausalLM(CheckpointLoadable):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, h]: rows of the embedding table (before ``input_hidden``'s scaling, if the model has one):
-        the token embeddings draft heads take, and a tied LM head's rows."""
-        return self.model.embed_tokens(input_ids)
+        the token embeddings draft heads take, and a tied LM head's rows. Called by rank 0 alone (drafters): under
+        tensor parallelism it brings the other ranks in first (``ranks.Leader``)."""
+        if self.tp is not None:
+            self.tp.link.announce("embed", input_ids)
+        return self.local_embed(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V] float32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, h] -> [R, V] float32, called by rank 0 alone (drafters, prompt logprobs), as ``embed``."""
+        if self.tp is not None:
+            self.tp.link.announce("logits", hidden)
+        return self.local_logits(hidden)
 
     # ---------------------------------------------------------------- weights
     def skip_checkpoint_tensor(self, name: str) -> bool:

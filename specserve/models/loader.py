@@ -23,6 +23,7 @@ from tqdm import tqdm
 from specserve.models.gguf import GGUFError, converted_folder, find_gguf_file
 from specserve.models.registry import resolve_architecture
 from specserve.models.spec import ModelSpec
+from specserve.models.tensor_parallel import TPGroup, check_divisible, sharding
 
 logger = logging.getLogger(__name__)
 
@@ -99,15 +100,23 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str], desc: str = "Loading weights") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], desc: str = "Loading weights", lazy: bool = False
+                     ) -> Iterator[tuple[str, object]]:
+    """(name, tensor) of every checkpoint tensor; lazy: (name, safetensors slice) instead, read only where indexed
+    (a tensor-parallel rank reads its own slices: ``take_shard``)."""
     total = sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=total < PROGRESS_BAR_BYTES)
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
+                if lazy:
+                    yield name, f.get_slice(name)
+                    continue
                 t = f.get_tensor(name)
                 yield name, t
                 bar.update(t.numel() * t.element_size())
+        if lazy:
+            bar.update(os.path.getsize(path))
     bar.close()
 
 
@@ -153,19 +162,21 @@ def count_parameters(model_path: str, revision=None, registry: dict | None = Non
 
 
 def load_model(model_path: str, dtype: str = "auto", device: str | torch.device = "cpu", revision=None,
-               registry: dict | None = None, load_format: str = "auto", seed: int = 0):
+               registry: dict | None = None, load_format: str = "auto", seed: int = 0, tp: TPGroup | None = None):
     """-> (model in eval mode on device, its ModelSpec, the resolved folder).
 
     registry: architecture name -> class (default: the target-model registry; draft heads pass their own).
     load_format: "auto" / "safetensors" read the checkpoint; "gguf" too, and requires model_path to be a GGUF file
     (``models/gguf.py``); "dummy" fills random weights (``init_dummy_weights`` with ``seed``) and needs only
-    config.json.
+    config.json. tp: build and load this rank's shard (``specserve.models.tensor_parallel``); None: the whole model.
     """
     if load_format == "gguf" and find_gguf_file(model_path) is None:
         raise ModelLoadError(f"--load-format gguf: {model_path!r} is not a .gguf file or a folder holding one")
     model_dir, cls, spec = _model_class(model_path, revision, registry)
     torch_dtype = resolve_dtype(dtype, spec)
-    with torch.device("meta"):
+    if tp is not None:
+        check_divisible(tp.size, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+    with torch.device("meta"), sharding(tp):
         model = cls(spec)
     model = model.to_empty(device=device).to(torch_dtype)
     model.tie_weights()  # to_empty breaks ties; tie again
@@ -174,7 +185,8 @@ def load_model(model_path: str, dtype: str = "auto", device: str | torch.device 
         init_dummy_weights(model, seed)
         logger.warning("load format dummy: %s has RANDOM weights (seed %d), for benchmarking", spec.architecture, seed)
         return model.eval(), spec, model_dir
-    loaded, unexpected = model.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    sharded = tp is not None and tp.size > 1
+    loaded, unexpected = model.load_weights(iter_safetensors(safetensors_files(model_dir), lazy=sharded))
     missing = sorted({name for name, _ in model.expected_weights() - loaded})
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir!r} lacks weights: {', '.join(missing[:8])}")

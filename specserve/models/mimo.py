@@ -18,6 +18,7 @@ from torch import nn
 from specserve.models.mtp_layer import MtpLayer
 from specserve.models.qwen2 import Qwen2ForCausalLM
 from specserve.models.spec import ModelSpec
+from specserve.models.tensor_parallel import sharding
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ def num_mtp_layers(cfg: dict) -> int:
 class MiMoForCausalLM(Qwen2ForCausalLM):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(spec)
-        self.model.mtp_layers = nn.ModuleList(MtpLayer(spec) for _ in range(num_mtp_layers(spec.raw)))
+        with sharding(None):  # the MTP drafter runs whole, on rank 0, under tensor parallelism
+            self.model.mtp_layers = nn.ModuleList(MtpLayer(spec) for _ in range(num_mtp_layers(spec.raw)))
 
     @property
     def mtp_layers(self) -> nn.ModuleList:

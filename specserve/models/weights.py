@@ -12,6 +12,7 @@ import torch
 
 from specserve.models.direct_call import DirectCall
 from specserve.models.layers import FUSED_PIECES, fused_shard_range
+from specserve.models.tensor_parallel import shard_rules, take_shard
 
 
 class CheckpointLoadable(DirectCall):
@@ -53,14 +54,15 @@ class CheckpointLoadable(DirectCall):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[set, list[str]]:
         """Copy checkpoint tensors in; returns (loaded (name, shard) pairs, unexpected names)."""
         params = dict(self.named_parameters())
+        rules = shard_rules(self)  # tensor parallelism: this rank's slices (none: every tensor whole)
         loaded: set[tuple[str, int]] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
             if self.skip_checkpoint_tensor(name):
                 continue
-            target = self._load_fused(params, name, tensor)
+            target = self._load_fused(params, name, tensor, rules)
             if target is None and name in params:
-                copy_checked(params[name], tensor, name)
+                copy_checked(params[name], take_shard(tensor, rules.get((name, -1)), params[name]), name)
                 target = (name, -1)
             if target is None:
                 unexpected.append(name)
@@ -68,7 +70,7 @@ class CheckpointLoadable(DirectCall):
                 loaded.add(target)
         return loaded, unexpected
 
-    def _load_fused(self, params: dict, name: str, tensor: torch.Tensor) -> tuple[str, int] | None:
+    def _load_fused(self, params: dict, name: str, tensor, rules: dict) -> tuple[str, int] | None:
         for piece, fused, shard in FUSED_PIECES:
             if piece in name:
                 fused_name = name.replace(piece, fused)
@@ -76,7 +78,8 @@ class CheckpointLoadable(DirectCall):
                     return None
                 owner = self.get_submodule(fused_name.rsplit(".", 2)[0])
                 lo, hi = fused_shard_range(owner, fused, shard)
-                copy_checked(params[fused_name].data[lo:hi], tensor, name)
+                dst = params[fused_name].data[lo:hi]
+                copy_checked(dst, take_shard(tensor, rules.get((fused_name, shard)), dst), name)
                 return fused_name, shard
         return None
 

@@ -21,6 +21,7 @@ from specserve.models.compile import CompileStats, compile_forward
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
+from specserve.parallel.ranks import Leader
 from specserve.platform import PlatformPolicy, platform_policy
 from specserve.speculative.registry import draft_memory, lookahead
 
@@ -44,11 +45,18 @@ class ModelRunner:
         """platform: the process's tuning policy, made at start-up (default: the one for args.device); every part
         that loads, sizes or runs models reads it here, as ``runner.platform``."""
         self.args = args
+        if args.node_rank > 0:
+            raise ConfigError(f"--node-rank {args.node_rank}: only node 0 runs the engine; the other nodes run "
+                              "`specserve serve --node-rank N ...`, which serves nothing and runs their ranks")
         self.platform = platform or platform_policy(args, resolve_device(args.device))
         self.device = self.platform.device
+        # tensor parallelism: the other ranks start loading beside us; this process is rank 0 (pinned to its share
+        # of the cores before the thread count is read from them)
+        self.tp_leader = Leader(args) if args.tp_size > 1 else None
         self.platform.configure_threads()
-        self.model, self.spec, self.model_dir = load_model(args.model_path, args.dtype, self.device,
-                                                           load_format=args.load_format, seed=args.random_seed)
+        self.model, self.spec, self.model_dir = load_model(
+            args.model_path, args.dtype, self.device, load_format=args.load_format, seed=args.random_seed,
+            tp=self.tp_leader.group if self.tp_leader is not None else None)
         self.dtype = next(self.model.parameters()).dtype
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.platform.pack_weights(self.model)
@@ -66,10 +74,10 @@ class ModelRunner:
         self.draft_memory = draft_memory(args, self.spec, self.dtype, self.platform)
         self.max_total_tokens = self._kv_capacity()
         self.max_running_requests = args.effective_max_running_requests
-        self.kv_pool = KVPool(
-            self.spec.num_layers, self.max_total_tokens, self.spec.num_kv_heads, self.spec.head_dim,
-            self.dtype, self.device,
-        )
+        self.kv_pool = KVPool(self.spec.num_layers, self.max_total_tokens, self.kv_heads, self.spec.head_dim,
+                              self.dtype, self.device)
+        if self.tp_leader is not None:
+            self.tp_leader.setup(self.max_total_tokens, self.context_len + self.lookahead + 8)
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)
         # +1 row so a retracted-and-resumed request never waits for a row while others hold them all
         self.req_to_token_pool = ReqToTokenPool(
@@ -95,6 +103,8 @@ class ModelRunner:
         return module
 
     def _cuda_graphs(self) -> CudaGraphs | None:
+        if self.tp_leader is not None:
+            return None  # the followers replay nothing: they run each forward eagerly
         backend = graph_backend(self.device, self.args.disable_cuda_graph)
         if backend is None:
             if self.args.cuda_graph_max_bs is not None and self.device.type != "cuda":
@@ -117,7 +127,7 @@ class ModelRunner:
     def info(self) -> dict:
         """The CPU thread count (``platform``) and the forward speed-ups' counters (torch.compile, CUDA graphs) for
         the server info; the speed-ups' are absent when off."""
-        info = self.platform.info()
+        info = {**self.platform.info(), **(self.tp_leader.info() if self.tp_leader is not None else {"tp_size": 1})}
         cs = self.compile_stats
         if cs is not None:
             info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
@@ -139,7 +149,7 @@ class ModelRunner:
         weights too."""
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
-        per_token = KVPool.bytes_per_token(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(self.spec.num_layers, self.kv_heads, self.spec.head_dim, self.dtype)
         per_token += self.draft_memory.kv_bytes_per_token
         frac = self.args.mem_fraction_static or DEFAULT_MEM_FRACTION
         if self.device.type == "cuda":  # free memory now + what the weights took = what was free before them
@@ -166,7 +176,19 @@ class ModelRunner:
             ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         return ids
 
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this process keeps (its share under tensor parallelism)."""
+        return self.model.model.layers[0].self_attn.num_kv_heads if self.spec.num_layers else self.spec.num_kv_heads
+
     # ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
+        if self.tp_leader is not None:
+            self.tp_leader.forward(fb)  # the other ranks run it with us
         return self.model(fb)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one process)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()

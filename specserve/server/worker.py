@@ -23,7 +23,6 @@ also asks the kernel to kill it if its parent dies.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -42,6 +41,7 @@ from specserve.request import Req, ReqOutput
 from specserve.sampling.detokenizer import StopChecker
 from specserve.sampling.params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
+from specserve.utils import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,12 @@ class WorkerLoop(SchedulerLoop):
         if outputs:
             self.send(("out", outputs))
 
+    def fatal(self, message: str) -> None:
+        """The worker exits (its requests were ended with the message): the server sees it gone and stops."""
+        logger.error("the model worker exits: %s", message)
+        logging.shutdown()
+        os._exit(1)
+
 
 def serve(conn: Connection, loop: WorkerLoop, tokenizer, device: torch.device) -> None:
     """Forward the server's messages into the loop's inbox until stop or the server goes away."""
@@ -154,20 +160,10 @@ def model_info(s: Scheduler, tokenizer) -> dict:
     }
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent exits (PR_SET_PDEATHSIG), so no worker outlives it."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     conn = Connection(int(argv[0]))
-    _die_with_parent()
+    die_with_parent()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group (Ctrl-C, systemd stop, timeout)
         signal.signal(sig, signal.SIG_IGN)     # must not cut in-flight requests: the server drains, then stops us
     args: ServerArgs = conn.recv()

@@ -155,7 +155,7 @@ def lm_head_rows(model: nn.Module, model_dir: str, tied: bool, ids: torch.Tensor
     """Rows ``ids`` [Vh] of a loaded CausalLM's LM head weight -> [Vh, h], without copying the whole head."""
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     with torch.no_grad():
-        if isinstance(weight, torch.Tensor):  # a plain Linear
+        if isinstance(weight, torch.Tensor) and getattr(model, "tp", None) is None:  # a plain, whole Linear
             return weight.index_select(0, ids.to(weight.device))
         if tied:  # the head is the input embedding, which packing leaves alone
             return model.embed(ids.to(next(model.parameters()).device))

@@ -68,8 +68,9 @@ class CpuPolicy(PlatformPolicy):
     @property
     def adapts_threads(self) -> bool:
         """Whether the thread count follows contention (``governor.py``): not when ``--num-threads`` forces a
-        count, nor under ``--enable-torch-compile``, whose generated kernels fix their thread count when built."""
-        return not self.args.num_threads and not self.args.enable_torch_compile
+        count, nor under ``--enable-torch-compile``, whose generated kernels fix their thread count when built, nor
+        under tensor parallelism, whose ranks each keep their own share of the cores."""
+        return not self.args.num_threads and not self.args.enable_torch_compile and self.args.tp_size == 1
 
     def configure_threads(self) -> None:
         """``--num-threads``, else the CPUs this process may use (``cpus.py``: affinity and cgroup quota), which the
