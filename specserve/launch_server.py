@@ -95,7 +95,7 @@ def run_server(args: ServerArgs) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal it drained on: already handled
         signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
-    if not manager.worker_alive and not manager.draining:
+    if manager.worker_failed:
         return 1
     return 0
 

@@ -155,6 +155,7 @@ class RequestManager:
         self.draining = False
         self.drain_started = asyncio.Event()  # set with draining: cuts short the bodies still being read
         self.worker_alive = True
+        self.worker_failed = False  # the worker died while the server was not stopping it
         self.on_worker_exit: Callable[[], Any] | None = None
         self._routes: dict[str, tuple[Job, int]] = {}  # sample rid -> (job, index)
         self._jobs: dict[str, Job] = {}
@@ -341,6 +342,7 @@ class RequestManager:
         """The worker is gone: fail every open request and its pending calls."""
         self.worker_alive = False
         if not self.draining:
+            self.worker_failed = True  # the server exits with code 1
             logger.error("the model worker exited unexpectedly (exit code %s)", self.worker.proc.poll())
         reason = {"type": "abort", "message": "the model worker exited"}
         for rid, (job, _) in list(self._routes.items()):
