@@ -71,6 +71,9 @@ class TPGroup:
     rank: int
     size: int
     link: object | None = None
+    # the ranks' shared-memory channel when they share a node (``specserve.parallel.shm``): all-reduces and gathers
+    # small enough for it go through it; the rest (and every collective across nodes) through torch.distributed
+    comm: object | None = None
     # what the collectives cost this rank: calls and wall seconds (the server info's tp_* counters)
     reduces: int = 0
     reduce_seconds: float = 0.0
@@ -81,7 +84,9 @@ class TPGroup:
         """The sum of every rank's x (same shape on all), in place; float32 on the wire for half precision (gloo
         sums bf16 too, but in bf16: float32 keeps a TP run's rounding close to one rank's)."""
         start = time.perf_counter()
-        if x.dtype in (torch.bfloat16, torch.float16):
+        if self.comm is not None and self.comm.fits(x):
+            x = self.comm.all_reduce(x).to(x.dtype)
+        elif x.dtype in (torch.bfloat16, torch.float16):
             wide = x.float()
             dist.all_reduce(wide)
             x = wide.to(x.dtype)
@@ -94,11 +99,15 @@ class TPGroup:
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's x [R, C] side by side as [R, size * C] on rank 0 (None on the others)."""
         start = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x.contiguous(), parts, dst=0)
+        if self.comm is not None and self.comm.fits(x):
+            full = self.comm.gather_columns(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(x.contiguous(), parts, dst=0)
+            full = torch.cat(parts, dim=-1) if parts is not None else None
         self.gathers += 1
         self.gather_seconds += time.perf_counter() - start
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        return full
 
     def info(self) -> dict:
         return {"tp_size": self.size, "tp_all_reduces": self.reduces, "tp_all_reduce_seconds": self.reduce_seconds,

@@ -35,8 +35,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from specserve.config import ServerArgs
+from specserve.config import ConfigError, ServerArgs
 from specserve.models.tensor_parallel import TPGroup
+from specserve.parallel.shm import ShmComm
 from specserve.utils import die_with_parent, free_port
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,18 @@ def init_address(args: ServerArgs) -> str:
     return args.dist_init_addr or f"127.0.0.1:{free_port()}"
 
 
-def join_group(args: ServerArgs, rank: int, address: str) -> TPGroup:
+def shm_name(args: ServerArgs, address: str) -> str | None:
+    """The shared-memory channel's name when every rank is on this node and on CPU (``shm.py``), else None."""
+    if args.nnodes > 1 or args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
+        return None
+    return f"specserve-tp-{address.rpartition(':')[2]}"
+
+
+def join_group(args: ServerArgs, rank: int, address: str, comm: ShmComm | None = None) -> TPGroup:
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=COLLECTIVE_TIMEOUT)
-    return TPGroup(rank, args.tp_size)
+    return TPGroup(rank, args.tp_size, comm=comm)
 
 
 class Leader:
@@ -115,19 +123,46 @@ class Leader:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.address = init_address(args)
+        if dist.is_initialized():
+            raise ConfigError("--tp-size > 1: one tensor-parallel engine per process, and one is running here")
         local = ranks_per_node(args)
         self.saved_affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        self.procs = {rank: start_rank(args, rank, rank, local, self.address) for rank in range(1, local)}
-        self.cpus = pin(0, local)
-        self.group = join_group(args, 0, self.address)
-        self.group.link = self
+        name = shm_name(args, self.address)
+        self.comm = ShmComm(name, 0, args.tp_size, create=True) if name is not None else None
+        self.procs: dict[int, subprocess.Popen] = {}
         self.closed = False
+        try:
+            self.procs = {rank: start_rank(args, rank, rank, local, self.address) for rank in range(1, local)}
+            if self.comm is not None:
+                self.comm.alive = self.check_alive
+            self.cpus = pin(0, local)
+            self.group = join_group(args, 0, self.address, self.comm)
+        except BaseException:
+            self.closed = True
+            for p in self.procs.values():
+                p.kill()
+            if self.comm is not None:
+                self.comm.close(unlink=True)
+            raise
+        self.group.link = self
         self.messages, self.message_seconds = 0, 0.0
+
+    def check_alive(self) -> None:
+        """RankFailure when a follower has exited (shared-memory waits call this now and then)."""
+        dead = self.dead_ranks()
+        if dead:
+            raise RankFailure(f"tensor parallelism: a rank is gone ({dead})")
 
     def send(self, kind: str, payload) -> None:
         start = time.perf_counter()
         try:
-            dist.broadcast_object_list([(kind, payload)], src=0)
+            if self.comm is not None:
+                self.check_alive()
+                self.comm.send((kind, payload))
+            else:
+                dist.broadcast_object_list([(kind, payload)], src=0)
+        except RankFailure:
+            raise
         except (RuntimeError, OSError) as e:
             raise RankFailure(f"tensor parallelism: a rank is gone ({self.dead_ranks() or e})") from e
         self.messages += 1
@@ -169,6 +204,8 @@ class Leader:
                 p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.comm is not None:
+            self.comm.close(unlink=True)
         if self.saved_affinity is not None:
             os.sched_setaffinity(0, self.saved_affinity)
 
@@ -177,7 +214,7 @@ def start_rank(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, a
     """A follower rank as its own interpreter (``python -m specserve.parallel.ranks``, its arguments pickled on
     stdin): no re-import of the caller's main module, as multiprocessing's spawn would need."""
     proc = subprocess.Popen([sys.executable, "-m", "specserve.parallel.ranks"], stdin=subprocess.PIPE)
-    proc.stdin.write(pickle.dumps((args, rank, local_rank, local_ranks, address)))
+    proc.stdin.write(pickle.dumps((os.getpid(), (args, rank, local_rank, local_ranks, address))))
     proc.stdin.close()
     return proc
 
@@ -237,7 +274,9 @@ def follow(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, addre
         torch.cuda.set_device(device)
     platform = platform_policy(args, device)
     platform.configure_threads()
-    group = join_group(args, rank, address)
+    name = shm_name(args, address)
+    comm = ShmComm(name, rank, args.tp_size) if name is not None else None
+    group = join_group(args, rank, address, comm)
     with torch.inference_mode():
         model, spec, _ = load_model(args.model_path, args.dtype, device, load_format=args.load_format,
                                     seed=args.random_seed, tp=group)
@@ -246,12 +285,15 @@ def follow(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, addre
         pool = None
         while True:
             try:
-                box = [None]
-                dist.broadcast_object_list(box, src=0)
+                if comm is not None:
+                    kind, payload = comm.recv()
+                else:
+                    box = [None]
+                    dist.broadcast_object_list(box, src=0)
+                    kind, payload = box[0]
             except (RuntimeError, OSError):
                 logger.info("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
                 return
-            kind, payload = box[0]
             if kind == "stop":
                 break
             if kind == "setup":
@@ -268,6 +310,8 @@ def follow(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, addre
             elif kind == "logits":
                 model.local_logits(payload.to(device))
     dist.destroy_process_group()
+    if comm is not None:
+        comm.close()
 
 
 def run_node(args: ServerArgs) -> None:
@@ -285,7 +329,10 @@ def run_node(args: ServerArgs) -> None:
 def main() -> None:
     """A follower rank started by ``start_rank``: it dies with its parent (Linux), and follows."""
     die_with_parent()
-    follow(*pickle.loads(sys.stdin.buffer.read()))
+    parent, follow_args = pickle.loads(sys.stdin.buffer.read())
+    if os.getppid() != parent:  # the parent died before die_with_parent could take effect
+        return
+    follow(*follow_args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
-"""benchmarks/bench_tp.py end to end on a tiny model: both engines run, their outputs agree, and the TP=2 row
-reports its collectives."""
+"""benchmarks/bench_tp.py end to end on a tiny model: the TP=2 run reports its collectives, and its outputs are the
+one-process run's."""
+
+import ast
 
 from bench_tp import main
 
 
 def test_bench_tp_reports_the_collectives(capsys, model_factory):
-    main(["--model", model_factory("llama"), "--rounds", "1", "--max-new-tokens", "6", "--batch", "2"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [(r[0], r[1]) for r in rows] == [("1", "plain"), ("2", "plain")]
-    tp2 = rows[1]
-    assert tp2[4] == "True"  # the same greedy tokens as one process (float32 tiny model)
-    assert float(tp2[6]) >= 2 * 2  # all-reduces per forward: two per layer (2 layers) and the embedding's
-    assert 0 < float(tp2[10]) < 1  # the collectives' share of the wall time
+    path = model_factory("llama")
+    common = ["--model", path, "--rounds", "1", "--max-new-tokens", "6", "--batch", "2", "--print-ids"]
+    out = {}
+    for tp in ("1", "2"):
+        main([*common, "--tp-size", tp])
+        out[tp] = capsys.readouterr().out.splitlines()
+    ids = {tp: ast.literal_eval(lines[-1].removeprefix("ids ")) for tp, lines in out.items()}
+    assert ids["1"] == ids["2"] and len(ids["1"]) == 4  # float32 tiny model: the same greedy tokens
+    per_forward = out["2"][2]
+    reduces = float(per_forward.split(":")[1].split()[0])
+    assert reduces >= 2 * 2  # two per layer (2 layers), and the embedding's
+    share = float(per_forward.rsplit(" ", 1)[1])
+    assert 0 < share < 1
+    assert not any(line.startswith("per forward") for line in out["1"])
