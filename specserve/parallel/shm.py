@@ -37,10 +37,6 @@ SLEEP_S = 0.0002
 CHECK_EVERY_S = 0.1  # how often a wait calls ``alive``
 
 
-class PeerGone(RuntimeError):
-    """A wait found a rank gone (``alive`` said so)."""
-
-
 class ShmComm:
     """The shared-memory channel of `size` ranks on one node, named `name`; rank 0 creates it (``create``)."""
 
@@ -64,7 +60,7 @@ class ShmComm:
             self.msg[:] = 0
         self.calls = 0  # collectives run (the next sequence number - 1)
         self.sent = 0  # messages sent or received
-        self.alive: Callable[[], None] | None = None  # raises when a rank is gone (rank 0 sets it)
+        self.alive: Callable[[], None] | None = None  # raises when a rank is gone (rank 0 sets it: RankFailure)
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, ready: Callable[[], bool], idle: bool = False) -> None:
