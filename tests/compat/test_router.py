@@ -5,14 +5,12 @@ spreads the requests over both workers."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
 
-from specserve.utils import free_port, terminate_process
+from specserve.utils import terminate_process
+from tests.compat.router import start_router
 from tests.server.conftest import start_server
 from tests.server.helpers import sse_json
 
@@ -30,21 +28,7 @@ def workers(model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def router(workers):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                             "--port", str(port), "--worker-urls", *[w.url for w in workers], "--policy",
-                             "round_robin", "--prometheus-port", str(free_port()), "--log-level", "warn"])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "the router exited"
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert time.monotonic() < deadline, "the router did not come up"
-        time.sleep(0.3)
+    proc, url = start_router([w.url for w in workers], "round_robin")
     yield url
     terminate_process(proc)
 

@@ -5,15 +5,14 @@ request goes to the live one."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from specserve.utils import free_port, terminate_process
+from specserve.utils import terminate_process
+from tests.compat.router import start_router
 from tests.server.conftest import start_server
 
 PROMPT = "def fibonacci(n):\n    " * 6  # long enough to be worth routing by its prefix
@@ -31,22 +30,7 @@ def workers(model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def router(workers):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                             "--port", str(port), "--worker-urls", *[w.url for w in workers], "--policy",
-                             "cache_aware", "--prometheus-port", str(free_port()), "--log-level", "warn",
-                             "--health-check-interval-secs", "1"])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, "the router exited"
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert time.monotonic() < deadline, "the router did not come up"
-        time.sleep(0.3)
+    proc, url = start_router([w.url for w in workers], "cache_aware", "--health-check-interval-secs", "1")
     yield url
     terminate_process(proc)
 
