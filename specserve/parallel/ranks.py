@@ -1,8 +1,9 @@
 """The processes of a tensor-parallel group: rank 0 leads, the others follow.
 
 Rank 0 is the engine: its scheduler, drafter and sampler run there and nowhere else. Before each computation over the
-sharded target it tells the other ranks what to run, one broadcast message, and all ranks then run it together
-(their collectives inside: ``specserve.models.tensor_parallel``):
+sharded target it tells the other ranks what to run, one message (through the node's shared memory, ``shm.py``, or a
+torch.distributed broadcast across nodes), and all ranks then run it together (their collectives inside:
+``specserve.models.tensor_parallel``):
 
     ("forward", ForwardBatch)    a target forward (prefill, decode, verify); the batch's tensors, without the KV pool
                                  (each rank has its own, of its KV heads)
@@ -14,11 +15,12 @@ Nothing else touches a follower's state: KV slots are decided on rank 0 and trav
 follower needs no scheduler, tokenizer or request. Drafters stay whole on rank 0 (they are small); those that read
 the target's embedding or LM head bring the followers in through ``embed`` / ``logits``.
 
-Local ranks are started by rank 0 (``Leader``) as spawned processes; on a node other than the first (``--nnodes``,
-``--node-rank``), ``run_node`` starts that node's ranks. Each rank gets its own share of the CPUs (``rank_cpus``),
-pinned, with as many torch threads. A rank that dies makes rank 0's next collective fail (gloo sees the closed
-connection): ``RankFailure``, which ends the engine (the server's model worker exits, so the server stops serving)
-instead of leaving requests waiting.
+Local ranks are started by rank 0 (``Leader``) as processes of their own (``python -m specserve.parallel.ranks``); on
+a node other than the first (``--nnodes``, ``--node-rank``), ``run_node`` starts that node's ranks. Each rank gets its
+own share of the CPUs (``rank_cpus``), pinned, with as many torch threads. A rank that dies is seen by rank 0 at its
+next message or within a shared-memory wait (it polls its followers), or as a failed gloo collective across nodes:
+``RankFailure``, which ends the engine (the server's model worker exits, so the server stops serving) instead of
+leaving requests waiting. Followers die with rank 0.
 """
 
 from __future__ import annotations

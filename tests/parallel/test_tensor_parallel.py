@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU (gloo, 2 ranks, float32): a TP=2 engine gives what one process gives, token for token,
-for every architecture family, under chunked prefill and radix reuse, for every speculative algorithm, and for
-seeded sampling; two "nodes" on localhost likewise; a rank that dies ends the engine with a message, not a hang."""
+"""Tensor parallelism on CPU (2 ranks, float32; shared memory on one node, gloo across "nodes"): a TP=2 engine gives
+what one process gives, token for token, for every architecture family and every speculative algorithm, under
+chunked prefill and radix reuse, and for seeded sampling; two "nodes" on localhost likewise; a rank that dies ends
+the engine with a message, not a hang."""
 
 from __future__ import annotations
 
@@ -74,11 +75,14 @@ def test_tp2_speculative_equals_one_process_plain(spec_setups, algorithm):
     path, kw = spec_setups[algorithm]
     prompts = [p * 3 for p in PROMPTS[:4]]  # repetitive text: n-gram drafts land too
     want = outputs(path, prompts)
-    with Engine(model_path=path, tp_size=2, disable_speculative_auto_off=True, **kw, **ENGINE) as e:
+    with Engine(model_path=path, tp_size=2, disable_speculative_auto_off=True, chunked_prefill_size=5, **kw,
+                **ENGINE) as e:
         outs = e.generate(prompts, PARAMS)
+        again = e.generate(prompts, PARAMS)  # from the prefix cache
         assert_no_kv_leak(e)
-    assert [o["output_ids"] for o in outs] == want
-    assert_drafting_happened(outs)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in again] == want
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+    assert_drafting_happened(outs + again)
 
 
 def test_tp2_seeded_sampling_and_prompt_logprobs_equal_one_process(model_factory):
