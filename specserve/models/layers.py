@@ -16,7 +16,7 @@ from torch import nn
 from specserve.attention import ForwardBatch, attention
 from specserve.models.direct_call import DirectCall, Embedding, Linear
 from specserve.models.spec import ModelSpec, UnsupportedModelError
-from specserve.models.tensor_parallel import FIRST_RANK_ONLY, building_group, kv_heads_of, padded_vocab, split_range
+from specserve.models.tensor_parallel import FIRST_RANK_ONLY, building_group, kv_heads_of, rank_share, vocab_share
 
 
 class RMSNorm(DirectCall):
@@ -117,7 +117,7 @@ class Attention(DirectCall):
         self.layer_id, self.rotary = layer_id, rotary
         self.tp = tp = building_group()
         self.head_dim = spec.head_dim
-        heads = (0, spec.num_heads) if tp is None else split_range(spec.num_heads, tp.rank, tp.size)
+        heads = rank_share(spec.num_heads, tp)
         kv_heads = (0, spec.num_kv_heads) if tp is None else kv_heads_of(spec.num_heads, spec.num_kv_heads, tp.rank,
                                                                            tp.size)
         # this rank's rows of the checkpoint's q and of its k / v ([lo, hi) each)
@@ -170,7 +170,7 @@ class GatedMLP(DirectCall):
     def __init__(self, hidden: int, intermediate: int, bias: bool, act=F.silu) -> None:
         super().__init__()
         self.tp = tp = building_group()
-        self.rows = (0, intermediate) if tp is None else split_range(intermediate, tp.rank, tp.size)
+        self.rows = rank_share(intermediate, tp)
         self.intermediate, self.act = self.rows[1] - self.rows[0], act
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias=bias)
         self.down_proj = Linear(self.intermediate, hidden, bias=bias)
@@ -193,7 +193,7 @@ class VocabParallelEmbedding(DirectCall):
     def __init__(self, vocab: int, hidden: int, tp) -> None:
         super().__init__()
         self.tp = tp
-        self.rows = split_range(padded_vocab(vocab, tp.size), tp.rank, tp.size)
+        self.rows = vocab_share(vocab, tp)
         self.weight = nn.Parameter(torch.empty(self.rows[1] - self.rows[0], hidden))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]

@@ -17,7 +17,7 @@ from specserve.attention import ForwardBatch
 from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding, vocab_embedding
 from specserve.models.spec import ModelSpec
-from specserve.models.tensor_parallel import building_group, padded_vocab, split_range
+from specserve.models.tensor_parallel import building_group, vocab_share
 from specserve.models.weights import CheckpointLoadable
 
 
@@ -73,8 +73,7 @@ class LlamaForCausalLM(CheckpointLoadable):
         self.model = self.model_cls(spec)
         # tensor parallelism (specserve.parallel): this rank's rows of the (padded) vocabulary
         self.tp = tp = building_group()
-        self.vocab_rows = (0, spec.vocab_size) if tp is None else split_range(padded_vocab(spec.vocab_size, tp.size),
-                                                                              tp.rank, tp.size)
+        self.vocab_rows = vocab_share(spec.vocab_size, tp)
         self.lm_head = Linear(spec.hidden_size, self.vocab_rows[1] - self.vocab_rows[0], bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

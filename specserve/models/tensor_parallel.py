@@ -38,6 +38,16 @@ def padded_vocab(vocab: int, size: int) -> int:
     return -(-vocab // size) * size
 
 
+def rank_share(total: int, group: TPGroup | None) -> tuple[int, int]:
+    """[lo, hi) of the items (heads, MLP columns) `group`'s rank holds; all of them without a group."""
+    return (0, total) if group is None else split_range(total, group.rank, group.size)
+
+
+def vocab_share(vocab: int, group: TPGroup | None) -> tuple[int, int]:
+    """[lo, hi) of the (padded) vocabulary rows `group`'s rank holds in the embedding and the LM head."""
+    return (0, vocab) if group is None else split_range(padded_vocab(vocab, group.size), group.rank, group.size)
+
+
 def kv_heads_of(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
     """[lo, hi) of the KV heads rank's query heads read. With fewer KV heads than ranks, each rank holds the one KV
     head its H / size query heads share (heads h of a group of H / Hkv query heads read KV head h // (H / Hkv))."""
@@ -81,8 +91,8 @@ class TPGroup:
     gather_seconds: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x (same shape on all), in place; float32 on the wire for half precision (gloo
-        sums bf16 too, but in bf16: float32 keeps a TP run's rounding close to one rank's)."""
+        """-> the sum of every rank's x (same shape on all; x itself may be overwritten), summed in float32 for half
+        precision (gloo sums bf16 too, but in bf16: float32 keeps a TP run's rounding close to one rank's)."""
         start = time.perf_counter()
         if self.comm is not None and self.comm.fits(x):
             x = self.comm.all_reduce(x).to(x.dtype)
