@@ -105,15 +105,20 @@ def init_address(args: ServerArgs) -> str:
     return args.dist_init_addr or f"127.0.0.1:{free_port()}"
 
 
+def on_cuda(args: ServerArgs) -> bool:
+    """Whether the ranks run on CUDA devices (--device cuda, or auto where CUDA is available)."""
+    return args.device == "cuda" or args.device == "auto" and torch.cuda.is_available()
+
+
 def shm_name(args: ServerArgs, address: str) -> str | None:
     """The shared-memory channel's name when every rank is on this node and on CPU (``shm.py``), else None."""
-    if args.nnodes > 1 or args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
+    if args.nnodes > 1 or on_cuda(args):
         return None
     return f"specserve-tp-{address.rpartition(':')[2]}"
 
 
 def join_group(args: ServerArgs, rank: int, address: str, comm: ShmComm | None = None) -> TPGroup:
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = "nccl" if on_cuda(args) else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=args.tp_size,
                             timeout=COLLECTIVE_TIMEOUT)
     return TPGroup(rank, args.tp_size, comm=comm)
@@ -123,10 +128,10 @@ class Leader:
     """Rank 0's side: starts this node's other ranks, joins the group, and tells the followers what to run."""
 
     def __init__(self, args: ServerArgs) -> None:
-        self.args = args
-        self.address = init_address(args)
         if dist.is_initialized():
             raise ConfigError("--tp-size > 1: one tensor-parallel engine per process, and one is running here")
+        self.args = args
+        self.address = init_address(args)
         local = ranks_per_node(args)
         self.saved_affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         name = shm_name(args, self.address)
@@ -137,7 +142,7 @@ class Leader:
             self.procs = {rank: start_rank(args, rank, rank, local, self.address) for rank in range(1, local)}
             if self.comm is not None:
                 self.comm.alive = self.check_alive
-            self.cpus = pin(0, local)
+            pin(0, local)
             self.group = join_group(args, 0, self.address, self.comm)
         except BaseException:
             self.closed = True
@@ -158,8 +163,7 @@ class Leader:
     def send(self, kind: str, payload) -> None:
         start = time.perf_counter()
         try:
-            if self.comm is not None:
-                self.check_alive()
+            if self.comm is not None:  # its waits call check_alive
                 self.comm.send((kind, payload))
             else:
                 dist.broadcast_object_list([(kind, payload)], src=0)
@@ -224,19 +228,16 @@ def start_rank(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, a
 def portable(fb):
     """The ForwardBatch as the followers get it: no KV pool, no host tuning object, and every tensor its own copy
     (a view of the req_to_token table would otherwise pickle the whole table)."""
-    return dataclasses.replace(fb, kv_pool=None, attn=_own(fb.attn), rope_rows={},
-                               **{f: _own(getattr(fb, f)) for f in ("input_ids", "positions", "out_cache_loc",
-                                                                    "logits_indices", "input_embeds")})
+    return _own(dataclasses.replace(fb, kv_pool=None, rope_rows={}))
 
 
 def _own(x):
+    """x with its tensors' own storage and without ``platform`` fields, through dataclasses, lists and tuples."""
     if isinstance(x, torch.Tensor):
         return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        changes = {f.name: _own(getattr(x, f.name)) for f in dataclasses.fields(x) if f.name != "platform"}
-        if any(f.name == "platform" for f in dataclasses.fields(x)):
-            changes["platform"] = None
-        return dataclasses.replace(x, **changes)
+        return dataclasses.replace(x, **{f.name: None if f.name == "platform" else _own(getattr(x, f.name))
+                                         for f in dataclasses.fields(x)})
     if isinstance(x, list):
         return [_own(v) for v in x]
     if isinstance(x, tuple):
@@ -271,7 +272,7 @@ def follow(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, addre
     logging.basicConfig(level=args.log_level.upper())
     pin(local_rank, local_ranks)
     device = torch.device("cpu")
-    if args.device == "cuda" or args.device == "auto" and torch.cuda.is_available():
+    if on_cuda(args):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     platform = platform_policy(args, device)

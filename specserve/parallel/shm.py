@@ -116,7 +116,7 @@ class ShmComm:
     # ------------------------------------------------------------------ rank 0's messages
     def send(self, obj) -> None:
         """Rank 0: one message to every follower (they have acknowledged the previous one first)."""
-        m = int(self.msg[0])
+        m = self.sent  # rank 0 alone writes the message counter
         self._wait(lambda: bool((self.acks[1:] >= m).all()))
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         big = len(data) > MESSAGE_BYTES
