@@ -45,8 +45,7 @@ def engines(model: str, backends: list[str], algos: list[str], threads: int | No
     for backend in backends:
         common = dict(grammar_backend=backend, num_threads=threads, constrained_json_disable_any_whitespace=compact,
                       **target)
-        if "plain" in algos:
-            out["plain", backend] = Engine(**common)
+        out["plain", backend] = Engine(**common)  # always: the baseline of every row
         # every step speculative: batch-aware speculation's timing-based plain steps would make the figures vary
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     disable_speculative_auto_off=True, **common)
