@@ -8,14 +8,15 @@ turn gives the schema. Per engine:
 - constrained: ``json_schema`` = the case's schema (the output ends when the JSON does, or at ``--max-new-tokens``);
 - free: right after, the same prompts without a grammar, each generating as many tokens as its constrained run did
   (``ignore_eos``), so both runs have the same batch shapes over time: the unconstrained baseline.
+Each group of prompts (one, or ``--batch``) runs on every engine in turn, constrained then free, before the next
+group: what is compared runs within a second or so, so a neighbour's load on a shared machine hits both alike.
 At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE-3 speculates at every step
 (``disable_speculative_auto_off``) and runs three ways: as served (grammar-aware drafting and jump-forward, the
 tokens a grammar forces appended to the draft tree), without jump-forward (``--disable-grammar-jump-forward``) and,
 as other engines do it, drafting blind to the grammar with only verification masking it (``nojf`` plus
 ``--disable-grammar-aware-drafting``); the last two constrained only. All three produce the same outputs, so their
-accept lengths compare on the same text. Configurations alternate within each round; tokens/s is
-completion tokens over wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios
-taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step), the same without the
+accept lengths compare on the same text. Tokens/s is completion tokens over the round's summed wall time, the
+median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step), the same without the
 grammar-forced tokens ("drafted"), and the forced tokens accepted per verify step.
 
     python benchmarks/bench_structured.py --rounds 3 [--model smollm2]
@@ -75,24 +76,46 @@ def prompts(engine: Engine, model: str) -> list[str]:
         tokenize=False, add_generation_prompt=True) for c in SCHEMA_CASES]
 
 
-def run(engine: Engine, texts: list[str], batch: int, lengths: list[int] | None, max_new: int
+def run(engine: Engine, texts: list[str], group: range, lengths: list[int] | None, max_new: int
         ) -> tuple[float, list[int], int, int]:
-    """All cases (their prompts `texts`), `batch` at a time; constrained when `lengths` is None, else free with those
-    output lengths -> (seconds, completion tokens per case, verify steps, grammar-forced tokens accepted)."""
-    cases = SCHEMA_CASES[:len(texts)]
-    tokens, verify, forced = [], 0, 0
+    """The cases of `group` (their prompts `texts`) at once; constrained when `lengths` is None, else free with those
+    output lengths (one per case of the group) -> (seconds, completion tokens per case, verify steps, grammar-forced
+    tokens accepted)."""
+    ps = [params(SCHEMA_CASES[k], lengths is None, max_new if lengths is None else lengths[i])
+          for i, k in enumerate(group)]
     start = time.perf_counter()
-    for i in range(0, len(cases), batch):
-        group = range(i, min(i + batch, len(cases)))
-        ps = [params(cases[k], lengths is None, max_new if lengths is None else lengths[k]) for k in group]
-        outs = engine.generate([texts[k] for k in group], ps)
-        for o in outs:
-            tokens.append(o["meta_info"]["completion_tokens"])
-            verify += o["meta_info"].get("spec_verify_ct", 0)
-            forced += o["meta_info"].get("spec_forced_tokens", 0)
-            if lengths is None and o["meta_info"]["finish_reason"]["type"] == "stop":
-                json.loads(o["text"])  # a finished constrained output is JSON
-    return time.perf_counter() - start, tokens, verify, forced
+    outs = engine.generate([texts[k] for k in group], ps)
+    secs = time.perf_counter() - start
+    tokens, verify, forced = [], 0, 0
+    for o in outs:
+        tokens.append(o["meta_info"]["completion_tokens"])
+        verify += o["meta_info"].get("spec_verify_ct", 0)
+        forced += o["meta_info"].get("spec_forced_tokens", 0)
+        if lengths is None and o["meta_info"]["finish_reason"]["type"] == "stop":
+            json.loads(o["text"])  # a finished constrained output is JSON
+    return secs, tokens, verify, forced
+
+
+def run_round(eng: dict[tuple[str, str], Engine], texts: list[str], batch: int, max_new: int
+              ) -> dict[tuple[str, str, bool], list]:
+    """Every case, `batch` at a time; each group of cases runs on every engine in turn, constrained then free with the
+    same output lengths (the same batch shapes over time), so the configurations compared see the same machine
+    within a second or so of each other -> {(algo, backend, constrained): [seconds, tokens, verify steps, forced]}."""
+    totals: dict[tuple[str, str, bool], list] = {}
+    for i in range(0, len(texts), batch):
+        group = range(i, min(i + batch, len(texts)))
+        for (algo, backend), engine in eng.items():
+            con = run(engine, texts, group, None, max_new)
+            runs = {True: con}
+            if algo in ("plain", "eagle3"):  # without a grammar, the variants change nothing
+                runs[False] = run(engine, texts, group, con[1], max_new)
+            for constrained, (secs, toks, ver, forced) in runs.items():
+                t = totals.setdefault((algo, backend, constrained), [0.0, 0, 0, 0])
+                t[0] += secs
+                t[1] += sum(toks)
+                t[2] += ver
+                t[3] += forced
+    return totals
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,22 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[tuple, dict[str, list]] = {}
     for rnd in range(args.rounds + 1):
         for batch in ((1, args.batch) if args.batch_1 else (args.batch,)):
-            for algo in algos:
-                for backend in backends:
-                    # constrained, then free with the same output lengths (the same batch shapes over time)
-                    runs = {True: run(eng[algo, backend], texts, batch, None, args.max_new_tokens)}
-                    if algo in ("plain", "eagle3"):  # without a grammar, the variants change nothing
-                        runs[False] = run(eng[algo, backend], texts, batch, runs[True][1], args.max_new_tokens)
-                    if rnd == 0:
-                        continue  # warm-up
-                    for constrained, (secs, toks, ver, forced) in runs.items():
-                        r = rows.setdefault((batch, algo, backend, constrained),
-                                            {"tps": [], "accept": [], "drafted": [], "forced": []})
-                        r["tps"].append(sum(toks) / secs)
-                        if ver:
-                            r["accept"].append(sum(toks) / ver)
-                            r["drafted"].append((sum(toks) - forced) / ver)
-                            r["forced"].append(forced / ver)
+            totals = run_round(eng, texts, batch, args.max_new_tokens)
+            if rnd == 0:
+                continue  # warm-up
+            for (algo, backend, constrained), (secs, toks, ver, forced) in totals.items():
+                r = rows.setdefault((batch, algo, backend, constrained),
+                                    {"tps": [], "accept": [], "drafted": [], "forced": []})
+                r["tps"].append(toks / secs)
+                if ver:
+                    r["accept"].append(toks / ver)
+                    r["drafted"].append((toks - forced) / ver)
+                    r["forced"].append(forced / ver)
     for e in eng.values():
         e.shutdown()
     space = "compact JSON" if args.constrained_json_disable_any_whitespace else "JSON whitespace up to 24 chars"

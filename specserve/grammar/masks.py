@@ -50,21 +50,50 @@ def fill_rows(matchers: list[Matcher]) -> tuple[torch.Tensor, list[bool]]:
     return bitmask, [m.accepting() for m in matchers]
 
 
+class PathStates:
+    """A matcher's states after the draft paths of one drafting, each path walked once: a path's state is its parent
+    path's, forked and advanced by the path's last token. The drafter asks level by level, each level's paths one
+    token longer than the last's, so a level costs one fork and one accepted token per branch instead of a walk from
+    the root. The matcher itself is never advanced."""
+
+    def __init__(self, matcher: Matcher, stop_ids: set[int]) -> None:
+        self.matcher, self.stop_ids = matcher, stop_ids
+        self._states: dict[tuple[int, ...], Matcher | None] = {(): matcher}  # path -> its state (None: refused)
+
+    def state(self, path: tuple[int, ...]) -> Matcher | None:
+        """The state after ``path``, or None when the grammar refuses it, it goes through a stop id or the grammar's
+        own stop token."""
+        if path not in self._states:
+            parent = self.state(path[:-1])
+            state = None
+            if parent is not None and path[-1] not in self.stop_ids:
+                state = parent.fork()
+                if not state.accept(path[-1]) or state.terminated():
+                    state = None
+            self._states[path] = state
+        return self._states[path]
+
+    def fill(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> list[bool]:
+        """Rows ``first_row + p`` of ``bitmask`` <- what the grammar allows after ``paths[p]`` (nothing after a
+        refused path) -> accepting per path."""
+        accepting = [False] * len(paths)
+        for p, path in enumerate(paths):
+            state = self.state(tuple(path))
+            if state is None or state.terminated():
+                bitmask[first_row + p] = 0
+            else:
+                state.fill(bitmask, first_row + p)
+                accepting[p] = state.accepting()
+        return accepting
+
+
 def path_rows(matcher: Matcher, paths: list[list[int]], stop_ids: set[int]) -> tuple[torch.Tensor, list[bool]]:
     """One row per path from the matcher's state -> (int32 [P, W] bitmask, accepting [P]): row p allows what the
     grammar allows after ``paths[p]``. A path the grammar refuses (or that goes through a stop id or the grammar's
     own stop token) gets an empty row (nothing allowed). The matcher is left untouched (the walks run on forks).
-    (The drafter's live branches: ``EagleProposer``.)"""
+    (One drafting's paths: ``PathStates``.)"""
     bitmask = new_bitmask(len(paths), matcher.vocab_size)
-    accepting = [False] * len(paths)
-    for p, path in enumerate(paths):
-        state = matcher.fork() if path else matcher
-        if all(t not in stop_ids and state.accept(t) for t in path) and not state.terminated():
-            state.fill(bitmask, p)
-            accepting[p] = state.accepting()
-        else:
-            bitmask[p] = 0
-    return bitmask, accepting
+    return bitmask, PathStates(matcher, stop_ids).fill(paths, bitmask, 0)
 
 
 def single_token(row: torch.Tensor) -> int | None:

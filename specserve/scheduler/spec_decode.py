@@ -455,11 +455,15 @@ class SpecDecoder(DecodeStep):
         if not trees:
             return None
         B, N = tree.batch_size, tree.width
-        ban = torch.zeros(B, N, vocab_size, dtype=torch.bool, device=self.device)  # [B, N, V]
+        some = next(iter(trees.values()))
+        bitmask = torch.full((B * N, some.bitmask.shape[1]), -1, dtype=torch.int32)  # [B * N, W] all allowed
+        accepting, stops = [False] * (B * N), [set()] * (B * N)
         for b, t in trees.items():
             n = len(t.tokens)
-            ban[b, :n] = ban_mask(t.bitmask, t.accepting, [reqs[b].stop_ids] * n, vocab_size, self.device)
-        return ban.view(B * N, vocab_size)
+            bitmask[b * N : b * N + n] = t.bitmask
+            accepting[b * N : b * N + n] = t.accepting
+            stops[b * N : b * N + n] = [reqs[b].stop_ids] * n
+        return ban_mask(bitmask, accepting, stops, vocab_size, self.device)  # [B * N, V]
 
     # ------------------------------------------------------------------ speculative steps: the output part
     def process(self, record: StepRecord) -> tuple[list[ReqOutput], list[tuple[Req, int]]]:

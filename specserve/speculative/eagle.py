@@ -38,7 +38,8 @@ import torch
 from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_token_rows
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
-from specserve.grammar.masks import ban_mask, path_rows
+from specserve.grammar.backend import new_bitmask
+from specserve.grammar.masks import PathStates, ban_mask
 from specserve.platform import PlatformPolicy
 from specserve.speculative.base import GRAMMAR_ROOM, DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
@@ -212,12 +213,12 @@ class EagleProposer(Proposer):
 
     def _topk(self, draft_hidden: torch.Tensor, k: int | None = None,
               scale: float | torch.Tensor | None = None,
-              grammar: tuple[list, list[list[list[int]] | None]] | None = None,
+              grammar: tuple[list[PathStates | None], list[list[list[int]] | None]] | None = None,
               race: tuple[RaceBatch, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """draft hidden [R, h] -> top-k (probabilities [R, k] float32, TARGET token ids [R, k] int64); k defaults
         to the configured topk (what the per-request state keeps). scale (``_score_scale``): logits are multiplied
         by it before the softmax; the top-k ids are the same either way, only their probabilities (the scores the
-        tree is ranked by) change. grammar: (reqs, paths) for structured outputs (``_grammar_ban``): the tokens a
+        tree is ranked by) change. grammar: (walks, paths) for structured outputs (``_grammar_ban``): the tokens a
         request's grammar forbids after a row's path are never drafted (they could never be accepted). race:
         (sampled requests, draft level, rows per request): their rows are scored with their verification's noise
         at that level (``RaceRows.scores``)."""
@@ -236,25 +237,26 @@ class EagleProposer(Proposer):
             p, ids = probs.topk(k or self.topk, dim=-1)
         return p, (ids if to_target is None else to_target[ids])
 
-    def _grammar_ban(self, reqs, paths: list[list[list[int]] | None], to_target: torch.Tensor | None,
-                     shape: torch.Size) -> torch.Tensor | None:
+    def _grammar_ban(self, walks: list[PathStates | None], paths: list[list[list[int]] | None],
+                     to_target: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
         """bool [R, Vd] draft-vocabulary bans for rows laid out request-major, R / B rows per request: request b's
-        rows follow its ``paths[b]`` from its grammar's current state (None: a request without a grammar, nothing
-        banned). None when no request has a grammar."""
-        if all(p is None for p in paths):
+        rows follow its ``paths[b]`` from its grammar's state (``walks[b]``; None: a request without a grammar,
+        nothing banned). None when no request has a grammar. One bitmask and one ban for the whole batch."""
+        grammar = [b for b, w in enumerate(walks) if w is not None]
+        if not grammar:
             return None
-        rows_per_req = shape[0] // len(reqs)
-        ban = torch.zeros(shape, dtype=torch.bool, device=self.device)  # [R, Vd]
-        vocab = self.runner.spec.vocab_size
-        with next(r for r, p in zip(reqs, paths, strict=True) if p is not None).grammar.stats.masking():
-            for b, (req, req_paths) in enumerate(zip(reqs, paths, strict=True)):
-                if req_paths is None:
-                    continue
-                bitmask, accepting = path_rows(req.grammar, req_paths, req.stop_ids)
-                target_ban = ban_mask(bitmask, accepting, [req.stop_ids] * len(req_paths), vocab, self.device)
+        rows_per_req = shape[0] // len(walks)
+        first = walks[grammar[0]].matcher
+        with first.stats.masking():
+            bitmask = new_bitmask(shape[0], first.vocab_size)  # [R, W] all allowed: rows without a grammar
+            accepting, stops = [False] * shape[0], [set()] * shape[0]
+            for b in grammar:
+                assert len(paths[b]) == rows_per_req
                 rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
-                ban[rows] = target_ban if to_target is None else target_ban[:, to_target]
-        return ban
+                accepting[rows] = walks[b].fill(paths[b], bitmask, b * rows_per_req)
+                stops[rows] = [walks[b].stop_ids] * rows_per_req
+            ban = ban_mask(bitmask, accepting, stops, self.runner.spec.vocab_size, self.device)  # [R, V]
+        return ban if to_target is None else ban[:, to_target]
 
     def _score_scale(self, reqs, rows_per_req: int) -> float | torch.Tensor | None:
         """The factor each draft row's logits are scaled by before scoring: 1 / --speculative-draft-score-temperature
@@ -350,19 +352,22 @@ class EagleProposer(Proposer):
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
         root_p = torch.stack([s.topk_p for s in states])[:, :K]  # [B, K] stored top-K are sorted
         root_ids = torch.stack([s.topk_ids for s in states])[:, :K]
-        grammar = [b for b, r in enumerate(reqs) if r.grammar is not None] if self.grammar_aware else []
-        if grammar:  # structured outputs: the root's children again, over what each grammar allows now
+        # structured outputs: each grammar's states along this drafting's paths (None: a request without one)
+        walks = [PathStates(r.grammar, r.stop_ids) if r.grammar is not None and self.grammar_aware else None
+                 for r in reqs]
+        grammar = [b for b, w in enumerate(walks) if w is not None]
+        if grammar:  # the root's children again, over what each grammar allows now
             with torch.inference_mode():
                 p, ids = self._topk(torch.stack([states[b].hidden for b in grammar]), K,
                                     self._score_scale([reqs[b] for b in grammar], 1),
-                                    ([reqs[b] for b in grammar], [[[]] for _ in grammar]))
+                                    ([walks[b] for b in grammar], [[[]] for _ in grammar]))
             root_p, root_ids = root_p.clone(), root_ids.clone()
             root_p[grammar], root_ids[grammar] = p, ids
         race = RaceBatch.of(reqs, S) if self.couples else None
         if race is not None:  # sampled requests: the root's children again, ranked with their position's noise
             with torch.inference_mode():
                 p, ids = self._topk(torch.stack([s.hidden for s in states]), K, None,
-                                    (reqs, [[[]] if r.grammar is not None else None for r in reqs])
+                                    (walks, [None if w is None else [[]] for w in walks])
                                     if grammar else None, (race, 0, 1))
             root_p, root_ids = root_p.clone(), root_ids.clone()
             root_p[race.rows], root_ids[race.rows] = p[race.rows], ids[race.rows]
@@ -373,13 +378,15 @@ class EagleProposer(Proposer):
             live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
             self.draft_trees += 1
             with torch.inference_mode():
-                self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1, race)
+                self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1, race,
+                                                          walks)
         return cands.select(roots, N, distinct=self.distinct_ids)
 
     def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int,
-                      keep: int, race: RaceBatch | None = None) -> int:
+                      keep: int, race: RaceBatch | None = None, walks: list[PathStates | None] | None = None) -> int:
         """Levels 1 .. S-1: one draft forward each over the K live branches of every request, until the kept set
         of `keep` candidates can no longer change (or is confident enough: ``drafting_can_stop``).
+        walks: each request's grammar states (``PathStates``; None, or a None entry: no grammar to draft under).
         -> the number of draft forwards run."""
         dev, B = self.device, len(reqs)
         h_dim = live_hidden.shape[-1]
@@ -395,9 +402,9 @@ class EagleProposer(Proposer):
         eye = torch.eye(K, dtype=torch.bool, device=dev).expand(B, K, K)
         scale = self._score_scale(reqs, K)
         # structured outputs: each live branch's tokens after the root, per request with a grammar (None: without)
-        paths = [[[t] for t in live_tokens[b].tolist()] if r.grammar is not None and self.grammar_aware else None
-                 for b, r in enumerate(reqs)]
-        grammar = (reqs, paths) if any(p is not None for p in paths) else None
+        walks = walks or [None] * B
+        paths = [None if w is None else [[t] for t in live_tokens[b].tolist()] for b, w in enumerate(walks)]
+        grammar = (walks, paths) if any(w is not None for w in walks) else None
         try:
             for j in range(1, S):
                 if cands.can_stop(keep, self.stop_threshold):
@@ -415,7 +422,7 @@ class EagleProposer(Proposer):
                 live_tokens = child_ids.view(B, K * K).gather(1, best)
                 if grammar is not None:
                     paths = _extend_paths(paths, branch, live_tokens)
-                    grammar = (reqs, paths)
+                    grammar = (walks, paths)
                 live_hidden = out_hidden.gather(1, branch.unsqueeze(-1).expand(B, K, h_dim))
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:

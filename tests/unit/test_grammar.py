@@ -12,7 +12,15 @@ from transformers import AutoTokenizer
 from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import demo_path
 from specserve.grammar import GrammarError, GrammarSpec, Matcher, make_grammar_backend, new_bitmask
-from specserve.grammar.masks import allowed_tokens, ban_mask, fill_rows, jump_forward, path_rows, single_token
+from specserve.grammar.masks import (
+    PathStates,
+    allowed_tokens,
+    ban_mask,
+    fill_rows,
+    jump_forward,
+    path_rows,
+    single_token,
+)
 
 BACKENDS = ["llguidance", "xgrammar"]
 
@@ -285,6 +293,28 @@ def test_path_rows_follow_each_path_and_empty_refused_ones():
     bm, accepting = path_rows(m, [[], [1], [1, 3], [5], [6], [1, 0]], stop_ids={0})
     assert rows_as_sets(bm, 8) == [{1, 5}, {2, 3}, {4}, {0}, set(), set()]  # [6] refused, [1, 0] through a stop id
     assert accepting == [False, False, False, True, False, False] and m.path == []
+
+
+def test_path_states_walk_each_path_once_from_its_parent():
+    forks = []
+
+    class Counting(WordsMatcher):
+        def fork(self):
+            forks.append(tuple(self.path))
+            twin = Counting(self.words, self.vocab_size)
+            twin.path = list(self.path)
+            return twin
+
+    m = Counting([[1, 2, 7], [1, 3, 4], [5]])
+    walks = PathStates(m, stop_ids={0})
+    levels = [[[1], [5]], [[1, 2], [1, 3], [5, 0]], [[1, 2, 7], [1, 3, 4], [1, 3, 6]]]
+    for paths in levels:  # the drafter's order: each level one token deeper
+        bitmask = torch.full((len(paths), 1), -1, dtype=torch.int32)
+        walks.fill(paths, bitmask, 0)
+        expected, _ = path_rows(WordsMatcher(m.words), paths, stop_ids={0})  # walked from the root
+        assert rows_as_sets(bitmask, 8) == rows_as_sets(expected, 8)
+    # one fork per new path (none through the stop id 0), from its parent path's state
+    assert forks == [(), (), (1,), (1,), (1, 2), (1, 3), (1, 3)] and m.path == []
 
 
 def test_stats_count_compiles_on_cache_misses_and_time_masking(backend):
