@@ -16,8 +16,9 @@ tokens a grammar forces appended to the draft tree), without jump-forward (``--d
 as other engines do it, drafting blind to the grammar with only verification masking it (``nojf`` plus
 ``--disable-grammar-aware-drafting``); the last two constrained only. All three produce the same outputs, so their
 accept lengths compare on the same text. Tokens/s is completion tokens over the round's summed wall time, the
-median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify step), the same without the
-grammar-forced tokens ("drafted"), and the forced tokens accepted per verify step.
+median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round by round. EAGLE-3 rows add
+the accept length (completion tokens per verify step), the same without the grammar-forced tokens ("drafted"), and
+the forced tokens accepted per verify step.
 
     python benchmarks/bench_structured.py --rounds 3 [--model smollm2]
 """
