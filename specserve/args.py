@@ -23,6 +23,7 @@ ALIASES = {
     "mem_fraction_static": ["--mem-fraction", "--mem-frac"],
     "speculative_draft_model_path": ["--speculative-draft-model"],
     "tp_size": ["--tp"],
+    "dp_size": ["--dp", "--data-parallel-size"],
 }
 
 

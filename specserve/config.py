@@ -31,6 +31,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")  # --load-balance-method (SGLang's names)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # SGLang's --attention-backend values for its GPU kernel libraries, which are not part of specserve: accepted (with
 # a warning) and run on the default backend. specserve's own are ``specserve.attention.backend.ATTENTION_BACKENDS``.
@@ -162,6 +163,13 @@ class ServerArgs:
     dist_init_addr: str | None = field(default=None, metadata={
         "help": "host:port where the ranks meet (node 0's address; required with --nnodes > 1; default: a free "
                 "local port)."})
+    dp_size: int = field(default=1, metadata={
+        "help": "Data parallelism: engine replicas in this server, each a worker process with its own model copy, KV "
+                "cache and scheduler; requests go to one of them by --load-balance-method. On CPU each replica gets "
+                "its own share of the cores (and --tp-size ranks within it)."})
+    load_balance_method: str = field(default="round_robin", metadata={
+        "help": "How requests are spread over --dp-size replicas: round_robin, or shortest_queue (the replica with "
+                "the fewest requests in flight). A request's parallel samples (n) stay on one replica."})
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for torch, fixed. Default: the CPUs this process may use (affinity mask, cgroup CPU "
                 "quota), lowered while other processes keep cores busy and raised again when they stop."})
@@ -320,6 +328,10 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        require_positive(self, "dp_size")
+        require_choice(self, "load_balance_method", LOAD_BALANCE_METHODS)
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ConfigError("--dp-size > 1 runs its replicas on one node; it cannot be combined with --nnodes > 1")
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ConfigError("--enable-torch-compile is not supported with --tp-size > 1 (the sharded forward's "
                               "collectives run eagerly)")

@@ -423,6 +423,8 @@ def server_info(args: ServerArgs, state: dict, private: bool = True) -> dict:
     private=False hides paths and pids too (a server's non-admin callers)."""
     from specserve.version import __version__
 
+    state = dict(state)
+    replicas = state.pop("dp_states", None)  # --dp-size > 1: each replica's state, SGLang's internal_states
     shown = {**dataclasses.asdict(args), **state}
     for name in SECRET_FIELDS:
         if shown.get(name) is not None:
@@ -432,7 +434,8 @@ def server_info(args: ServerArgs, state: dict, private: bool = True) -> dict:
             if shown.get(name) is not None:
                 shown[name] = HIDDEN
         state = {k: shown[k] for k in state}
-    return {**shown, "internal_states": [state], "version": __version__}
+        replicas = replicas and [{k: HIDDEN if k in PRIVATE_FIELDS else v for k, v in r.items()} for r in replicas]
+    return {**shown, "internal_states": replicas or [state], "version": __version__}
 
 
 def _server_info(s: Scheduler) -> dict:

@@ -3,8 +3,10 @@
 ``RequestManager`` owns the tokenizer (with the chat template), the ``RequestFactory`` shared with the
 offline Engine, and the model worker process. Endpoints turn a request into prepared requests (on a
 tokenizer thread, off the event loop), ``submit`` them as one ``Job``, then either await the results or
-iterate the job's chunks. Outputs arrive from the worker on a reader thread and are routed on the event
-loop; detokenization happens when a job's consumer applies them, so the model loop never waits for text.
+iterate the job's chunks. Outputs arrive from the worker on a reader thread and are routed on the event loop;
+detokenization happens when a job's consumer applies them, so the model loop never waits for text. With --dp-size N
+there are N worker processes (replicas): each job goes to one of them (``replicas.Balancer``), and their runtime
+states are reported merged (``replicas.merge_states``).
 
 Admission: with ``--max-queued-requests`` set, at most max-running + max-queued samples may be in flight;
 beyond that ``submit`` raises ``Overloaded`` at once (the endpoint answers 503). The same check runs before a
@@ -41,6 +43,7 @@ from specserve.request import ReqOutput
 from specserve.request_limits import RequestLimits
 from specserve.server import openai_format as fmt
 from specserve.server.metrics import ServerMetrics
+from specserve.server.replicas import Balancer, merge_states
 from specserve.server.worker import ReqSpec
 from specserve.server.worker_client import WorkerProcess
 from specserve.tools.formats import detect_parser, tool_call_format
@@ -134,13 +137,17 @@ class RequestManager:
         """Starts the model worker and loads the tokenizer meanwhile; blocks until the model is loaded."""
         self.args = args
         self.served_model_name = served_model_name(args)
-        self.worker = WorkerProcess(args)
+        self.workers = [WorkerProcess(args, i) for i in range(args.dp_size)]  # loading side by side
         try:
             self.tokenizer = self._load_tokenizer()
-            self.info = self.worker.wait_ready(WORKER_START_TIMEOUT_S)
+            infos = [w.wait_ready(WORKER_START_TIMEOUT_S) for w in self.workers]
         except BaseException:
-            self.worker.kill()
+            for w in self.workers:
+                w.kill()
             raise
+        self.info = {**infos[0], "max_running_requests": sum(i["max_running_requests"] for i in infos),
+                     "max_total_tokens": sum(i["max_total_tokens"] for i in infos)}
+        self.balancer = Balancer(len(self.workers), args.load_balance_method)
         self.context_len: int = self.info["context_length"]
         self.factory = RequestFactory(self.tokenizer, self.info["vocab_size"], self.context_len,
                                       set(self.info["eos_token_ids"]), args.random_seed, torch.device("cpu"))
@@ -157,7 +164,7 @@ class RequestManager:
         self.worker_alive = True
         self.worker_failed = False  # the worker died while the server was not stopping it
         self.on_worker_exit: Callable[[], Any] | None = None
-        self._routes: dict[str, tuple[Job, int]] = {}  # sample rid -> (job, index)
+        self._routes: dict[str, tuple[Job, int, int]] = {}  # sample rid -> (job, index, replica)
         self._jobs: dict[str, Job] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -180,7 +187,8 @@ class RequestManager:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Binds to the server's event loop and starts reading the worker's messages."""
         self.loop = loop
-        self.worker.start_reader(self._from_reader, self._reader_exited)
+        for w in self.workers:
+            w.start_reader(self._from_reader, lambda w=w: self._reader_exited(w))
 
     def start_draining(self) -> None:
         """Refuse new requests and cut short bodies still arriving; in-flight requests run on."""
@@ -189,9 +197,10 @@ class RequestManager:
 
     async def shutdown(self) -> None:
         self.start_draining()
-        code = await asyncio.to_thread(self.worker.stop)
+        codes = await asyncio.gather(*(asyncio.to_thread(w.stop) for w in self.workers))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        logger.info("model worker stopped (exit code %s)", code)
+        logger.info("model worker%s stopped (exit code %s)", "s" if len(codes) > 1 else "",
+                    ", ".join(str(c) for c in codes))
 
     @property
     def num_inflight(self) -> int:
@@ -212,10 +221,12 @@ class RequestManager:
             raise RequestError(f"a request with rid {rid!r} is already running", "rid")
         job = Job(rid, key, prepared, stream, self.run_in_tokenizer)
         self._jobs[key] = job
+        replica = self.balancer.pick()  # every sample of the job: they share the prompt's KV there
         for i, p in enumerate(prepared):
-            self._routes[p.req.rid] = (job, i)
+            self._routes[p.req.rid] = (job, i, replica)
             p.req.stream = stream  # a non-streaming job reads only finished results (Req.stream)
-        self.worker.send(("add", [ReqSpec.from_req(p.req) for p in prepared]))
+        self.balancer.inflight[replica] += len(prepared)
+        self.workers[replica].send(("add", [ReqSpec.from_req(p.req) for p in prepared]))
         return job
 
     def check_room(self, n: int) -> None:
@@ -239,37 +250,43 @@ class RequestManager:
         admin). -> the number of samples aborted (0: nothing of the caller's is running under that rid)."""
         if any_owner:
             jobs = [j for j in self._jobs.values() if j.rid == rid]
-            samples = [r for r, (j, i) in self._routes.items() if j.states[i].rid == rid]
+            samples = [r for r, (j, i, _) in self._routes.items() if j.states[i].rid == rid]
         else:
             job = self._jobs.get(scoped(owner, rid))
             jobs = [job] if job is not None else []
             samples = [scoped(owner, rid)] if scoped(owner, rid) in self._routes else []
         rids = {r for j in jobs for r in j.rids if r in self._routes} | set(samples)
         for r in rids:
-            self.worker.send(("abort", r))
+            self._send_abort(r)
         return len(rids)
 
     def abort_job(self, job: Job) -> None:
         """Aborts what is still running of a job (its client left)."""
         for r in job.rids:
             if r in self._routes:
-                self.worker.send(("abort", r))
+                self._send_abort(r)
 
     def abort_all(self) -> int:
         rids = list(self._routes)
         for r in rids:
-            self.worker.send(("abort", r))
+            self._send_abort(r)
         return len(rids)
 
-    async def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
-        """Runs a named query on the worker's loop thread ("server_info", "flush_cache")."""
+    def _send_abort(self, rid: str) -> None:
+        self.workers[self._routes[rid][2]].send(("abort", rid))
+
+    async def call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> list[Any]:
+        """Runs a named query on every replica's loop thread ("server_info", "flush_cache") -> their answers."""
         if not self.worker_alive:
             raise RuntimeError("the model worker is not running")
+        return list(await asyncio.gather(*(self._call(w, name, timeout) for w in self.workers)))
+
+    async def _call(self, worker: WorkerProcess, name: str, timeout: float) -> Any:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self.worker.send(("call", call_id, name))
+            worker.send(("call", call_id, name))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -307,9 +324,9 @@ class RequestManager:
         except RuntimeError:  # the event loop is closed: shutting down
             pass
 
-    def _reader_exited(self) -> None:  # reader thread
+    def _reader_exited(self, worker: WorkerProcess) -> None:  # reader thread
         try:
-            self.loop.call_soon_threadsafe(self._on_worker_exit)
+            self.loop.call_soon_threadsafe(self._on_worker_exit, worker)
         except RuntimeError:
             pass
 
@@ -329,23 +346,28 @@ class RequestManager:
             route = self._routes.get(out.rid)
             if route is None:
                 continue
-            job, index = route
+            job, index, replica = route
             if self.metrics is not None:
                 self.metrics.on_output(out, job.created, now)
             job.push(index, out)
             if out.finished_reason is not None:
                 del self._routes[out.rid]
+                self.balancer.inflight[replica] -= 1
                 if job.done.is_set():
                     self._jobs.pop(job.key, None)
 
-    def _on_worker_exit(self) -> None:
-        """The worker is gone: fail every open request and its pending calls."""
+    def _on_worker_exit(self, worker: WorkerProcess) -> None:
+        """A worker is gone: fail every open request and pending call (with --dp-size, the other replicas' too: the
+        server stops, as with one worker)."""
+        if not self.worker_alive:
+            return  # another replica's exit already did it
         self.worker_alive = False
         if not self.draining:
             self.worker_failed = True  # the server exits with code 1
-            logger.error("the model worker exited unexpectedly (exit code %s)", self.worker.proc.poll())
+            replica = f" (replica {worker.replica} of {len(self.workers)})" if len(self.workers) > 1 else ""
+            logger.error("the model worker%s exited unexpectedly (exit code %s)", replica, worker.proc.poll())
         reason = {"type": "abort", "message": "the model worker exited"}
-        for rid, (job, _) in list(self._routes.items()):
+        for rid, (job, *_) in list(self._routes.items()):
             state = job.states[job.rids.index(rid)]
             self._route([ReqOutput(rid, [], reason, state.prompt_tokens, len(state.output_ids), 0)])
         for fut in self._calls.values():
@@ -356,8 +378,14 @@ class RequestManager:
 
     # ------------------------------------------------------------------ info
     async def server_info(self) -> dict:
-        state = await self.call("server_info")
-        return {**state, "num_inflight_reqs": self.num_inflight, "draining": self.draining}
+        """The runtime state: the replicas' merged (``merge_states``), each replica's under "dp_states" when there
+        are several."""
+        states = await self.call("server_info")
+        extra = {"num_inflight_reqs": self.num_inflight, "draining": self.draining}
+        merged = {**merge_states(states), **extra}
+        if len(states) > 1:
+            merged["dp_states"] = [{**s, "dp_rank": i} for i, s in enumerate(states)]
+        return merged
 
 
 def served_model_name(args: ServerArgs) -> str:

@@ -163,8 +163,8 @@ async def get_model_info(request: Request) -> dict:
 @router.get("/get_server_info", **documented(errors=(401,)))
 async def get_server_info(request: Request) -> dict:
     """Server arguments (secrets hidden; paths and pids shown to the admin only) and the worker's runtime state.
-    The state is also under "internal_states" (a one-element list) where SGLang clients look for e.g.
-    avg_spec_accept_length."""
+    The state is also under "internal_states" (one element per --dp-size replica) where SGLang clients look for
+    e.g. avg_spec_accept_length."""
     m = _manager(request)
     return server_info(m.args, await m.server_info(), private=caller(request).admin)
 
@@ -174,7 +174,7 @@ async def get_server_info(request: Request) -> dict:
 @router.post("/flush_cache", response_class=Response, **documented(errors=(400, 401, 403)))
 async def flush_cache(request: Request) -> Response:
     require_admin(request, "flushing the cache")
-    if not await _manager(request).call("flush_cache"):
+    if not all(await _manager(request).call("flush_cache")):
         raise APIError(400, "the cache was not flushed: requests are running or queued; retry when idle",
                        code="busy")
     return Response("Cache flushed.\n", status_code=200)

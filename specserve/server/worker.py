@@ -1,7 +1,8 @@
 """The model worker: the scheduler loop in its own process, so the model never blocks the HTTP front end.
 
-Started by the server as ``python -m specserve.server.worker FD`` where FD is its end of a socket pair
-(``multiprocessing.connection.Connection``). It runs the very ``Scheduler`` and ``SchedulerLoop`` the
+Started by the server as ``python -m specserve.server.worker FD REPLICA`` where FD is its end of a socket pair
+(``multiprocessing.connection.Connection``) and REPLICA its index among --dp-size replicas (pinned to its share of
+the CPUs when there are several). It runs the very ``Scheduler`` and ``SchedulerLoop`` the
 offline Engine uses; only delivery differs: each step's outputs go back as one message.
 
 Messages (small picklable tuples):
@@ -37,6 +38,7 @@ import torch
 from specserve.config import ServerArgs
 from specserve.engine import SchedulerLoop, _server_info, build_scheduler, grammar_backend, load_tokenizer
 from specserve.models.loader import dtype_name
+from specserve.parallel.ranks import pin
 from specserve.request import Req, ReqOutput
 from specserve.sampling.detokenizer import StopChecker
 from specserve.sampling.params import SamplingParams
@@ -167,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group (Ctrl-C, systemd stop, timeout)
         signal.signal(sig, signal.SIG_IGN)     # must not cut in-flight requests: the server drains, then stops us
     args: ServerArgs = conn.recv()
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    replica = int(argv[1]) if len(argv) > 1 else 0
+    share = pin(replica, args.dp_size) if args.dp_size > 1 else None  # before torch sizes its threads; TP ranks
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)  # split this share between them
     logging.getLogger("specserve").setLevel(args.log_level.upper())
+    if share is not None:
+        logger.info("replica %d of %d pinned to CPUs %s", replica, args.dp_size, share)
     send = _Sender(conn)
     try:
         scheduler = build_scheduler(args)

@@ -23,11 +23,14 @@ class WorkerStartError(RuntimeError):
 
 
 class WorkerProcess:
-    def __init__(self, args: ServerArgs) -> None:
-        """Starts ``python -m specserve.server.worker`` and sends it the configuration (returns at once)."""
+    def __init__(self, args: ServerArgs, replica: int = 0) -> None:
+        """Starts ``python -m specserve.server.worker`` (replica `replica` of --dp-size) and sends it the
+        configuration (returns at once)."""
         ours, theirs = socket.socketpair()
         fd = theirs.fileno()
-        self.proc = subprocess.Popen([sys.executable, "-m", "specserve.server.worker", str(fd)], pass_fds=[fd])
+        self.replica = replica
+        self.proc = subprocess.Popen([sys.executable, "-m", "specserve.server.worker", str(fd), str(replica)],
+                                     pass_fds=[fd])
         theirs.close()
         self.conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
