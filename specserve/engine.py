@@ -234,6 +234,9 @@ class Engine:
         args = ServerArgs.from_kwargs(model_path=model_path, **kwargs).validate()
         if args.model_path is None:
             raise ConfigError("--model-path is required")
+        if args.dp_size > 1:
+            raise ConfigError("--dp-size > 1 starts replicas in the server (specserve serve); the offline Engine is "
+                              "one replica: make one Engine per replica instead")
         logging.getLogger("specserve").setLevel(args.log_level.upper())
         self.server_args = args
         self.scheduler = build_scheduler(args)

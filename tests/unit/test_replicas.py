@@ -50,3 +50,10 @@ def test_one_replica_state_is_left_as_it_is():
 def test_bad_data_parallel_flags_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
         ServerArgs(model_path="x", **flags).validate()
+
+
+def test_the_offline_engine_refuses_replicas():
+    from specserve import Engine
+
+    with pytest.raises(ConfigError, match="--dp-size"):
+        Engine(model_path="demo", dp_size=2)
