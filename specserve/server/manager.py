@@ -145,8 +145,9 @@ class RequestManager:
             for w in self.workers:
                 w.kill()
             raise
-        self.info = {**infos[0], "max_running_requests": sum(i["max_running_requests"] for i in infos),
-                     "max_total_tokens": sum(i["max_total_tokens"] for i in infos)}
+        # one replica's model info; the requests the server runs at once: all replicas' (a request's limits stay
+        # one replica's: it runs on one)
+        self.info = {**infos[0], "max_running_requests": sum(i["max_running_requests"] for i in infos)}
         self.balancer = Balancer(len(self.workers), args.load_balance_method)
         self.context_len: int = self.info["context_length"]
         self.factory = RequestFactory(self.tokenizer, self.info["vocab_size"], self.context_len,
