@@ -24,7 +24,7 @@ def model(model_factory):
 @pytest.fixture(scope="module")
 def dp2(model, tmp_path_factory):
     s = start_server(model, str(tmp_path_factory.mktemp("dp-server") / "dp2.log"), "--dtype", "float32",
-                     "--dp-size", "2")
+                     "--dp-size", "2", "--enable-metrics")
     yield s
     terminate_process(s.proc)
 
@@ -82,6 +82,16 @@ def test_dp2_a_seeded_request_draws_the_same_tokens_on_either_replica(dp2):
     after = [r["generated_tokens"] for r in dp2.info()["internal_states"]]
     assert [a - b for a, b in zip(after, before, strict=True)] == [8, 8]  # one on each replica (round robin)
     assert texts[0] == texts[1]
+
+
+def test_dp2_metrics_export_the_replicas_merged(dp2):
+    import requests
+
+    replicas = dp2.info()["internal_states"]
+    body = requests.get(dp2.url + "/metrics", timeout=60).text
+    gauges = {line.split()[0]: float(line.split()[1]) for line in body.splitlines() if line.startswith("specserve:")}
+    assert gauges["specserve:generated_tokens"] == sum(r["generated_tokens"] for r in replicas)
+    assert gauges["specserve:dp_size"] == 2
 
 
 def test_dp2_flush_cache_reaches_every_replica(dp2):
