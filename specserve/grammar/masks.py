@@ -87,15 +87,6 @@ class PathStates:
         return accepting
 
 
-def path_rows(matcher: Matcher, paths: list[list[int]], stop_ids: set[int]) -> tuple[torch.Tensor, list[bool]]:
-    """One row per path from the matcher's state -> (int32 [P, W] bitmask, accepting [P]): row p allows what the
-    grammar allows after ``paths[p]``. A path the grammar refuses (or that goes through a stop id or the grammar's
-    own stop token) gets an empty row (nothing allowed). The matcher is left untouched (the walks run on forks).
-    (One drafting's paths: ``PathStates``.)"""
-    bitmask = new_bitmask(len(paths), matcher.vocab_size)
-    return bitmask, PathStates(matcher, stop_ids).fill(paths, bitmask, 0)
-
-
 def single_token(row: torch.Tensor) -> int | None:
     """The one token an int32 bitmask row [W] allows, or None when it allows none or several."""
     words = row.nonzero()

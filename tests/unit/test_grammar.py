@@ -18,7 +18,6 @@ from specserve.grammar.masks import (
     ban_mask,
     fill_rows,
     jump_forward,
-    path_rows,
     single_token,
 )
 
@@ -288,9 +287,10 @@ def test_a_tokenizer_the_engine_cannot_use_fails_the_request_not_the_start(name)
         backend.compile(GrammarSpec.from_field("regex", "a"))
 
 
-def test_path_rows_follow_each_path_and_empty_refused_ones():
+def test_path_states_fill_each_paths_row_and_empty_refused_ones():
     m = WordsMatcher([[1, 2], [1, 3, 4], [5]])
-    bm, accepting = path_rows(m, [[], [1], [1, 3], [5], [6], [1, 0]], stop_ids={0})
+    bm = new_bitmask(6, 8)
+    accepting = PathStates(m, stop_ids={0}).fill([[], [1], [1, 3], [5], [6], [1, 0]], bm, 0)
     assert rows_as_sets(bm, 8) == [{1, 5}, {2, 3}, {4}, {0}, set(), set()]  # [6] refused, [1, 0] through a stop id
     assert accepting == [False, False, False, True, False, False] and m.path == []
 
@@ -308,11 +308,12 @@ def test_path_states_walk_each_path_once_from_its_parent():
     m = Counting([[1, 2, 7], [1, 3, 4], [5]])
     walks = PathStates(m, stop_ids={0})
     levels = [[[1], [5]], [[1, 2], [1, 3], [5, 0]], [[1, 2, 7], [1, 3, 4], [1, 3, 6]]]
-    for paths in levels:  # the drafter's order: each level one token deeper
-        bitmask = torch.full((len(paths), 1), -1, dtype=torch.int32)
+    # what the words allow after each path (0 where a word is complete; nothing after a stop id or a refused path)
+    expected = [[{2, 3}, {0}], [{7}, {4}, set()], [{0}, {0}, set()]]
+    for paths, rows in zip(levels, expected, strict=True):  # the drafter's order: each level one token deeper
+        bitmask = new_bitmask(len(paths), 8)
         walks.fill(paths, bitmask, 0)
-        expected, _ = path_rows(WordsMatcher(m.words), paths, stop_ids={0})  # walked from the root
-        assert rows_as_sets(bitmask, 8) == rows_as_sets(expected, 8)
+        assert rows_as_sets(bitmask, 8) == rows
     # one fork per new path (none through the stop id 0), from its parent path's state
     assert forks == [(), (), (1,), (1,), (1, 2), (1, 3), (1, 3)] and m.path == []
 
