@@ -222,11 +222,10 @@ class RequestManager:
             raise RequestError(f"a request with rid {rid!r} is already running", "rid")
         job = Job(rid, key, prepared, stream, self.run_in_tokenizer)
         self._jobs[key] = job
-        replica = self.balancer.pick()  # every sample of the job: they share the prompt's KV there
+        replica = self.balancer.pick(len(prepared))  # every sample of the job: they share the prompt's KV there
         for i, p in enumerate(prepared):
             self._routes[p.req.rid] = (job, i, replica)
             p.req.stream = stream  # a non-streaming job reads only finished results (Req.stream)
-        self.balancer.inflight[replica] += len(prepared)
         self.workers[replica].send(("add", [ReqSpec.from_req(p.req) for p in prepared]))
         return job
 
@@ -353,7 +352,7 @@ class RequestManager:
             job.push(index, out)
             if out.finished_reason is not None:
                 del self._routes[out.rid]
-                self.balancer.inflight[replica] -= 1
+                self.balancer.finished(replica)
                 if job.done.is_set():
                     self._jobs.pop(job.key, None)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+from specserve.speculative.accept_stats import position_rates
+
 # additive fields of a worker's runtime state (scheduler.server_info): the server's figure is the replicas' sum
 SUMMED = frozenset({
     "max_total_tokens", "max_total_num_tokens", "max_running_requests", "num_running_reqs", "num_waiting_reqs",
@@ -34,19 +36,18 @@ def merge_states(states: list[dict]) -> dict:
         return dict(states[0])
     merged = dict(states[0])
     for key in merged:
-        values = [s[key] for s in states]
         if key in SUMMED:
-            merged[key] = _sum(values)
+            merged[key] = _sum([s[key] for s in states])
         elif key in MAXED:
-            merged[key] = max(values)
+            merged[key] = max(s[key] for s in states)
         elif key in WEIGHTED:
             weights = [s[WEIGHTED[key]] for s in states]
             total = sum(weights)
-            merged[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total if total else values[0]
-    if "spec_accepted_per_position" in merged:  # a rate per position: accepted at position k over verify steps
-        steps = merged["spec_verify_ct"]
-        merged["spec_accept_rate_per_position"] = [n / steps if steps else 0.0
-                                                   for n in merged["spec_accepted_per_position"]]
+            merged[key] = (sum(s[key] * w for s, w in zip(states, weights, strict=True)) / total if total
+                           else states[0][key])
+    if "spec_accepted_per_position" in merged:  # recomputed from the summed counts, as the scheduler computes it
+        merged["spec_accept_rate_per_position"] = position_rates(merged["spec_accepted_per_position"],
+                                                                 merged["spec_verify_ct"])
     merged["dp_size"] = len(states)
     return merged
 
@@ -60,14 +61,22 @@ def _sum(values: list):
 
 class Balancer:
     """Picks the replica of each new request: ``round_robin`` in turn, or ``shortest_queue``, the one with the
-    fewest samples in flight (the lowest index among equals). The manager counts samples in and out."""
+    fewest samples in flight (the lowest index among equals)."""
 
     def __init__(self, replicas: int, method: str) -> None:
         self.method = method
         self.inflight = [0] * replicas  # samples sent and not finished, per replica
         self._turn = itertools.cycle(range(replicas))
 
-    def pick(self) -> int:
+    def pick(self, samples: int) -> int:
+        """The replica that takes a request of `samples` samples (counted in flight there)."""
         if self.method == "shortest_queue":
-            return min(range(len(self.inflight)), key=lambda i: self.inflight[i])
-        return next(self._turn)
+            replica = min(range(len(self.inflight)), key=lambda i: self.inflight[i])
+        else:
+            replica = next(self._turn)
+        self.inflight[replica] += samples
+        return replica
+
+    def finished(self, replica: int) -> None:
+        """One sample on `replica` has finished."""
+        self.inflight[replica] -= 1

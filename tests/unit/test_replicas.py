@@ -8,15 +8,24 @@ from specserve.server.replicas import Balancer, merge_states
 
 def test_round_robin_takes_replicas_in_turn():
     b = Balancer(3, "round_robin")
-    assert [b.pick() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [b.pick(1) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_shortest_queue_takes_the_replica_with_fewest_in_flight():
     b = Balancer(3, "shortest_queue")
     b.inflight = [2, 0, 1]
-    assert b.pick() == 1
+    assert b.pick(1) == 1
     b.inflight = [1, 1, 1]
-    assert b.pick() == 0  # the lowest index among equals
+    assert b.pick(1) == 0  # the lowest index among equals
+
+
+def test_the_balancer_counts_samples_in_and_out():
+    b = Balancer(2, "shortest_queue")
+    assert b.pick(3) == 0 and b.inflight == [3, 0]  # a request of 3 samples
+    assert b.pick(1) == 1 and b.pick(1) == 1 and b.inflight == [3, 2]
+    b.finished(0)
+    b.finished(0)
+    assert b.inflight == [1, 2] and b.pick(1) == 0
 
 
 def test_merge_sums_counts_weighs_averages_and_keeps_configuration():
