@@ -29,6 +29,7 @@ from itertools import accumulate
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode
+from specserve.grammar.backend import new_bitmask
 from specserve.grammar.masks import ForcedTree, ban_mask, jump_forward
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import dtype_name
@@ -455,8 +456,7 @@ class SpecDecoder(DecodeStep):
         if not trees:
             return None
         B, N = tree.batch_size, tree.width
-        some = next(iter(trees.values()))
-        bitmask = torch.full((B * N, some.bitmask.shape[1]), -1, dtype=torch.int32)  # [B * N, W] all allowed
+        bitmask = new_bitmask(B * N, reqs[next(iter(trees))].grammar.vocab_size)  # [B * N, W] all allowed
         accepting, stops = [False] * (B * N), [set()] * (B * N)
         for b, t in trees.items():
             n = len(t.tokens)
