@@ -421,13 +421,12 @@ PRIVATE_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path"
 HIDDEN = "(hidden: admin key only)"
 
 
-def server_info(args: ServerArgs, state: dict, private: bool = True) -> dict:
-    """/server_info and Engine.get_server_info(): arguments (secrets hidden), then the runtime state.
+def server_info(args: ServerArgs, state: dict, private: bool = True, replicas: list[dict] | None = None) -> dict:
+    """/server_info and Engine.get_server_info(): arguments (secrets hidden), then the runtime state, again under
+    SGLang's "internal_states": `state` itself, or with --dp-size > 1 each replica's (`replicas`).
     private=False hides paths and pids too (a server's non-admin callers)."""
     from specserve.version import __version__
 
-    state = dict(state)
-    replicas = state.pop("dp_states", None)  # --dp-size > 1: each replica's state, SGLang's internal_states
     shown = {**dataclasses.asdict(args), **state}
     for name in SECRET_FIELDS:
         if shown.get(name) is not None:

@@ -377,15 +377,12 @@ class RequestManager:
             self.on_worker_exit()
 
     # ------------------------------------------------------------------ info
-    async def server_info(self) -> dict:
-        """The runtime state: the replicas' merged (``merge_states``), each replica's under "dp_states" when there
-        are several."""
+    async def server_info(self) -> tuple[dict, list[dict] | None]:
+        """-> (the runtime state: the replicas' merged, ``merge_states``; each replica's with its dp_rank, or None
+        with one replica)."""
         states = await self.call("server_info")
-        extra = {"num_inflight_reqs": self.num_inflight, "draining": self.draining}
-        merged = {**merge_states(states), **extra}
-        if len(states) > 1:
-            merged["dp_states"] = [{**s, "dp_rank": i} for i, s in enumerate(states)]
-        return merged
+        merged = {**merge_states(states), "num_inflight_reqs": self.num_inflight, "draining": self.draining}
+        return merged, [{**s, "dp_rank": i} for i, s in enumerate(states)] if len(states) > 1 else None
 
 
 def served_model_name(args: ServerArgs) -> str:

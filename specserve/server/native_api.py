@@ -166,7 +166,8 @@ async def get_server_info(request: Request) -> dict:
     The state is also under "internal_states" (one element per --dp-size replica) where SGLang clients look for
     e.g. avg_spec_accept_length."""
     m = _manager(request)
-    return server_info(m.args, await m.server_info(), private=caller(request).admin)
+    state, replicas = await m.server_info()
+    return server_info(m.args, state, private=caller(request).admin, replicas=replicas)
 
 
 # ---------------------------------------------------------------------------------------------- control
@@ -200,5 +201,5 @@ async def metrics(request: Request) -> Response:
     manager = _manager(request)
     if manager.metrics is None:
         raise APIError(404, "metrics are off; start the server with --enable-metrics", code="not_found")
-    body = manager.metrics.render(await manager.server_info())
+    body = manager.metrics.render((await manager.server_info())[0])
     return Response(body, media_type=CONTENT_TYPE_LATEST)
