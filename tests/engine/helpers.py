@@ -42,7 +42,8 @@ def assert_no_kv_leak(engine: Engine) -> None:
         free = s.kv.allocator.free_slots_sorted()
         cached = s.kv.tree.all_values()
         everything = torch.sort(torch.cat([free, cached])).values
-        assert torch.equal(everything, torch.arange(1, s.runner.max_total_tokens + 1)), "slot leak or double free"
+        want = torch.arange(1, s.runner.max_total_tokens + 1, device=everything.device)
+        assert torch.equal(everything, want), "slot leak or double free"
         assert s.kv.req_pool.available_size() == s.kv.req_pool.max_reqs
         return True
 
