@@ -21,6 +21,8 @@ Timing: decode tokens/s = D / (time of a request generating 1 + D tokens - time 
 1 token), so the prefill cancels out; forwards are timed alone for (b). Warm-ups first, then the median of
 ``--reps`` repetitions; ``torch.cuda.synchronize`` brackets every timed region on CUDA.
 
+``--enable-torch-compile`` compiles every engine's forwards (inductor), as the server's flag does.
+
 ``--shape tiny --device cpu`` runs the same code on a tiny model in seconds (the CI smoke test).
 """
 
@@ -82,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip", default="",
                    help="comma list of parts to skip: verify, simulated, eager (the plain row without CUDA graphs)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run every engine without CUDA graphs")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="every engine's forwards compiled with torch.compile (inductor), as the server's flag")
     ns = p.parse_args(argv)
     try:
         ns.verify_sizes = parse_int_list(ns.verify_sizes, "--verify-sizes")
@@ -159,7 +163,7 @@ def median_time(fn: Callable[[], object], device: torch.device, warmup: int, rep
 # ---------------------------------------------------------------------------------------------- engines
 def engine_kwargs(ns: argparse.Namespace, target: str, head: str | None = None, graphs: bool = True) -> dict:
     kw = dict(model_path=target, load_format="dummy", dtype=ns.dtype, device=ns.device, log_level="warning",
-              disable_cuda_graph=ns.disable_cuda_graph or not graphs,
+              disable_cuda_graph=ns.disable_cuda_graph or not graphs, enable_torch_compile=ns.enable_torch_compile,
               max_running_requests=1, disable_radix_cache=True, random_seed=ns.seed,
               context_length=ns.context + ns.decode_tokens + 16,
               max_total_tokens=ns.context + ns.decode_tokens + max(ns.verify_sizes) + 4 * ns.steps + 64)
@@ -268,7 +272,9 @@ def run_plain(ns, target: str, prompt: list[int], device: torch.device) -> tuple
     engine = Engine(**engine_kwargs(ns, target))
     try:
         graphs = engine.get_server_info().get("cuda_graph")  # "cuda", "emulate" or None
-        plain = _decode_row(engine, prompt, ns, device, "plain" + (f" (CUDA graphs: {graphs})" if graphs else ""))
+        compiled = ", torch.compile" if ns.enable_torch_compile else ""
+        plain = _decode_row(engine, prompt, ns, device,
+                            "plain" + (f" (CUDA graphs: {graphs}{compiled})" if graphs else compiled))
         verify = [] if "verify" in ns.skip else engine.loop.call(lambda s: measure_verify(s, ns, device))
     finally:
         release(engine)
@@ -276,7 +282,7 @@ def run_plain(ns, target: str, prompt: list[int], device: torch.device) -> tuple
     if graphs and "eager" not in ns.skip:
         engine = Engine(**engine_kwargs(ns, target, graphs=False))
         try:
-            rows.append(_decode_row(engine, prompt, ns, device, "plain, no CUDA graphs"))
+            rows.append(_decode_row(engine, prompt, ns, device, "plain, no CUDA graphs" + compiled))
         finally:
             release(engine)
         for r in rows:

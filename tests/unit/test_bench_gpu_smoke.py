@@ -58,6 +58,18 @@ def test_bench_gpu_graph_and_eager_rows(tmp_path, monkeypatch, capsys):
     assert "| vs no graphs |" in capsys.readouterr().out
 
 
+def test_bench_gpu_torch_compile_rows(tmp_path, monkeypatch):
+    """--enable-torch-compile reaches every engine (graphed and eager rows, named so)."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    out = tmp_path / "out"
+    argv = ["--shape", "tiny", "--device", "cpu", "--context", "24", "--decode-tokens", "16", "--reps", "2",
+            "--warmup", "1", "--skip", "verify,simulated", "--enable-torch-compile", "--out-dir", str(out)]
+    assert bench_gpu.engine_kwargs(bench_gpu.parse_args(argv), "t")["enable_torch_compile"] is True
+    assert bench_gpu.main(argv) == 0
+    modes = [r["mode"] for r in read_jsonl(str(out / "bench_gpu.jsonl")) if r["part"] == "decode"]
+    assert modes == ["plain (CUDA graphs: emulate, torch.compile)", "plain, no CUDA graphs, torch.compile"]
+
+
 @pytest.mark.parametrize("argv,flag", [(["--verify-sizes", "1,x"], "--verify-sizes"), (["--reps", "0"], "--reps"),
                                        (["--accept-lens", "0.5"], "--accept-lens"), (["--skip", "nope"], "--skip"),
                                        (["--shape", "70b"], "--shape")])
