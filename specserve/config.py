@@ -23,6 +23,7 @@ from specserve.flags import (
     require_positive,
 )
 from specserve.grammar.backend import DEFAULT_GRAMMAR_BACKEND, check_grammar_backend
+from specserve.models.quantize import parse_torchao_config
 from specserve.tools.formats import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,13 @@ class ServerArgs:
     stream_interval: int = field(default=1, metadata={
         "help": "A streamed request gets its new tokens every N tokens (non-streaming ones: once, at the finish)."})
     # --- speed ---
+    torchao_config: str = field(default="", metadata={
+        "help": "Weight-only quantization of the target's linears on CPU: int8wo, or int4wo-<group> with group 32, "
+                "64, 128 or 256 (SGLang's names; PyTorch's packed int8 / int4 matmuls for calls of a few rows, a "
+                "dequantized copy for larger ones). Empty: none."})
+    quantization: str | None = field(default=None, metadata={
+        "help": "SGLang's checkpoint quantization method. gguf: a GGUF checkpoint, dequantized to --dtype (for 4-bit "
+                "kernels add --torchao-config int4wo-32); other methods are not supported."})
     enable_torch_compile: bool = field(
         default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
     torch_compile_max_bs: int = field(
@@ -250,6 +258,7 @@ class ServerArgs:
         require_positive(self, "torch_compile_max_bs")
         require_positive(self, "cuda_graph_max_bs", allow_none=True)
         self._validate_sglang_only()
+        self._validate_quantization()
         require_positive(self, "num_threads", allow_none=True)
         self._validate_parallel()
         require_positive(self, "stream_interval")
@@ -292,6 +301,22 @@ class ServerArgs:
         if self.admin_api_key is not None and "," in self.admin_api_key:
             raise ConfigError("--admin-api-key takes one key")
 
+    def _validate_quantization(self) -> None:
+        try:
+            quant = parse_torchao_config(self.torchao_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.torchao_config = quant.name if quant else ""
+        if self.quantization is None:
+            return
+        self.quantization = self.quantization.lower()
+        if self.quantization != "gguf":
+            raise ConfigError(f"--quantization {self.quantization}: this checkpoint format is not supported; gguf "
+                              f"is (a GGUF file, dequantized), and --torchao-config int8wo / int4wo-<group> "
+                              f"quantizes a checkpoint's weights at load")
+        if not (self.model_path or "").endswith(".gguf") and self.load_format not in ("auto", "gguf"):
+            raise ConfigError(f"--quantization gguf needs a GGUF checkpoint; --load-format is {self.load_format}")
+
     def _validate_sglang_only(self) -> None:
         """Flags SGLang's launch commands pass whose GPU machinery specserve does not have: checked, then mapped onto
         what specserve does, with a warning wherever the request cannot be met as asked."""
@@ -332,6 +357,8 @@ class ServerArgs:
         require_choice(self, "load_balance_method", LOAD_BALANCE_METHODS)
         if self.dp_size > 1 and self.nnodes > 1:
             raise ConfigError("--dp-size > 1 runs its replicas on one node; it cannot be combined with --nnodes > 1")
+        if self.tp_size > 1 and self.torchao_config:
+            raise ConfigError("--torchao-config is not supported with --tp-size > 1")
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ConfigError("--enable-torch-compile is not supported with --tp-size > 1 (the sharded forward's "
                               "collectives run eagerly)")

@@ -21,6 +21,7 @@ from specserve.models.compile import CompileStats, compile_forward
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
+from specserve.models.quantize import parse_torchao_config, quantize_linears
 from specserve.parallel.ranks import Leader
 from specserve.platform import PlatformPolicy, platform_policy
 from specserve.speculative.registry import draft_memory, lookahead
@@ -59,6 +60,7 @@ class ModelRunner:
             tp=self.tp_leader.group if self.tp_leader is not None else None)
         self.dtype = next(self.model.parameters()).dtype
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._quantize()
         self.platform.pack_weights(self.model)
         # an SGLang GPU backend name was accepted with a warning at start-up: it runs on the default backend
         backend = args.attention_backend if args.attention_backend in ATTENTION_BACKENDS else None
@@ -93,6 +95,17 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------
+    def _quantize(self) -> None:
+        """--torchao-config: the target's linears -> weight-only int8 / int4 (``models/quantize.py``), before they
+        are packed (a quantized linear's dense copy is packed like any linear)."""
+        quant = parse_torchao_config(self.args.torchao_config)
+        if quant is None:
+            return
+        if self.device.type != "cpu":
+            raise ConfigError(f"--torchao-config {quant.name} runs on CPU only (PyTorch's CPU int8 / int4 kernels); "
+                              f"this engine runs on {self.device.type}")
+        quantize_linears(self.model, quant)
+
     def speed_up_forward(self, module: nn.Module) -> nn.Module:
         """Wrap module.forward(fb, *tensors) in the forward speed-ups in force: torch.compile, then CUDA graphs
         around the compiled forward. For the target's decoder stack and each proposer's draft modules."""

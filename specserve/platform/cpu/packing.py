@@ -162,7 +162,9 @@ def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
     calls when keep_plain); returns how many were packed."""
     def make(linear):
         packed = _pack(linear)
-        return None if packed is None else PackedLinear(linear, packed, keep_plain)
+        # a linear whose one-row calls go elsewhere (a quantized linear's dense copy) keeps no plain copy for them
+        keep = keep_plain and getattr(linear, "one_row_calls", True)
+        return None if packed is None else PackedLinear(linear, packed, keep)
 
     count = _replace_linears(model, PACKABLE_DTYPES, make)
     if count:
