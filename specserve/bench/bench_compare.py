@@ -5,6 +5,7 @@ in one run.
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
         [--only plain,llamacpp,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
         [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R] [--llamacpp-gguf FILE]
+        [--torchao-config int8wo|int4wo-<group>]
 
 Batch 1, greedy (temperature 0) unless ``--temperature`` samples, exactly ``--max-new-tokens`` per prompt on both
 sides (specserve ``ignore_eos``; transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same
@@ -15,6 +16,9 @@ through them (so drift of a shared machine hits all alike), each compared with i
     transformers assisted generation (the draft LM)  <- specserve EAGLE-3 (its head) and specserve STANDALONE (the
                                                         same draft LM); transformers cannot run an EAGLE-3 head
     transformers prompt lookup (N tokens)            <- specserve NGRAM
+    specserve plain decoding                         <- specserve plain decoding and EAGLE-3 of the target quantized
+                                                        by --torchao-config (rows quant, eagle3-quant; their greedy
+                                                        agreement with our unquantized plain decoding is reported)
 
 and every row with llama.cpp's plain decoding of the same model at 16-bit weights (``bench.llamacpp``: the target's
 GGUF file dequantized to F16), the CPU anchor; llama.cpp on the GGUF file itself (its own quantization) runs too.
@@ -44,7 +48,8 @@ import torch
 
 from specserve.bench.report import format_table, plot_bars, report_missing_extra, write_jsonl
 
-SELECTABLE = ("plain", "llamacpp", "assisted", "eagle3", "standalone", "lookup", "ngram")
+SELECTABLE = ("plain", "llamacpp", "assisted", "eagle3", "standalone", "lookup", "ngram", "quant", "eagle3-quant")
+QUANT_SELECT = ("quant", "eagle3-quant")  # the rows with --torchao-config's quantized target (need that flag)
 DTYPES = ("float32", "bfloat16")
 WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
 KV_MARGIN = 64  # KV slots beyond prompt + new tokens: room for a verify step's draft tokens (at least)
@@ -72,17 +77,21 @@ CONFIGS = (
     Config("ours_standalone", "specserve", "ours STANDALONE", "standalone", versus="hf_assisted", plain="ours_plain"),
     Config("hf_lookup", "transformers", "HF lookup", "lookup", plain="hf_plain"),
     Config("ours_ngram", "specserve", "ours NGRAM", "ngram", versus="hf_lookup", plain="ours_plain"),
+    # --torchao-config: plain decoding of the quantized target against the unquantized one, and EAGLE-3 over it
+    Config("ours_quant", "specserve", "ours plain, quantized", "quant", plain="ours_plain"),
+    Config("ours_eagle3_quant", "specserve", "ours EAGLE-3, quantized", "eagle3-quant", plain="ours_quant"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 ENGINE_ALGORITHM = {"ours_plain": None, "ours_eagle3": "EAGLE3", "ours_standalone": "STANDALONE",
-                    "ours_ngram": "NGRAM"}
+                    "ours_ngram": "NGRAM", "ours_quant": None, "ours_eagle3_quant": "EAGLE3"}
+QUANTIZED = {"ours_quant", "ours_eagle3_quant"}
 
 TABLE_COLUMNS = (
     ("label", "config", None), ("tokens", "tokens", None), ("seconds", "time (s)", ".2f"),
     ("tokens_per_s", "tok/s", ".1f"), ("ratio_vs_plain", "vs own plain", ".2f"),
     ("versus_label", "compared with", None), ("ratio_vs_versus", "vs transformers", ".2f"),
     ("ratio_vs_llamacpp", "vs llama.cpp 16-bit", ".2f"), ("accept_length", "accept len", ".2f"),
-    ("equal", "equal to HF plain", None),
+    ("equal", "equal to HF plain", None), ("equal_ours", "equal to ours plain", None),
 )
 LLAMACPP_ANCHOR = "llamacpp_f16"
 LLAMACPP_CONFIGS = {"llamacpp_f16", "llamacpp_quant"}
@@ -123,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: torch's)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="our engines compile their decode/verify/draft forwards (graphs are built in the warm-up)")
+    p.add_argument("--torchao-config", default="", metavar="NAME",
+                   help="int8wo or int4wo-<group>: adds the rows quant (our plain decoding of the quantized target, "
+                        "against the unquantized one, with its greedy agreement) and eagle3-quant (EAGLE-3 over it)")
     p.add_argument("--eagle3-tree", default=None, metavar="S,K,N",
                    help="our EAGLE-3 tree: --speculative-num-steps, --speculative-eagle-topk, "
                         "--speculative-num-draft-tokens (default: the engine's resolution: the bundled heads' tuned "
@@ -155,15 +167,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.torchao_config:
+        from specserve.models.quantize import parse_torchao_config
+
+        try:
+            args.torchao_config = parse_torchao_config(args.torchao_config).name
+        except ValueError as e:
+            p.error(str(e))
     args.llamacpp_optional = args.only is None
     if args.eagle3_path is None:
         from specserve.demo_models import bundled_eagle3
 
         args.eagle3_path = bundled_eagle3(args.model_path)
+    quant_default = QUANT_SELECT if args.torchao_config else ()
     try:
-        args.only = selected_configs(args.only or ",".join(SELECTABLE))
+        args.only = selected_configs(args.only or ",".join(n for n in SELECTABLE
+                                                           if n not in QUANT_SELECT or n in quant_default))
     except ValueError as e:
         p.error(f"--only: {e}")
+    if any(c.name in QUANTIZED for c in args.only) and not args.torchao_config:
+        p.error("--only quant / eagle3-quant need --torchao-config (int8wo, int4wo-<group>)")
     if args.eagle3_tree is not None:
         try:
             args.eagle3_tree = tuple(int(v) for v in args.eagle3_tree.split(","))
@@ -229,6 +252,10 @@ def config_rows(rounds: list[dict], setup: dict) -> list[dict]:
         sampled = setup["common"].get("temperature", 0.0) > 0
         if spec and sampled and "ours_plain" in tallies:  # same seeds: the same tokens as our plain decoding
             row["equal_to_ours_plain"] = compare_ids(t.outputs, tallies["ours_plain"].outputs)["rows_equal"]
+        if c.name in QUANTIZED and not sampled and "ours_plain" in tallies:  # the quantized model's greedy agreement
+            agree = compare_ids(t.outputs, tallies["ours_plain"].outputs)
+            row["equal_to_ours_plain"] = agree["rows_equal"]
+            row["first_mismatch_vs_ours_plain"] = agree["first_mismatch"]
         if c.name != "hf_plain" and "hf_plain" in tallies and not sampled:
             agree = compare_ids(t.outputs, tallies["hf_plain"].outputs)
             row["equal_to_hf_plain"] = agree["rows_equal"]
@@ -326,6 +353,8 @@ def setup_lines(rows: list[dict]) -> list[str]:
 def render(rows: list[dict]) -> str:
     """The printed/written report: setup lines, the table, how tok/s is measured."""
     shown = [{**r, "equal": None if r["equal_to_hf_plain"] is None else f"{r['equal_to_hf_plain']}/{r['num_prompts']}",
+              "equal_ours": None if r.get("first_mismatch_vs_ours_plain") is None
+              else f"{r['equal_to_ours_plain']}/{r['num_prompts']}",
               "plain_rounds": _listed(r.get("ratio_vs_plain_rounds")),
               "versus_rounds": _listed(r.get("ratio_vs_versus_rounds")),
               "llamacpp_rounds": _listed(r.get("ratio_vs_llamacpp_rounds"))} for r in rows]
@@ -371,13 +400,14 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
     names = {c.name for c in args.only}
     target = resolve_path(args.model_path)
     draft = resolve_path(args.draft_model_path) if names & {"hf_assisted", "ours_standalone"} else None
-    head = resolve_path(args.eagle3_path) if "ours_eagle3" in names else None
+    head = resolve_path(args.eagle3_path) if names & {"ours_eagle3", "ours_eagle3_quant"} else None
     loaded.setup["common"] = {"model_path": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                               "num_threads": threads, "device": str(device), "rounds": args.rounds,
                               "temperature": args.temperature}
     n = args.max_new_tokens
-    drafts = {"ours_eagle3": head, "ours_standalone": draft}  # resolved folders; the rows keep the given names
-    given = {"ours_eagle3": args.eagle3_path, "ours_standalone": args.draft_model_path}
+    drafts = {"ours_eagle3": head, "ours_eagle3_quant": head, "ours_standalone": draft}  # resolved folders
+    given = {"ours_eagle3": args.eagle3_path, "ours_eagle3_quant": args.eagle3_path,
+             "ours_standalone": args.draft_model_path}  # the rows keep the given names
     for name, algorithm in ENGINE_ALGORITHM.items():
         if name not in names:
             continue
@@ -391,6 +421,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         if tree_given:
             kw.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
                           args.eagle3_tree, strict=True))
+        if name in QUANTIZED:
+            kw["torchao_config"] = args.torchao_config
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
                         max_total_tokens=kv_tokens, log_level="warning",
                         enable_torch_compile=args.enable_torch_compile, **kw)

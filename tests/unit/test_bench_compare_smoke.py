@@ -182,7 +182,23 @@ def test_bench_compare_rounds_end_to_end(tmp_path, llama_dir, capsys):
     assert render(list(by.values())) in printed
 
 
+def test_bench_compare_quantized_rows(tmp_path, llama_dir, capsys):
+    """--torchao-config adds our plain decoding and EAGLE-3 on the quantized target, with their ratios against the
+    unquantized plain decoding and the quantized one, and the quantized outputs' agreement with the unquantized."""
+    by = compare_with_random_head(tmp_path, llama_dir, ["--only", "plain,quant,eagle3-quant", "--num-prompts", "2",
+                                                        "--torchao-config", "int4wo-32"])
+    assert set(by) == {"hf_plain", "ours_plain", "ours_quant", "ours_eagle3_quant"}
+    quant, e3 = by["ours_quant"], by["ours_eagle3_quant"]
+    assert quant["plain_ref"] == "ours_plain" and e3["plain_ref"] == "ours_quant" and e3["verify_steps"] > 0
+    assert quant["ratio_vs_plain"] == pytest.approx(quant["tokens_per_s"] / by["ours_plain"]["tokens_per_s"])
+    assert len(quant["first_mismatch_vs_ours_plain"]) == 2 and 0 <= quant["equal_to_ours_plain"] <= 2
+    assert "equal to ours plain" in capsys.readouterr().out
+    assert main(["--only", "plain,quant"]) == 2  # the quantized rows need the flag
+    assert "--torchao-config" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, flag", [(["--num-prompts", "0"], "--num-prompts"),
+                                        (["--torchao-config", "int4wo-7"], "--torchao-config"),
                                         (["--eagle3-tree", "3,2"], "--eagle3-tree"),
                                         (["--eagle3-tree", "a,b,c"], "--eagle3-tree"),
                                         (["--only", "plain,turbo"], "--only"),
