@@ -145,6 +145,11 @@ class QuantLinear(DirectCall):
             out = torch._weight_int4pack_mm_for_cpu(x, self.q4, self.cfg.group, self.scales_zeros)
         return out if self.bias is None else out + self.bias
 
+    def integer_bytes(self) -> int:
+        """Bytes of the integer weights and their scales (the dense copy is a parameter and counted as one)."""
+        tensors = (self.q8, self.scales) if self.cfg.bits == 8 else (self.q4, self.scales_zeros)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.cfg.name}"
 

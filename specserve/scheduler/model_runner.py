@@ -21,7 +21,7 @@ from specserve.models.compile import CompileStats, compile_forward
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
-from specserve.models.quantize import parse_torchao_config, quantize_linears
+from specserve.models.quantize import QuantLinear, parse_torchao_config, quantize_linears
 from specserve.parallel.ranks import Leader
 from specserve.platform import PlatformPolicy, platform_policy
 from specserve.speculative.registry import draft_memory, lookahead
@@ -59,8 +59,10 @@ class ModelRunner:
             args.model_path, args.dtype, self.device, load_format=args.load_format, seed=args.random_seed,
             tp=self.tp_leader.group if self.tp_leader is not None else None)
         self.dtype = next(self.model.parameters()).dtype
-        self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._quantize()
+        # the weights as they are held: a quantized linear's integer weights beside its dense copy
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
+            m.integer_bytes() for m in self.model.modules() if isinstance(m, QuantLinear))
         self.platform.pack_weights(self.model)
         # an SGLang GPU backend name was accepted with a warning at start-up: it runs on the default backend
         backend = args.attention_backend if args.attention_backend in ATTENTION_BACKENDS else None

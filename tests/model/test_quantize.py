@@ -127,8 +127,12 @@ def test_engine_runs_the_dequantized_model(name, llama_dir, tmp_path, monkeypatc
     with Engine(model_path=ref_dir, max_total_tokens=4096) as e:
         want = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
         want_one = e.generate(PROMPTS[0], greedy(24))["output_ids"]
+    with Engine(model_path=llama_dir, max_total_tokens=4096) as e:
+        plain_bytes = e.scheduler.runner.weight_bytes()
     with Engine(model_path=llama_dir, max_total_tokens=4096, torchao_config=name) as e:
         assert e.get_server_info()["torchao_config"] == name
+        # held: the dense copies (float32 here, as the plain weights) plus the integer weights and their scales
+        assert plain_bytes < e.scheduler.runner.weight_bytes() < plain_bytes * 1.5
         one = e.generate(PROMPTS[0], greedy(24))["output_ids"]
         assert calls["n"] > 0
         outs = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
