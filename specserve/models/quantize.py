@@ -165,7 +165,7 @@ def quantize_linears(model: nn.Module, cfg: QuantConfig) -> tuple[int, int]:
     done = kept = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or isinstance(child, QuantLinear):
+            if not isinstance(child, nn.Linear) or isinstance(child, DenseCopy):  # a dense copy is quantized already
                 continue
             own = QuantConfig(8) if cfg.bits == 4 and name in INT8_UNDER_INT4 else cfg
             if child.weight.device.type != "cpu" or not quantizable(child, own):

@@ -76,6 +76,7 @@ def test_shapes_the_kernel_refuses_stay_as_they_were():
     assert (done, kept) == (0, 2)  # the second's K (40) is not a multiple of 32 either
     done, kept = Q.quantize_linears(model, Q.parse_torchao_config("int8wo"))
     assert (done, kept) == (2, 0) and all(isinstance(m, Q.QuantLinear) for m in model)
+    assert Q.quantize_linears(model, Q.parse_torchao_config("int8wo")) == (0, 0)  # dense copies are left alone
 
 
 @pytest.mark.parametrize("value, message", [("int4wo-16", "--torchao-config"), ("fp8wo", "--torchao-config"),
