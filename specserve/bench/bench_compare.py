@@ -179,10 +179,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         from specserve.demo_models import bundled_eagle3
 
         args.eagle3_path = bundled_eagle3(args.model_path)
-    quant_default = QUANT_SELECT if args.torchao_config else ()
+    default = [n for n in SELECTABLE if args.torchao_config or n not in QUANT_SELECT]  # quantized rows: with the flag
     try:
-        args.only = selected_configs(args.only or ",".join(n for n in SELECTABLE
-                                                           if n not in QUANT_SELECT or n in quant_default))
+        args.only = selected_configs(args.only or ",".join(default))
     except ValueError as e:
         p.error(f"--only: {e}")
     if any(c.name in QUANTIZED for c in args.only) and not args.torchao_config:
