@@ -36,8 +36,12 @@ def deep_target(model_factory):
     return model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
 
 
-def _cases(target, self_head, deep_target, tmp_path_factory):
-    head3 = make_eagle3_head_dir(str(tmp_path_factory.mktemp("e3") / "head"), deep_target, kind="self")
+@pytest.fixture(scope="module")
+def deep_head(deep_target, tmp_path_factory):
+    return make_eagle3_head_dir(str(tmp_path_factory.mktemp("e3") / "head"), deep_target, kind="self")
+
+
+def _cases(target, self_head, deep_target, head3):
     return {
         "EAGLE": (target, PROMPTS, spec_kwargs("EAGLE", self_head, 3, 2, 5)),
         "EAGLE3": (deep_target, PROMPTS, spec_kwargs("EAGLE3", head3, 3, 2, 4)),
@@ -47,8 +51,8 @@ def _cases(target, self_head, deep_target, tmp_path_factory):
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
-def test_greedy_speculation_on_gpu_equals_plain(algorithm, target, self_head, deep_target, tmp_path_factory):
-    path, prompts, kw = _cases(target, self_head, deep_target, tmp_path_factory)[algorithm]
+def test_greedy_speculation_on_gpu_equals_plain(algorithm, target, self_head, deep_target, deep_head):
+    path, prompts, kw = _cases(target, self_head, deep_target, deep_head)[algorithm]
     want, _ = _generate(path, prompts, greedy(32))
     outs, info = _generate(path, prompts, greedy(32), disable_speculative_auto_off=True, **kw)
     assert _ids(outs) == _ids(want), algorithm
