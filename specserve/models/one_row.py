@@ -1,8 +1,9 @@
 """One-row linear calls on CPU: PyTorch's own matrix-vector kernel, reached with oneDNN switched off.
 
 For one half-precision row, oneDNN's kernels (packed or not) stream a weight at about half the speed of PyTorch's
-gemv (``platform/cpu/packing.py`` has the figures). ``PackedLinear`` sends its one-row calls there (``cpu_gemv``);
-a compiled one-token forward runs its whole graph under ``onednn_off`` (``models/compile.py``).
+gemv on some CPUs (``platform/cpu/packing.py`` has the figures; ``platform/cpu/one_row_probe.py`` checks each
+model at load and keeps the plain weights only where gemv wins). ``PackedLinear`` sends its one-row calls there
+(``cpu_gemv``); a compiled one-token forward runs its whole graph under ``onednn_off`` (``models/compile.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
-#: Calls of at most this many rows take ``cpu_gemv`` where a PackedLinear keeps its plain weight: at 1 row it
-#: streams the weights about twice as fast as the packed kernel, at 2 rows they tie (``platform/cpu/packing.py``).
+#: Calls of at most this many rows take ``cpu_gemv`` where a PackedLinear keeps its plain weight: at 1 row it can
+#: stream the weights twice as fast as the packed kernel, at 2 rows they tie (``platform/cpu/packing.py``).
 GEMV_MAX_ROWS = 1
 
 

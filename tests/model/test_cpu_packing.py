@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve import Engine
-from specserve.platform.cpu import packing
+from specserve.platform.cpu import one_row_probe, packing
 from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
     GEMV_MAX_ROWS,
@@ -20,7 +22,7 @@ from specserve.platform.cpu.packing import (
     packable_bytes,
 )
 from specserve.platform.cpu.policy import CpuPolicy
-from tests.engine.helpers import PROMPTS, greedy
+from tests.engine.helpers import PROMPTS, force_one_row_kernel, greedy
 
 
 def test_packed_linear_matches_plain_linear():
@@ -91,8 +93,9 @@ def test_fp32_is_left_alone():
     assert pack_linears_for_cpu(model) == 0 and isinstance(model[0], nn.Linear)
 
 
-def test_engine_greedy_same_with_and_without_packing(model_factory):
+def test_engine_greedy_same_with_and_without_packing(model_factory, monkeypatch):
     path = model_factory("qwen2", dtype=torch.bfloat16)
+    force_one_row_kernel(monkeypatch, "gemv")
     outs = []
     for disable in (False, True):
         with Engine(model_path=path, max_total_tokens=2048, disable_cpu_weight_packing=disable) as e:
@@ -101,6 +104,65 @@ def test_engine_greedy_same_with_and_without_packing(model_factory):
             assert all(m.plain is not None for m in packed)  # a small model keeps them: one-row calls use them
             outs.append([o["output_ids"] for o in e.generate(PROMPTS[:4], greedy(16))])
     assert outs[0] == outs[1]
+
+
+def test_packed_one_row_kernel_keeps_no_plain_copies(model_factory, monkeypatch):
+    """Where the packed kernel wins one-row calls (the probe's verdict, forced here), no plain copy is kept, the
+    server info says which kernel runs, and greedy outputs equal unpacked decoding's."""
+    path = model_factory("qwen2", dtype=torch.bfloat16)
+    force_one_row_kernel(monkeypatch, "packed")
+    calls = []
+    monkeypatch.setattr(packing, "cpu_gemv", lambda *a: calls.append(a) or F.linear(*a))
+    outs = []
+    for disable in (False, True):
+        with Engine(model_path=path, max_total_tokens=2048, disable_cpu_weight_packing=disable) as e:
+            packed = [m for m in e.scheduler.runner.model.modules() if isinstance(m, PackedLinear)]
+            assert (len(packed) > 0) != disable
+            assert all(m.plain is None for m in packed)
+            outs.append([e.generate(p, greedy(12))["output_ids"] for p in PROMPTS[:2]])  # batch 1: one-row calls
+            if not disable:
+                verdicts = e.get_server_info()["cpu_one_row_kernel"]
+                assert verdicts == {"Qwen2ForCausalLM": {"kernel": "packed", "source": one_row_probe.ENV}}
+    assert outs[0] == outs[1] and calls == []
+
+
+def test_pick_kernel_by_hand():
+    """gemv only when its median pass is more than GEMV_MIN_GAIN faster (its plain copies cost memory)."""
+    assert one_row_probe.pick_kernel([1.0, 9.0, 1.0], [2.0, 2.0, 0.5], min_gain=0.05) == "gemv"  # 1.0 < 0.95 * 2.0
+    assert one_row_probe.pick_kernel([1.0, 1.0, 1.0], [1.02, 1.02, 1.02], min_gain=0.05) == "packed"  # within 5%
+    assert one_row_probe.pick_kernel([3.0], [2.0], min_gain=0.0) == "packed"
+
+
+def test_probed_linears_stop_at_the_byte_budget():
+    lins = [SimpleNamespace(plain=torch.empty(10, 10, dtype=torch.bfloat16)) for _ in range(4)]  # 200 bytes each
+    assert one_row_probe.probed_linears(lins, max_bytes=450) == lins[:2]
+    assert one_row_probe.probed_linears(lins, max_bytes=10) == lins[:1]  # at least one
+    assert one_row_probe.probed_linears(lins, max_bytes=10**6) == lins
+
+
+def test_probe_times_both_kernels_on_the_models_linears(monkeypatch):
+    """The probe runs one row through the linears with each kernel and picks by its own timings; the packed verdict
+    drops the plain weights, gemv keeps them; SPECSERVE_ONE_ROW_KERNEL skips the probe; a bad value names it."""
+    torch.manual_seed(0)
+
+    def model():
+        m = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256, bias=False)).to(torch.bfloat16)
+        pack_linears_for_cpu(m, keep_plain=True)
+        return list(m)
+
+    lins = model()
+    got = one_row_probe.probe(lins, reps=3)
+    assert got["gemv_ms"] > 0 and got["packed_ms"] > 0
+    assert got["kernel"] == ("gemv" if got["gemv_ms"] < 0.95 * got["packed_ms"] else "packed")
+    monkeypatch.setattr(one_row_probe, "probe", lambda *a, **k: pytest.fail("probed despite the variable"))
+    for kernel in ("gemv", "packed"):
+        force_one_row_kernel(monkeypatch, kernel)
+        lins = model()
+        assert one_row_probe.choose_one_row_kernel(lins) == {"kernel": kernel, "source": one_row_probe.ENV}
+        assert all((m.plain is not None) == (kernel == "gemv") for m in lins)
+    force_one_row_kernel(monkeypatch, "fastest")
+    with pytest.raises(ValueError, match=one_row_probe.ENV):
+        one_row_probe.choose_one_row_kernel(model())
 
 
 def test_packed_linear_under_torch_compile():

@@ -9,7 +9,7 @@ import torch
 
 from specserve import Engine
 from specserve.platform.cpu.packing import PackedLinear
-from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, force_one_row_kernel, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 
@@ -41,14 +41,17 @@ def test_compiled_eagle_tree_equals_plain(target, self_head, plain):
     assert info["torch_compile_graphs"] >= 2  # the target's verify and the head's draft steps at least
 
 
-def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch):
+@pytest.mark.parametrize("kernel", ["gemv", "packed"])
+def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch, kernel):
     """bf16 on CPU: the oneDNN-packed linears stay packed under torch.compile (this used to fail in inductor's
     lowering) and the compiled engine decodes what the eager one does, at batch 3 and at batch 1, whose one-token
-    forwards run their graphs with oneDNN off (the plain weights' matrix-vector kernel)."""
+    forwards run their graphs with oneDNN off: the plain weights' matrix-vector kernel where the one-row kernel is
+    gemv; where it is the packed kernel, no plain weight is kept and the packed op ignores the switch."""
     from contextlib import contextmanager
 
     from specserve.models import compile as compile_mod
 
+    force_one_row_kernel(monkeypatch, kernel)
     one_row = []
     real = compile_mod.onednn_off
 
@@ -63,7 +66,8 @@ def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch):
     outs = []
     for compiled in (False, True):
         with Engine(model_path=path, max_total_tokens=2048, enable_torch_compile=compiled) as e:
-            assert any(isinstance(m, PackedLinear) for m in e.scheduler.runner.model.modules())
+            packed = [m for m in e.scheduler.runner.model.modules() if isinstance(m, PackedLinear)]
+            assert packed and all((m.plain is not None) == (kernel == "gemv") for m in packed)
             outs.append([o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(16))]
                         + [e.generate(PROMPTS[3], greedy(16))["output_ids"]])
             graphs = e.get_server_info()["torch_compile_graphs"] if compiled else None

@@ -12,13 +12,15 @@ Under ``--enable-torch-compile`` the call goes through the custom op ``specserve
 lowering of ``_linear_pointwise`` only accepts weights it packed itself (frozen graph constants) and fails on
 ours, while a custom op is an opaque call inside the compiled graph (no graph break, same kernel).
 
-One row is the exception. oneDNN's kernels, packed or not, stream a bf16 weight at about 15 GB/s for a single row,
-while PyTorch's own matrix-vector kernel (``cpublas`` gemv, reached by ``F.linear`` with oneDNN switched off)
-streams it at about 30 GB/s: SmolLM2-135M's 30 layers of linears take 13.7 ms packed and 7.2 ms that way. From
-two rows up the packed kernel is as fast or faster (2 rows 12.0 / 12.2 ms, 4 rows 9.1 / 26 ms). So a PackedLinear
-may also keep its plain weight (``keep_plain``) and run one-row calls on it (``cpu_gemv``): batch-1 decode, a
-draft's first step. The plain copy doubles the weights' memory, so ``CpuPolicy`` keeps it only for models whose
-linears are small next to the machine's memory (a tied LM head's plain weight is the embedding's: free).
+One row can be the exception. oneDNN's kernels, packed or not, stream a bf16 weight for a single row at 12-19 GB/s,
+and on some CPUs PyTorch's own matrix-vector kernel (``cpublas`` gemv, reached by ``F.linear`` with oneDNN switched
+off) is twice as fast: on a 2-core AMD EPYC SmolLM2-135M's 30 layers of linears take 13.7 ms packed and 7.2 ms that
+way. On a 2-core Xeon with AMX the packed kernel wins for SmolLM2 (12 against 17.5 ms) while gemv still wins for
+the 12M-parameter demo, whose weights stay in the caches. From two rows up the packed kernel is as fast or faster.
+So a PackedLinear may also keep its plain weight (``keep_plain``) and run one-row calls on it (``cpu_gemv``):
+batch-1 decode, a draft's first step. ``CpuPolicy`` keeps the copy for models whose linears are small next to the
+machine's memory (a tied LM head's plain weight is the embedding's: free), and ``one_row_probe.py`` drops it again
+where the packed kernel is the faster one for that model on this machine.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear with oneDNN off for the call: for one half-precision row, twice the packed kernel's speed."""
+    """F.linear with oneDNN off for the call: for one half-precision row, up to twice the packed kernel's speed
+    (``one_row_probe.py`` checks per model and machine)."""
     with onednn_off():
         return F.linear(x, weight, bias)
 

@@ -12,7 +12,14 @@ from torch import nn
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.malloc import HeapTrimmer, tune_malloc
-from specserve.platform.cpu.packing import FP32_MAX_ROWS, mix_linears_for_cpu, pack_linears_for_cpu, packable_bytes
+from specserve.platform.cpu.one_row_probe import choose_one_row_kernel
+from specserve.platform.cpu.packing import (
+    FP32_MAX_ROWS,
+    PackedLinear,
+    mix_linears_for_cpu,
+    pack_linears_for_cpu,
+    packable_bytes,
+)
 from specserve.platform.policy import PlatformPolicy
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -36,8 +43,9 @@ FOLD_MIN_BATCH = 4
 FOLD_MAX_Q = 16
 
 
-#: Packed linears keep their plain weights for one-row calls (``packing.cpu_gemv``: batch-1 decode at about twice
-#: the packed kernel's speed) when that extra copy takes at most this share of the machine's memory. SmolLM2-135M
+#: Packed linears keep their plain weights for one-row calls (``packing.cpu_gemv``: batch-1 decode at up to twice
+#: the packed kernel's speed, on CPUs where the probe finds it faster: ``one_row_probe.py``) when that extra copy
+#: takes at most this share of the machine's memory. SmolLM2-135M
 #: keeps 214 MB (its tied LM head costs nothing); a 7B model's 13 GB copy is left out on machines under 104 GB.
 PLAIN_COPY_MAX_MEMORY_SHARE = 1 / 8
 
@@ -47,6 +55,7 @@ class CpuPolicy(PlatformPolicy):
         super().__init__(args, device)
         self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
         self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
+        self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
 
     @property
     def packs_weights(self) -> bool:
@@ -90,18 +99,25 @@ class CpuPolicy(PlatformPolicy):
             self.governor.observe(batch_key(batch_size), seconds)
 
     def info(self) -> dict:
-        heap = {"cpu_heap_trims": self.trimmer.trims} if self.trimmer is not None else {}
+        extra = {"cpu_heap_trims": self.trimmer.trims} if self.trimmer is not None else {}
+        if self.one_row:
+            extra["cpu_one_row_kernel"] = self.one_row
         if self.governor is not None:
-            return {"cpu_threads_adaptive": True, **self.governor.info(), **heap}
-        return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads(), **heap}
+            return {"cpu_threads_adaptive": True, **self.governor.info(), **extra}
+        return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads(), **extra}
 
     # ------------------------------------------------------------------ weights
     def pack_weights(self, module: nn.Module) -> int:
         """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``), keeping their plain weights for
-        one-row calls where that copy is small enough (``keeps_plain_weights``)."""
+        one-row calls where that copy is small enough (``keeps_plain_weights``) and gemv is the faster one-row kernel
+        for them on this machine (``one_row_probe.py``)."""
         if not self.packs_weights:
             return 0
-        return pack_linears_for_cpu(module, keep_plain=self.keeps_plain_weights(module))
+        packed = pack_linears_for_cpu(module, keep_plain=self.keeps_plain_weights(module))
+        kept = [m for m in module.modules() if isinstance(m, PackedLinear) and m.plain is not None]
+        if kept:  # gemv or the packed kernel for one row: whichever is faster here (one_row_probe.py)
+            self.one_row[type(module).__name__] = choose_one_row_kernel(kept)
+        return packed
 
     @staticmethod
     def keeps_plain_weights(module: nn.Module) -> bool:
