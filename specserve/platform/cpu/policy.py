@@ -45,8 +45,8 @@ FOLD_MAX_Q = 16
 
 #: Packed linears keep their plain weights for one-row calls (``packing.cpu_gemv``: batch-1 decode at up to twice
 #: the packed kernel's speed, on CPUs where the probe finds it faster: ``one_row_probe.py``) when that extra copy
-#: takes at most this share of the machine's memory. SmolLM2-135M
-#: keeps 214 MB (its tied LM head costs nothing); a 7B model's 13 GB copy is left out on machines under 104 GB.
+#: takes at most this share of the machine's memory. SmolLM2-135M keeps 214 MB (its tied LM head costs nothing); a 7B
+#: model's 13 GB copy is left out on machines under 104 GB.
 PLAIN_COPY_MAX_MEMORY_SHARE = 1 / 8
 
 
