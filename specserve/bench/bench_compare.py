@@ -338,6 +338,11 @@ def setup_lines(rows: list[dict]) -> list[str]:
                             if r.get("speculative_draft_score_temperature", 1.0) != 1.0 else "")
                          + (f", draft {r['draft_path']}" if r.get("draft_path") else "")
                          + (f" in {r['draft_dtype']}" if r.get("draft_dtype") else ""))
+        if r.get("one_row_kernel") is not None:
+            k = r["one_row_kernel"]
+            lines.append(f"{r['label']}: one-row linears on the {k['kernel']} kernel"
+                         + (f" (probe: gemv {k['gemv_ms']} ms, packed {k['packed_ms']} ms a pass)"
+                            if k.get("source") == "probe" else f" ({k['source']})"))
         if r.get("hf_num_assistant_tokens") is not None:
             lines.append(f"{r['label']}: num_assistant_tokens {r['hf_num_assistant_tokens']} "
                          f"({r['hf_num_assistant_tokens_schedule']}), confidence threshold "
@@ -427,7 +432,7 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
                         enable_torch_compile=args.enable_torch_compile, **kw)
         loaded.engines.append(engine)
         loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n, args.temperature), ours_prepare(engine)
-        loaded.setup[name] = spec_setup(engine, given.get(name))
+        loaded.setup[name] = {**spec_setup(engine, given.get(name)), **kernel_setup(engine)}
         if tree_given:
             loaded.setup[name]["tree_source"] = "--eagle3-tree"
     if names & LLAMACPP_CONFIGS:
@@ -505,6 +510,12 @@ def spec_setup(engine, draft_path: str | None) -> dict:
             "speculative_draft_stop_threshold": info.get("speculative_draft_stop_threshold"),
             "speculative_draft_score_temperature": info.get("speculative_draft_score_temperature"),
             "draft_dtype": info.get("speculative_draft_dtype")}
+
+
+def kernel_setup(engine) -> dict:
+    """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one."""
+    verdicts = engine.get_server_info().get("cpu_one_row_kernel") or {}
+    return {"one_row_kernel": next(iter(verdicts.values()))} if verdicts else {}
 
 
 def assisted_setup(assistant, draft_path: str) -> dict:

@@ -9,6 +9,7 @@ from specserve.bench.bench_compare import (
     merge_rounds,
     render,
     selected_configs,
+    setup_lines,
     speedup_bars,
 )
 from specserve.bench.bench_ngram import Tally
@@ -180,6 +181,28 @@ def test_bench_compare_rounds_end_to_end(tmp_path, llama_dir, capsys):
     printed = capsys.readouterr().out
     assert "x 3 rounds" in printed and "vs transformers, each round" in printed
     assert render(list(by.values())) in printed
+
+
+def test_setup_lines_name_the_one_row_kernel():
+    base = {"model_path": "m", "dtype": "bfloat16", "max_new_tokens": 8, "num_prompts": 2, "num_threads": 2}
+    probed = {"kernel": "packed", "gemv_ms": 17.4, "packed_ms": 12.1, "source": "probe"}
+    forced = {"kernel": "gemv", "source": "SPECSERVE_ONE_ROW_KERNEL"}
+    rows = [{**base, "label": "ours plain", "one_row_kernel": probed},
+            {**base, "label": "ours EAGLE-3", "one_row_kernel": forced}, {**base, "label": "HF plain"}]
+    assert setup_lines(rows)[1:] == [
+        "ours plain: one-row linears on the packed kernel (probe: gemv 17.4 ms, packed 12.1 ms a pass)",
+        "ours EAGLE-3: one-row linears on the gemv kernel (SPECSERVE_ONE_ROW_KERNEL)"]
+
+
+def test_bench_compare_one_row_kernel_in_bf16(tmp_path, llama_dir, monkeypatch, capsys):
+    """A bf16 run records the kernel its packed target runs one row on, as the engine's server info says."""
+    monkeypatch.setenv("SPECSERVE_ONE_ROW_KERNEL", "packed")
+    out = tmp_path / "out"
+    assert cli_main(["bench-compare", "--model-path", llama_dir, "--only", "plain", "--num-prompts", "1",
+                     "--max-new-tokens", "4", "--dtype", "bfloat16", "--out-dir", str(out)]) == 0
+    by = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}
+    assert by["ours_plain"]["one_row_kernel"] == {"kernel": "packed", "source": "SPECSERVE_ONE_ROW_KERNEL"}
+    assert "ours plain: one-row linears on the packed kernel" in capsys.readouterr().out
 
 
 def test_bench_compare_quantized_rows(tmp_path, llama_dir, capsys):
