@@ -2,9 +2,11 @@
 specserve then loads like any other.
 
 transformers' GGUF reader (the ``gguf`` package) dequantizes the tensors to float32 and rebuilds the config, the
-tokenizer and the chat template from the file's metadata. The folder is keyed by the file's path, size and
-modification time: a second start reuses it, a changed file is converted again. A lock file keeps two processes
-(the server and its model worker start together) from converting the same file at once.
+tokenizer and the chat template from the file's metadata. The folder is keyed by a hash of the file's bytes, so a
+second start reuses it, and so does the same file at another path (a reinstalled package, a fresh virtual
+environment); a changed file is converted again. The hash is computed once per (path, size, modification time) and
+remembered in the cache's ``keys.json``. A lock file keeps two processes (the server and its model worker start
+together) from converting the same file at once.
 
     --model-path model.Q4_1.gguf        a file
     --model-path folder/                 a folder holding exactly one .gguf and no config.json
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -46,30 +49,72 @@ def cache_root() -> str:
     return os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
 
 
+HASH_CHUNK = 8 * 2**20
+KEYS_FILE = "keys.json"  # in cache_root()/gguf: "<real path>\0<size>\0<mtime ns>" -> the file's content key
+
+
+def content_key(real: str) -> str:
+    """The first 16 hex digits of the sha256 of the file's bytes, hashed once per (path, size, modification time):
+    later calls read it from KEYS_FILE (rewritten whole with os.replace, so a concurrent reader never sees half)."""
+    st = os.stat(real)
+    stamp = f"{real}\0{st.st_size}\0{st.st_mtime_ns}"
+    index_file = os.path.join(cache_root(), "gguf", KEYS_FILE)
+    try:
+        with open(index_file) as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        index = {}
+    if stamp in index:
+        return index[stamp]
+    digest = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    index[stamp] = key
+    os.makedirs(os.path.dirname(index_file), exist_ok=True)
+    tmp = f"{index_file}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, index_file)
+    return key
+
+
 def _cached(gguf_file: str, name: str, build) -> str:
     """What build(real_file, path) makes of a GGUF file, made once (later calls, and other processes, reuse it):
     cache_root()/gguf/<stem>-<key>, a folder with DONE_MARK written last (name ""), or <stem>-<key>.<name>.gguf, a
-    file put in place by os.replace. The key is the file's real path, size and modification time."""
+    file put in place by os.replace. The key is the hash of the file's bytes (``content_key``)."""
     real = os.path.realpath(gguf_file)
-    st = os.stat(real)
-    key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     stem = os.path.basename(real)[: -len(SUFFIX)]
     root = os.path.join(cache_root(), "gguf")
-    path = os.path.join(root, f"{stem}-{key}.{name}{SUFFIX}" if name else f"{stem}-{key}")
 
-    def done() -> bool:
-        return os.path.isfile(os.path.join(path, DONE_MARK)) or (bool(name) and os.path.isfile(path))
+    def at(key: str) -> str:
+        return os.path.join(root, f"{stem}-{key}.{name}{SUFFIX}" if name else f"{stem}-{key}")
 
-    if done():
+    def done(p: str) -> bool:
+        return os.path.isfile(os.path.join(p, DONE_MARK)) or (bool(name) and os.path.isfile(p))
+
+    path = at(content_key(real))
+    if done(path):
         return path
     os.makedirs(root, exist_ok=True)
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it, then reuse its output
-        if not done():
+        if not done(path):
+            old = at(_path_key(real))
+            if done(old):  # made under the earlier path-keyed name: adopted, not made again
+                os.replace(old, path)
+                return path
             logger.info("Converting %s into %s (once; later starts reuse it)", gguf_file, path)
             shutil.rmtree(path, ignore_errors=True)
             build(real, path)
     return path
+
+
+def _path_key(real: str) -> str:
+    """The key earlier versions named the cache entries by: the file's path, size and modification time."""
+    st = os.stat(real)
+    return hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def converted_folder(gguf_file: str) -> str:

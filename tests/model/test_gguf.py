@@ -51,6 +51,41 @@ def test_conversion_runs_once_and_again_when_the_file_changes(tmp_path, monkeypa
     assert converted_folder(str(f)) != first and len(calls) == 2
 
 
+
+def test_the_same_file_at_another_path_reuses_its_conversion(tmp_path, monkeypatch):
+    """The cache is keyed by the file's bytes: a copy elsewhere (a reinstalled package, a new virtual environment)
+    reuses the first conversion; the hash is computed once per path, size and modification time."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    calls, hashed = [], []
+    monkeypatch.setattr(gguf_mod, "convert", lambda path, out: calls.append(path) or os.makedirs(out) or open(
+        os.path.join(out, gguf_mod.DONE_MARK), "w").close())
+    real_sha = gguf_mod.hashlib.sha256
+
+    def counting_sha(*data):
+        hashed.extend([] if data else [1])  # a file's content hash (built chunk by chunk), not a path key
+        return real_sha(*data)
+
+    monkeypatch.setattr(gguf_mod.hashlib, "sha256", counting_sha)
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_bytes(b"the same weights")
+    first = converted_folder(str(a))
+    assert converted_folder(str(b)) == first and calls == [str(a)]
+    assert converted_folder(str(a)) == first and len(hashed) == 2  # a's hash remembered
+    b.write_bytes(b"other weights!!!")  # same size, other bytes
+    os.utime(b, ns=(1, 1))
+    assert converted_folder(str(b)) != first and len(calls) == 2
+
+    c = tmp_path / "c.gguf"  # converted under the earlier path-keyed name: adopted, not converted again
+    c.write_bytes(b"third")
+    legacy = os.path.join(str(tmp_path / "cache"), "gguf", f"c-{gguf_mod._path_key(str(c))}")
+    os.makedirs(legacy)
+    open(os.path.join(legacy, gguf_mod.DONE_MARK), "w").close()
+    adopted = converted_folder(str(c))
+    assert len(calls) == 2 and os.path.isfile(os.path.join(adopted, gguf_mod.DONE_MARK)) and not os.path.exists(legacy)
+
+
 def test_an_unsupported_architecture_is_a_clear_error(tmp_path, monkeypatch):
     import gguf
 
