@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from specserve.test.tiny import build_tokenizer, make_model_dir
 
 torch.set_num_threads(2)
+
+# One kernel for one-row bf16 linears in every engine the tests start (servers included), instead of each engine's
+# timing probe: two engines compared token for token in bf16 then round alike. The probe has its own tests
+# (tests/model/test_cpu_packing.py), which set the variable themselves.
+os.environ.setdefault("SPECSERVE_ONE_ROW_KERNEL", "gemv")
 
 
 @pytest.fixture(scope="session")

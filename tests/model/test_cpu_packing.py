@@ -126,6 +126,18 @@ def test_packed_one_row_kernel_keeps_no_plain_copies(model_factory, monkeypatch)
     assert outs[0] == outs[1] and calls == []
 
 
+def test_engine_probes_the_one_row_kernel(model_factory, monkeypatch):
+    """With SPECSERVE_ONE_ROW_KERNEL=auto the engine times both kernels on its target's linears: the server info gives
+    the verdict and the times, and the plain copies are kept exactly where the verdict is gemv."""
+    force_one_row_kernel(monkeypatch, "auto")
+    with Engine(model_path=model_factory("qwen2", dtype=torch.bfloat16), max_total_tokens=2048) as e:
+        verdict = e.get_server_info()["cpu_one_row_kernel"]["Qwen2ForCausalLM"]
+        packed = [m for m in e.scheduler.runner.model.modules() if isinstance(m, PackedLinear)]
+        assert len(e.generate(PROMPTS[0], greedy(4))["output_ids"]) == 4
+    assert verdict["source"] == "probe" and verdict["gemv_ms"] > 0 and verdict["packed_ms"] > 0
+    assert packed and all((m.plain is not None) == (verdict["kernel"] == "gemv") for m in packed)
+
+
 def test_pick_kernel_by_hand():
     """gemv only when its median pass is more than GEMV_MIN_GAIN faster (its plain copies cost memory)."""
     assert one_row_probe.pick_kernel([1.0, 9.0, 1.0], [2.0, 2.0, 0.5], min_gain=0.05) == "gemv"  # 1.0 < 0.95 * 2.0
