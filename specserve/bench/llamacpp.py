@@ -22,11 +22,14 @@ def available() -> bool:
 
 def gguf_files(model_path: str, gguf_file: str | None) -> dict[str, str]:
     """The files llama.cpp runs: {"llamacpp_f16": 16-bit copy, "llamacpp_quant": the file itself}. gguf_file: the
-    --llamacpp-gguf flag (None: the target's own GGUF file). ValueError when there is none."""
+    --llamacpp-gguf flag (None: the target's own GGUF file). ValueError when there is none, or several."""
     from specserve.demo_models import resolve_demo
-    from specserve.models.gguf import find_gguf_file, sixteen_bit_file
+    from specserve.models.gguf import GGUFError, find_gguf_file, sixteen_bit_file
 
-    source = find_gguf_file(gguf_file or resolve_demo(model_path))
+    try:
+        source = find_gguf_file(gguf_file or resolve_demo(model_path))
+    except GGUFError as e:  # a folder holding several GGUF files
+        raise ValueError(str(e)) from None
     if source is None:
         raise ValueError(f"llama.cpp needs a GGUF file: {gguf_file or model_path!r} is not one; pass --llamacpp-gguf "
                          "FILE")

@@ -81,6 +81,21 @@ def test_llama_cpp_rows_need_a_gguf_target(tmp_path, llama_dir, capsys):
     assert "--only llamacpp" in err and ("--llamacpp-gguf" in err or "llama-cpp-python" in err)
 
 
+def test_a_folder_of_several_gguf_files_is_a_clear_llama_cpp_error(tmp_path, monkeypatch, capsys):
+    """--llamacpp-gguf naming a folder with two GGUF files: the llama.cpp rows stop with the loader's message (which
+    file to pass), not a traceback."""
+    from specserve.bench import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    folder = tmp_path / "ggufs"
+    folder.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (folder / name).write_bytes(b"GGUF")
+    assert main(["--only", "llamacpp", "--llamacpp-gguf", str(folder), "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--only llamacpp" in err and "several GGUF files" in err
+
+
 def test_the_eagle3_head_defaults_to_the_targets_bundled_one(tmp_path):
     from specserve.bench.bench_compare import parse_args
 
