@@ -432,7 +432,8 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
                         enable_torch_compile=args.enable_torch_compile, **kw)
         loaded.engines.append(engine)
         loaded.runners[name], loaded.prepare[name] = ours_runner(engine, n, args.temperature), ours_prepare(engine)
-        loaded.setup[name] = {**spec_setup(engine, given.get(name)), **kernel_setup(engine)}
+        info = engine.get_server_info()
+        loaded.setup[name] = {**spec_setup(info, given.get(name)), **kernel_setup(info)}
         if tree_given:
             loaded.setup[name]["tree_source"] = "--eagle3-tree"
     if names & LLAMACPP_CONFIGS:
@@ -498,9 +499,8 @@ def load_llamacpp(args: argparse.Namespace, threads: int, kv_tokens: int, loaded
                               "llamacpp_version": version("llama-cpp-python")}
 
 
-def spec_setup(engine, draft_path: str | None) -> dict:
-    """Our speculative configuration as the engine resolved it (get_server_info)."""
-    info = engine.get_server_info()
+def spec_setup(info: dict, draft_path: str | None) -> dict:
+    """Our speculative configuration as the engine resolved it (its get_server_info)."""
     if "speculative_algorithm" not in info:
         return {}
     return {"speculative_algorithm": info["speculative_algorithm"], "draft_path": draft_path,
@@ -512,9 +512,10 @@ def spec_setup(engine, draft_path: str | None) -> dict:
             "draft_dtype": info.get("speculative_draft_dtype")}
 
 
-def kernel_setup(engine) -> dict:
-    """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one."""
-    verdicts = engine.get_server_info().get("cpu_one_row_kernel") or {}
+def kernel_setup(info: dict) -> dict:
+    """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one
+    (info: its get_server_info)."""
+    verdicts = info.get("cpu_one_row_kernel") or {}
     return {"one_row_kernel": next(iter(verdicts.values()))} if verdicts else {}
 
 

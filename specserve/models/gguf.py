@@ -56,8 +56,7 @@ KEYS_FILE = "keys.json"  # in cache_root()/gguf: "<real path>\0<size>\0<mtime ns
 def content_key(real: str) -> str:
     """The first 16 hex digits of the sha256 of the file's bytes, hashed once per (path, size, modification time):
     later calls read it from KEYS_FILE (rewritten whole with os.replace, so a concurrent reader never sees half)."""
-    st = os.stat(real)
-    stamp = f"{real}\0{st.st_size}\0{st.st_mtime_ns}"
+    stamp = _stamp(real)
     index_file = os.path.join(cache_root(), "gguf", KEYS_FILE)
     try:
         with open(index_file) as f:
@@ -111,10 +110,15 @@ def _cached(gguf_file: str, name: str, build) -> str:
     return path
 
 
-def _path_key(real: str) -> str:
-    """The key earlier versions named the cache entries by: the file's path, size and modification time."""
+def _stamp(real: str) -> str:
+    """The file's path, size and modification time, as one string."""
     st = os.stat(real)
-    return hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return f"{real}\0{st.st_size}\0{st.st_mtime_ns}"
+
+
+def _path_key(real: str) -> str:
+    """The key earlier versions named the cache entries by: a hash of the file's ``_stamp``."""
+    return hashlib.sha256(_stamp(real).encode()).hexdigest()[:16]
 
 
 def converted_folder(gguf_file: str) -> str:

@@ -52,7 +52,6 @@ def assert_no_kv_leak(engine: Engine) -> None:
     assert engine.get_server_info()["free_slots"] == engine.server_args.max_total_tokens
 
 
-
 def force_one_row_kernel(monkeypatch, kernel: str) -> None:
     """Engines built during the test take kernel ('gemv' or 'packed') for one-row half-precision linears on CPU,
     without the probe (``platform/cpu/one_row_probe.py``)."""

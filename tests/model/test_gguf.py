@@ -51,7 +51,6 @@ def test_conversion_runs_once_and_again_when_the_file_changes(tmp_path, monkeypa
     assert converted_folder(str(f)) != first and len(calls) == 2
 
 
-
 def test_the_same_file_at_another_path_reuses_its_conversion(tmp_path, monkeypatch):
     """The cache is keyed by the file's bytes: a copy elsewhere (a reinstalled package, a new virtual environment)
     reuses the first conversion; the hash is computed once per path, size and modification time."""
