@@ -15,8 +15,10 @@ At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE
 tokens a grammar forces appended to the draft tree), without jump-forward (``--disable-grammar-jump-forward``) and,
 as other engines do it, drafting blind to the grammar with only verification masking it (``nojf`` plus
 ``--disable-grammar-aware-drafting``); the last two constrained only. All three produce the same outputs, so their
-accept lengths compare on the same text. Tokens/s is completion tokens over the round's summed wall time, the
-median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round by round. EAGLE-3 rows add
+accept lengths compare on the same text. ``plain-masked`` is the plain engine with check-first sampling off (every
+constrained token's mask built before it is drawn; the same outputs). Tokens/s is completion tokens over the
+round's summed wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round
+by round. EAGLE-3 rows add
 the accept length (completion tokens per verify step), the same without the grammar-forced tokens ("drafted"), and
 the forced tokens accepted per verify step.
 
@@ -37,6 +39,9 @@ from specserve.demo_models import SMOLLM2, bundled_eagle3, demo_path
 # EAGLE-3's variants: engine options on top of EAGLE-3's (all three give the same outputs)
 VARIANTS = {"eagle3": {}, "eagle3-nojf": dict(disable_grammar_jump_forward=True),
             "eagle3-blind": dict(disable_grammar_jump_forward=True, disable_grammar_aware_drafting=True)}
+# plain decoding's variant on the same engine (bf16 engines in one process may round apart, so a second engine
+# would not give the same outputs): every constrained token's mask built before drawing it
+PLAIN_VARIANTS = ("plain-masked",)
 MODELS = {"demo": dict(model_path=demo_path("demo")), SMOLLM2: dict(model_path=SMOLLM2, dtype="bfloat16")}
 
 
@@ -48,11 +53,14 @@ def engines(model: str, backends: list[str], algos: list[str], threads: int | No
         common = dict(grammar_backend=backend, num_threads=threads, constrained_json_disable_any_whitespace=compact,
                       **target)
         out["plain", backend] = Engine(**common)  # always: the baseline of every row
+        for algo in algos:
+            if algo in PLAIN_VARIANTS:
+                out[algo, backend] = out["plain", backend]
         # every step speculative: batch-aware speculation's timing-based plain steps would make the figures vary
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     disable_speculative_auto_off=True, **common)
         for algo in algos:
-            if algo != "plain":
+            if algo in VARIANTS:
                 out[algo, backend] = Engine(**VARIANTS[algo], **spec)
     return out
 
@@ -106,6 +114,8 @@ def run_round(eng: dict[tuple[str, str], Engine], texts: list[str], batch: int, 
     for i in range(0, len(texts), batch):
         group = range(i, min(i + batch, len(texts)))
         for (algo, backend), engine in eng.items():
+            if algo.startswith("plain"):  # check-first sampling on, but for plain-masked
+                engine.loop.call(lambda s, on=algo == "plain": setattr(s.outputs, "check_first_grammar", on))
             con = run(engine, texts, group, None, max_new)
             runs = {True: con}
             if algo in ("plain", "eagle3"):  # without a grammar, the variants change nothing
@@ -128,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-1", action=argparse.BooleanOptionalAction, default=True,
                    help="also run one request at a time (--no-batch-1: only --batch)")
     p.add_argument("--algos", default="plain,eagle3,eagle3-nojf,eagle3-blind",
-                   help="what runs: plain and EAGLE-3's variants (eagle3, eagle3-nojf, eagle3-blind); plain always")
+                   help="what runs: plain (always), plain-masked (every mask built before drawing: check-first "
+                        "sampling off) and EAGLE-3's variants (eagle3, eagle3-nojf, eagle3-blind)")
     p.add_argument("--num-prompts", type=int, default=len(SCHEMA_CASES), help="the first N of the 20 cases")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
@@ -138,9 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     backends = args.backends.split(",")
     algos = ["plain", *(a for a in args.algos.split(",") if a != "plain")]
-    unknown = set(algos) - {"plain", *VARIANTS}
+    unknown = set(algos) - {"plain", *PLAIN_VARIANTS, *VARIANTS}
     if unknown:
-        p.error(f"--algos: unknown {', '.join(sorted(unknown))}; choose from plain, {', '.join(VARIANTS)}")
+        p.error(f"--algos: unknown {', '.join(sorted(unknown))}; "
+                f"choose from plain, {', '.join([*PLAIN_VARIANTS, *VARIANTS])}")
     eng = engines(args.model, backends, algos, args.num_threads, args.constrained_json_disable_any_whitespace)
     texts = prompts(next(iter(eng.values())), args.model)[:args.num_prompts]
     rows: dict[tuple, dict[str, list]] = {}
@@ -157,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                     r["accept"].append(toks / ver)
                     r["drafted"].append((toks - forced) / ver)
                     r["forced"].append(forced / ver)
-    for e in eng.values():
+    checks = {key: e.get_server_info() for key, e in eng.items() if key[0] not in PLAIN_VARIANTS}
+    for e in set(eng.values()):
         e.shutdown()
     space = "compact JSON" if args.constrained_json_disable_any_whitespace else "JSON whitespace up to 24 chars"
     print(f"{args.model} (bf16), {len(texts)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, "
@@ -179,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{batch:>5} {algo:>12} {backend:>11} {med(free, 'tps', '.1f'):>11} {med(r, 'tps', '.1f'):>9} "
               f"{vs_free:>8} {vs_plain:>9.2f} {med(free, 'accept'):>12} {med(r, 'accept'):>7} {med(r, 'drafted'):>8} "
               f"{med(r, 'forced'):>7}")
+    for (algo, backend), info in checks.items():
+        if info.get("grammar_checked_tokens"):
+            print(f"{algo} {backend}: {info['grammar_check_refusals']} of {info['grammar_checked_tokens']} tokens "
+                  f"drawn check-first were refused (then the forced token, or a draw under the mask)")
 
 if __name__ == "__main__":
     main()

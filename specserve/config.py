@@ -119,6 +119,10 @@ class ServerArgs:
     disable_grammar_aware_drafting: bool = field(default=False, metadata={
         "help": "Speculative decoding of structured outputs: the EAGLE family drafts blind to the grammar (only "
                 "verification masks it, as other engines do), for A/B benchmarks (outputs are the same either way)."})
+    disable_grammar_check_first: bool = field(default=False, metadata={
+        "help": "Structured outputs: build every constrained token's mask before drawing it. By default a greedy, or "
+                "sampled without top_k/top_p/min_p, token is drawn first and only checked, the mask built only where "
+                "the grammar refuses it (outputs are the same either way)."})
     tool_call_parser: str | None = field(default=None, metadata={
         "help": "How the model writes tool calls (SGLang's names): qwen25 (also qwen, hermes: <tool_call> JSON), "
                 "llama3 or mistral. Default: the one the chat template writes, if it writes one of these."})

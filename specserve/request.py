@@ -156,6 +156,16 @@ class Req:
         elif self.grammar.terminated():
             self.grammar_end = n_out
 
+    def grammar_pick(self, tok: int, n_out: int) -> int | None:
+        """Check-first sampling: `tok`, the n_out-th output token, was drawn without the grammar's mask. -> the token
+        a draw under the mask gives, with the grammar advanced over it, where the grammar knows it without a mask
+        (``Matcher.pick``); None when only the mask can say. A drawn stop id is the mask's to judge."""
+        if tok in self.stop_ids or (picked := self.grammar.pick(tok)) is None:
+            return None
+        if self.grammar.terminated():
+            self.grammar_end = n_out
+        return picked
+
     def grammar_ends(self, n_out: int) -> bool:
         """The grammar ends the output at its n_out-th token (its stop token, or a refused one)."""
         return n_out in (self.grammar_end, self.grammar_error and self.grammar_error[0])

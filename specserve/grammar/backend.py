@@ -6,6 +6,8 @@ message) and makes a ``Matcher`` per request. A matcher is the state of one outp
 
     fill(bitmask, row)   the tokens allowed next, as bits of an int32 [rows, ceil(V / 32)] bitmask (1 = allowed)
     accept(token)        advance by one token; False if the grammar does not allow it (the state is unchanged)
+    pick(token)          check-first sampling: advance by the token a draw under the mask would give, where known
+                         without a mask (``token`` itself when the mask allows it), and return it; None otherwise
     fork()               an independent copy of the state (the draft-tree walks explore from copies, so the request's
                          own matcher only ever advances over emitted tokens)
     accepting()          the output so far is a complete match, so the request may stop here (valid after fill)
@@ -65,6 +67,13 @@ class Matcher:
 
     def accept(self, token: int) -> bool:
         raise NotImplementedError
+
+    def pick(self, token: int) -> int | None:
+        """``token`` was drawn without the mask. Where the engine knows, without filling a mask, which token a draw
+        under it would give, advance by that token and return it: ``token`` when the mask allows it, or the only
+        token the mask allows (with the grammar not accepting, so no stop token either). Else None, the state
+        unchanged. Default: ``accept``, for engines whose mask allows exactly what their parser accepts."""
+        return token if self.accept(token) else None
 
     def fork(self) -> Matcher:
         raise NotImplementedError

@@ -45,6 +45,15 @@ class LLGuidanceMatcher(Matcher):
         # try_consume_tokens leaves the state as it was on a refused token (consume_token would enter an error state)
         return self.m.try_consume_tokens([token]) == 1
 
+    def pick(self, token: int) -> int | None:
+        """Where the grammar forces bytes (a JSON key), llguidance's mask allows only the first token of their
+        canonical tokenization, though its parser would accept a shorter prefix token too ("d" of "done"): that
+        token is the pick, whatever was drawn. Elsewhere its mask allows what its parser accepts."""
+        forced = self.m.compute_ff_tokens() if self.m.compute_ff_bytes() else []  # bytes first: 1.5 us against 7
+        if forced:
+            return forced[0] if self.accept(forced[0]) else None
+        return token if self.accept(token) else None
+
     def fork(self) -> LLGuidanceMatcher:
         twin = copy.copy(self)
         twin.m = self.m.deep_copy()

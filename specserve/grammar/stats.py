@@ -2,7 +2,8 @@
 
 One per grammar backend (so one per engine or model worker), shared by the compile threads and the scheduler
 thread: compiles (count, total and longest seconds) and the grammar work of the steps (the masks of sampling, of
-verify trees and of drafting: steps that had any, and their seconds)."""
+verify trees and of drafting: steps that had any, and their seconds), and the tokens drawn check-first (sampled
+without the mask, then checked) with those the grammar refused."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ class GrammarStats:
         self.compile_seconds_max = 0.0
         self.mask_calls = 0
         self.mask_seconds = 0.0
+        self.checked_tokens = 0
+        self.check_refusals = 0
 
     def add_compile(self, seconds: float) -> None:
         with self._lock:
@@ -37,8 +40,14 @@ class GrammarStats:
                 self.mask_calls += 1
                 self.mask_seconds += time.perf_counter() - start
 
+    def add_checks(self, checked: int, refused: int) -> None:
+        with self._lock:
+            self.checked_tokens += checked
+            self.check_refusals += refused
+
     def info(self) -> dict:
         with self._lock:
             return {"grammar_compiles": self.compiles, "grammar_compile_seconds": self.compile_seconds,
                     "grammar_compile_seconds_max": self.compile_seconds_max, "grammar_mask_calls": self.mask_calls,
-                    "grammar_mask_seconds": self.mask_seconds}
+                    "grammar_mask_seconds": self.mask_seconds, "grammar_checked_tokens": self.checked_tokens,
+                    "grammar_check_refusals": self.check_refusals}

@@ -19,27 +19,18 @@ from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, gree
 
 class OutputProcessor:
     def __init__(self, stream_interval: int, context_len: int, vocab_size: int, device,
-                 release: Callable[[Req], None]) -> None:
+                 release: Callable[[Req], None], check_first_grammar: bool = True) -> None:
         self.stream_interval, self.context_len, self.vocab_size, self.device = (
             stream_interval, context_len, vocab_size, device)
         self.release = release  # gives back a finished request's KV and decoding state
         self.reports_spec_meta = False  # outputs carry the request's speculative counters (set by the decoder)
         self.generated_tokens = 0  # tokens appended to outputs since start
+        self.check_first_grammar = check_first_grammar  # see sample_constrained
 
     # ------------------------------------------------------------------ sampling
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
         """logits [B, V] (one row per req) -> sample, append, check finish, release finished -> outputs due."""
-        ban = self.grammar_ban(reqs)  # [B, V] or None
-        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
-            # nothing else to process: skip building the sampling batch
-            next_ids = greedy_ids(logits if ban is None else logits.masked_fill(ban, float("-inf")))
-        else:
-            info = SamplingBatchInfo.from_params(
-                [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
-                [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
-            )
-            info.grammar_ban = ban
-            next_ids = sample(logits, info)
+        next_ids, advanced = self.sample_constrained(reqs, logits)
         lp = _logprobs(reqs, logits, next_ids)
         outputs = []
         for i, (req, tok) in enumerate(zip(reqs, next_ids.tolist(), strict=True)):
@@ -48,7 +39,8 @@ class OutputProcessor:
                 req.top_logprobs.append(lp[1][i])
                 req.ids_logprobs.append(lp[2][i])
             req.output_ids.append(tok)
-            req.accept_grammar(tok, len(req.output_ids))
+            if i not in advanced:
+                req.accept_grammar(tok, len(req.output_ids))
             self.check_finish(req, tok, len(req.output_ids))
             self.generated_tokens += 1
             if req.finished:
@@ -57,10 +49,62 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs
 
-    def grammar_ban(self, reqs: list[Req]) -> torch.Tensor | None:
-        """bool [B, V] ban mask of the requests' grammars for their next token (True = banned; rows of requests
-        without a grammar ban nothing), or None when no request has one."""
-        rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
+    def sample_constrained(self, reqs: list[Req], logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+        """logits [B, V] -> (next ids [B] int64, the rows whose grammar has already advanced over its token).
+
+        Check-first: a constrained row whose sampling keeps the winner of a subset a winner (``check_first``) draws
+        its token without its grammar's mask; the grammar checks that one token (a few microseconds against the tens
+        a mask takes), or names the token it forces there (a JSON key's, on llguidance), and only where it can say
+        neither is the row drawn again under the mask. The token is the one the mask would have given: the argmax,
+        or the exponential race's winner for the same noise, over the whole vocabulary is, when allowed, also the
+        winner over the allowed tokens. Other constrained rows (top_k, top_p, min_p: truncation computed on the
+        masked distribution) are masked first."""
+        constrained = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        checked = [b for b in constrained if self.check_first_grammar and check_first(reqs[b])]
+        if checked:
+            checked_rows = set(checked)
+            constrained = [b for b in constrained if b not in checked_rows]
+        next_ids = self._draw(reqs, logits, self.grammar_ban(reqs, constrained))
+        if not checked:
+            return next_ids, set()
+        stats = reqs[checked[0]].grammar.stats
+        with stats.masking():
+            drawn = next_ids.tolist()
+            tokens = list(drawn)
+            redraw = []
+            for b in checked:
+                picked = reqs[b].grammar_pick(drawn[b], len(reqs[b].output_ids) + 1)
+                if picked is None:
+                    redraw.append(b)
+                else:
+                    tokens[b] = picked
+            taken = checked_rows.difference(redraw)
+            refused = len(redraw) + sum(tokens[b] != drawn[b] for b in taken)
+        stats.add_checks(len(checked), refused)
+        if tokens != drawn:
+            next_ids = torch.tensor(tokens, dtype=torch.int64, device=next_ids.device)  # [B]
+        if redraw:
+            sub = [reqs[b] for b in redraw]
+            next_ids[redraw] = self._draw(sub, logits[redraw], self.grammar_ban(sub, list(range(len(sub)))))
+        return next_ids, taken
+
+    def _draw(self, reqs: list[Req], logits: torch.Tensor, ban: torch.Tensor | None) -> torch.Tensor:
+        """logits [B, V], ban bool [B, V] or None -> next ids [B] int64 (the sampler, or the argmax where nothing
+        else processes the logits)."""
+        if all(is_plain_greedy(r.params, len(r.output_ids)) for r in reqs):
+            return greedy_ids(logits if ban is None else logits.masked_fill(ban, float("-inf")))
+        info = SamplingBatchInfo.from_params(
+            [r.params for r in reqs], [r.generator for r in reqs], [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs], [r.stop_ids for r in reqs], self.vocab_size, self.device,
+        )
+        info.grammar_ban = ban
+        return sample(logits, info)
+
+    def grammar_ban(self, reqs: list[Req], rows: list[int] | None = None) -> torch.Tensor | None:
+        """bool [B, V] ban mask of the grammars of requests ``rows`` (default: every request with a grammar) for their
+        next token (True = banned; other rows ban nothing), or None when there is no such row."""
+        if rows is None:
+            rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
         with reqs[rows[0]].grammar.stats.masking():
@@ -159,6 +203,13 @@ class OutputProcessor:
         out = self.step_output(req)
         assert out is not None  # a finished request always gets its output
         return out
+
+
+def check_first(req: Req) -> bool:
+    """Whether req's next token may be drawn check-first (``OutputProcessor.sample_constrained``): greedy, or sampled
+    without top_k / top_p / min_p, so that masking can only remove tokens, never bring one into play."""
+    p = req.params
+    return p.is_greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
 
 
 def _logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: torch.Tensor):

@@ -84,7 +84,8 @@ class Scheduler:
         # the processor calls back into the scheduler through a weak reference: a scheduler held in a reference cycle
         # would keep its KV pools alive after its engine is gone, until a full garbage collection
         self.outputs = OutputProcessor(args.stream_interval, self.context_len, self.runner.spec.vocab_size,
-                                       self.device, _weak_method(self._release))
+                                       self.device, _weak_method(self._release),
+                                       check_first_grammar=not args.disable_grammar_check_first)
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
         self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, verify-step tokens, verify count)
 

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from specserve import Engine
+from specserve.grammar.llguidance_backend import LLGuidanceMatcher
 from specserve.test.tiny import make_eagle3_head_dir, make_mimo_dir
 from specserve.tools.formats import Function, TaggedJsonFormat
 from specserve.tools.stream import ToolCallStream
@@ -94,6 +95,39 @@ def test_constrained_greedy_equals_constrained_plain(setups, algorithm, backend)
                 assert ToolCallStream(TaggedJsonFormat()).feed(o["text"], final=True)[1]
     free = [o["text"] for o, p in zip(plain, params, strict=True) if not GRAMMARS.keys() & p.keys()]
     assert not any(re.fullmatch(REGEX, text) for text in free)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_check_first_sampling_equals_masking_every_token(target, backend, monkeypatch):
+    """Plain decoding draws a greedy, or untruncated sampled, constrained token without its mask and builds the mask
+    only where the grammar refuses the token and does not name the one it forces: the same tokens as masking first,
+    greedy and for each seed; rows with top_p are masked first."""
+    picks = []  # (drawn, picked) of llguidance's picks: the token itself, the forced one, or None (the mask)
+    if backend == "llguidance":
+        pick = LLGuidanceMatcher.pick
+
+        def counted(self, token):
+            picks.append((token, pick(self, token)))
+            return picks[-1][1]
+
+        monkeypatch.setattr(LLGuidanceMatcher, "pick", counted)
+    params = [constrained("regex"), constrained("json_schema", 40), greedy(24), constrained("structural_tag", 60)]
+    params += [{"temperature": 0.9, "seed": seed, "max_new_tokens": 24, "ignore_eos": True, "regex": REGEX}
+               for seed in range(3)]
+    params += [{"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_new_tokens": 24, "ignore_eos": True,
+                "json_schema": SCHEMA}]
+    masked, masked_info = generate(target, PROMPTS[:8], params, grammar_backend=backend,
+                                   disable_grammar_check_first=True)
+    checked, info = generate(target, PROMPTS[:8], params, grammar_backend=backend)
+    assert ids(checked) == ids(masked)
+    assert masked_info["grammar_checked_tokens"] == 0
+    # both ways ran: tokens the grammar took as drawn, and refused ones drawn again under the mask; the top_p row
+    # (24 tokens) and the free one were never checked
+    drawn_constrained = sum(len(o["output_ids"]) for o, p in zip(checked, params, strict=True)
+                            if p.keys() & GRAMMARS.keys() and "top_p" not in p)
+    assert 0 < info["grammar_check_refusals"] < info["grammar_checked_tokens"] <= drawn_constrained
+    if backend == "llguidance":  # refused tokens replaced by the forced one without a mask, and others redrawn
+        assert any(p is not None and p != t for t, p in picks) and any(p is None for _, p in picks)
 
 
 @pytest.mark.parametrize("algorithm", ["EAGLE", "NGRAM"])

@@ -4,12 +4,16 @@ from bench_structured import main
 
 
 def test_bench_structured_runs_every_configuration(capsys):
+    algos = ("plain", "plain-masked", "eagle3", "eagle3-nojf", "eagle3-blind")
     main(["--backends", "llguidance", "--num-prompts", "2", "--batch", "2", "--rounds", "1",
-          "--max-new-tokens", "12", "--num-threads", "1"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [(r[0], r[1]) for r in rows] == [(b, a) for b in ("1", "2")
-                                            for a in ("plain", "eagle3", "eagle3-nojf", "eagle3-blind")]
+          "--max-new-tokens", "12", "--num-threads", "1", "--algos", ",".join(algos)])
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = [line.split() for line in lines if not line.startswith(("plain", "eagle3"))]
+    assert [(r[0], r[1]) for r in rows] == [(b, a) for b in ("1", "2") for a in algos]
     for r in rows:
         assert float(r[4]) > 0  # constrained tok/s
-        assert (r[3] == "-") == (r[1] in ("eagle3-nojf", "eagle3-blind"))  # free baselines: plain and eagle3
-        assert (r[8] == "-") == (r[1] == "plain")  # accept lengths: EAGLE-3's rows
+        assert (r[3] == "-") == (r[1] not in ("plain", "eagle3"))  # free baselines: plain and eagle3
+        assert (r[8] == "-") == r[1].startswith("plain")  # accept lengths: EAGLE-3's rows
+    checks = [line for line in lines if line.startswith(("plain", "eagle3"))]
+    assert checks and checks[0].startswith("plain llguidance: ")  # check-first counts, plain's first
+    assert not any(line.startswith("plain-masked") for line in checks)  # nothing drawn check-first there

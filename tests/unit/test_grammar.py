@@ -176,6 +176,49 @@ def test_a_schema_allows_its_example_and_accepts_at_its_end(backend, tokenizer, 
     assert m.accepting()
 
 
+@pytest.mark.parametrize("field, case", [("json_schema", SCHEMA_CASES[1]), ("json_schema", SCHEMA_CASES[4]),
+                                         ("regex", None)], ids=["schema-1", "schema-4", "regex"])
+def test_pick_gives_what_a_draw_under_the_mask_gives(backend, tokenizer, field, case):
+    """Check-first sampling rests on this: at each position of an output, for every token t of the vocabulary (the
+    grammar's stop token included), a fork's pick(t) is t exactly when the mask allows t; another token u only
+    where the mask allows u alone (and the grammar may not stop); else None. llguidance's parser accepts more than
+    its mask where bytes are forced (a key's prefix token): its pick names the forced token instead."""
+    if case is None:
+        spec, doc = GrammarSpec.from_field("regex", r"(yes|no), [0-9]{2}"), "no, 42"
+    else:
+        spec, doc = GrammarSpec.from_field(field, json.dumps(case.schema)), json.dumps(case.example)
+    m = backend.matcher(backend.compile(spec))
+    ids = tokenizer.encode(doc, add_special_tokens=False)
+    named = 0  # positions where a refused token's pick was the forced one
+    for k in range(len(ids) + 1):
+        walked = m.fork()
+        for t in ids[:k]:
+            assert walked.accept(t)
+        bm, accepting = fill_rows([walked])
+        allowed = rows_as_sets(bm, backend.vocab_size)[0]
+        assert allowed  # a live state: something may follow (the grammar's stop token at the end)
+        picks = {t: walked.fork().pick(t) for t in range(backend.vocab_size)}
+        assert {t for t, p in picks.items() if p == t} == allowed, f"position {k}"
+        others = {p for t, p in picks.items() if p is not None and p != t}
+        if others:
+            assert others == allowed and len(allowed) == 1 and not accepting[0], f"position {k}"
+            named += 1
+    if backend.name == "llguidance" and field == "json_schema":
+        assert named  # the keys: llguidance names their tokens without a mask
+
+
+def test_llguidance_accepts_a_forced_keys_prefix_its_mask_bans(tokenizer):
+    """Why pick is not accept on llguidance: where a key is forced, the parser accepts its prefix "d" of "done"."""
+    be = make_grammar_backend("llguidance", tokenizer, len(tokenizer))
+    m = be.matcher(be.compile(GrammarSpec.from_field("json_schema", json.dumps(SCHEMA_CASES[4].schema))))
+    for t in tokenizer.encode('{"title": "x", "', add_special_tokens=False):
+        assert m.accept(t)
+    d, done = tokenizer.convert_tokens_to_ids(["d", "done"])
+    bm, _ = fill_rows([m])
+    assert rows_as_sets(bm, be.vocab_size)[0] == {done}
+    assert m.fork().accept(d) and m.pick(d) == done
+
+
 def test_a_schema_bans_what_it_does_not_allow(backend, tokenizer):
     spec = GrammarSpec.from_field("json_schema", json.dumps(SCHEMA_CASES[0].schema))
     m = backend.matcher(backend.compile(spec))
