@@ -217,8 +217,8 @@ class SpecDecoder(DecodeStep):
         shape = self.policy.choose(len(reqs), kind)
         if shape is None:
             return self.timed_plain_step(reqs)
-        self.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens (not charged to the step)
         started = self.step_start()
+        self.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens: speculation's cost, charged here
         record = self.forward_step(reqs, shape)
         outputs, done = self.process(record)
         self.release_done(done)

@@ -27,7 +27,8 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
 
 Switching is free of output effects: a plain step produces the token plain decoding would; the drafter's state
 is kept per request and catches up on the tokens it missed before the next speculative step
-(``SpecDecoder``'s backlog), so speculation resumes when the batch shrinks again.
+(``SpecDecoder``'s backlog), so speculation resumes when the batch shrinks again. That catch-up is a cost of
+speculating: it is timed with the speculative step it precedes.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Also: with a draft that is never accepted, the measuring policy runs plain steps
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from specserve import Engine
@@ -65,3 +67,30 @@ def test_auto_off_runs_plain_steps_when_drafts_never_land(target, tmp_path):
     # a random head's steps yield ~1 token for a draft + verify's cost: plain steps measure faster and win
     assert info["spec_plain_steps"] > info["spec_verify_ct"] > 0
     assert info["spec_batch_policy"]["1 greedy"]["winner"] == "plain"
+
+
+def test_the_drafters_catch_up_on_plain_steps_is_timed_with_the_next_speculative_step(target, drafts, monkeypatch):
+    """The backlog's replay is a cost of speculating: the batch policy sees it in the speculative step it precedes."""
+    from specserve.scheduler.spec_decode import SpecDecoder
+    from specserve.speculative.batch_policy import BatchPolicy
+
+    flush, record, flushed, recorded = SpecDecoder.flush_backlog, BatchPolicy.record, [], []
+
+    def slow_flush(self, reqs):
+        if any(r.spec_backlog is not None for r in reqs):
+            time.sleep(0.2)  # stands for a long replay
+            flushed.append(len(reqs))
+        flush(self, reqs)
+
+    def spy(self, batch, speculative, seconds, tokens, compiled=False, kind="greedy"):
+        recorded.append((speculative, seconds))
+        record(self, batch, speculative, seconds, tokens, compiled, kind)
+
+    monkeypatch.setattr(SpecDecoder, "flush_backlog", slow_flush)
+    monkeypatch.setattr(BatchPolicy, "record", spy)
+    kw = spec_kwargs("EAGLE", drafts["EAGLE"], 3, 2, 5, **POLICY)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        staggered(e, PROMPTS[:6], [greedy(n) for n in LENGTHS], LATE, greedy(24))
+    assert flushed  # plain steps (batch above 4), then speculative ones with a backlog to replay
+    assert sum(1 for spec, secs in recorded if spec and secs >= 0.2) == len(flushed)
+    assert not any(secs >= 0.2 for spec, secs in recorded if not spec)
