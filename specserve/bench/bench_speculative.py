@@ -31,7 +31,11 @@ Figures per (batch size, configuration):
   leaving out tokens of plain steps (``--batch-aware``: the engine's batch-aware speculation ran them);
 - ``step_ms``: wall time spent inside the scheduler's decode steps / their number (every rep): for a speculative
   engine one step is drafting + the verify forward + acceptance; prefill steps are not in it. ``verify_ms`` and
-  ``draft_ms`` split it (verify forward; ``propose`` + ``after_verify``).
+  ``draft_ms`` split it (verify forward; ``propose`` + ``after_verify``);
+- ``slowest_steps``: per generate call, the decode steps of its slowest request over its requests' mean (verify
+  steps plus plain steps; the median over calls): a batch of requests that start together ends with its slowest,
+  so a speculative engine pays for the spread of acceptance across requests (1.0 when every request takes the same
+  number of steps, as in plain decoding of equal lengths).
 
 The best configuration per batch size is the one with the highest tokens/s, the plain engine included.
 Written to ``--out-dir``: ``results.jsonl`` (one row per measurement), ``results.md`` (the table),
@@ -62,7 +66,7 @@ SIMULATE_ENV = ACC_LEN_ENV  # the simulation variables a run records (SPECSERVE_
 TABLE_COLUMNS = (
     ("batch_size", "batch", None), ("config", "config", None), ("accept_length", "accept len", ".2f"),
     ("draft_forwards_per_tree", "draft fwd/tree", ".2f"), ("step_ms", "decode step ms", ".2f"),
-    ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speed-up", ".2f"),
+    ("slowest_steps", "slowest/mean steps", ".2f"), ("tokens_per_s", "tok/s", ".1f"), ("speedup", "speed-up", ".2f"),
     ("best_mark", "best", None),
 )
 
@@ -254,7 +258,8 @@ def prompts_for_batch(pool: list[str], batch_size: int, num_prompts: int) -> lis
 def measure_batch(engine, clock, prompts: list[str], batch_size: int, params: dict, reps: int) -> dict:
     """Time `reps` passes over `prompts` in generate calls of batch_size (prefix cache flushed before each)."""
     mark = start_batch(engine, clock)
-    return summarize(engine, clock, mark, [measure_pass(engine, prompts, batch_size, params) for _ in range(reps)])
+    passes = [measure_pass(engine, prompts, batch_size, params) for _ in range(reps)]
+    return summarize(engine, clock, mark, passes, batch_size)
 
 
 def start_batch(engine, clock) -> tuple[int, int]:
@@ -292,8 +297,23 @@ def flush(engine) -> None:
     flush_prefix_cache(engine)
 
 
-def summarize(engine, clock, mark: tuple[int, int], passes: list[tuple[float, list[dict]]]) -> dict:
-    """A batch size's figures from its passes (each from measure_pass) since start_batch returned `mark`."""
+def slowest_steps(metas: list[dict], batch_size: int) -> float | None:
+    """Requests' meta_info in generate calls of batch_size (in order; the last call may be shorter) -> the median over
+    calls of (decode steps of the call's slowest request / its requests' mean), a request's steps being its verify
+    steps plus its plain steps; None when no request speculated."""
+    if not any(m.get("spec_verify_ct") for m in metas):
+        return None
+    ratios = []
+    for i in range(0, len(metas), batch_size):
+        steps = [m["spec_verify_ct"] + m.get("spec_plain_tokens", 0) for m in metas[i : i + batch_size]]
+        if sum(steps):
+            ratios.append(max(steps) / statistics.mean(steps))
+    return statistics.median(ratios)
+
+
+def summarize(engine, clock, mark: tuple[int, int], passes: list[tuple[float, list[dict]]], batch_size: int) -> dict:
+    """A batch size's figures from its passes (each from measure_pass, in generate calls of batch_size) since
+    start_batch returned `mark`."""
     reps = len(passes)
     rates = [sum(m["completion_tokens"] for m in metas) / seconds for seconds, metas in passes]
     metas = [m for _, pass_metas in passes for m in pass_metas]
@@ -307,6 +327,7 @@ def summarize(engine, clock, mark: tuple[int, int], passes: list[tuple[float, li
         "verify_steps": verify // reps if verify else None,
         "accept_length": accept_length(metas) if verify else None,
         "plain_step_tokens": plain_tokens // reps,
+        "slowest_steps": slowest_steps(metas, batch_size),
         "step_ms": clock.mean_ms("decode_step"),
         "verify_ms": _or_none(clock.mean_ms("target_verify")),
         "draft_ms": _or_none(clock.mean_ms("propose") + clock.mean_ms("after_verify")),
@@ -377,7 +398,7 @@ def run_interleaved(todo: list[tuple[TreeShape, ServerArgs]], batches: dict[int,
                     passes[i].append(one_pass)
                 if progress is not None:
                     progress.update(len(loaded))
-            rows += [{**row_head(shape, args, b, prompts), **summarize(engine, clock, mark, done)}
+            rows += [{**row_head(shape, args, b, prompts), **summarize(engine, clock, mark, done, b)}
                      for (shape, args, engine, clock), mark, done in zip(loaded, marks, passes, strict=True)]
         return rows, skipped
     finally:

@@ -102,6 +102,17 @@ def test_add_speedups_and_best():
     assert lines[1].startswith("batch 8: best = baseline") and "no speculative configuration" in lines[1]
 
 
+def test_slowest_steps_per_generate_call_by_hand():
+    def meta(verify: int, plain: int = 0) -> dict:
+        return {"spec_verify_ct": verify, "spec_plain_tokens": plain}
+
+    # calls of 2: [10, 12] -> 12 / 11; [14, 16 + 4 plain] -> 20 / 17; the median of the two
+    metas = [meta(10), meta(12), meta(14), meta(16, 4)]
+    assert bs.slowest_steps(metas, 2) == pytest.approx((12 / 11 + 20 / 17) / 2)
+    assert bs.slowest_steps(metas + [meta(9)], 2) == pytest.approx(12 / 11)  # a last, shorter call: 9 / 9
+    assert bs.slowest_steps([{"completion_tokens": 8}] * 2, 2) is None  # nothing speculated
+
+
 def test_simulate_acc_len_recorded_from_either_name(monkeypatch):
     for name in bs.SIMULATE_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -140,10 +151,12 @@ def test_bench_speculative_end_to_end(eagle_pair, tmp_path, capsys):
         assert r["simulate_acc_len"] is None
         if r["config"] == "baseline":
             assert r["speedup"] == 1.0 and r["accept_length"] is None and r["verify_ms"] is None
+            assert r["slowest_steps"] is None
             assert r["algorithm"] is None and r["draft_model_path"] is None
         else:
             assert r["algorithm"] == "EAGLE" and r["draft_model_path"] == head
             assert r["accept_length"] >= 1.0 and r["verify_steps"] > 0 and r["draft_ms"] > 0
+            assert r["slowest_steps"] >= 1.0
             if r["steps"] > 1:  # one level drafted here at most (steps 2), none where the draft stopped first
                 assert 0 <= r["draft_forwards_per_tree"] <= 1
             else:
@@ -236,7 +249,7 @@ def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
     monkeypatch.setattr(bs, "flush", lambda engine: calls.append((engine.name, "flush")))
     monkeypatch.setattr(bs, "start_batch", lambda engine, clock: engine.name)
     monkeypatch.setattr(bs, "timed_generate", generate)
-    monkeypatch.setattr(bs, "summarize", lambda engine, clock, mark, passes: {"mark": mark, "passes": passes})
+    monkeypatch.setattr(bs, "summarize", lambda engine, clock, mark, passes, b: {"mark": mark, "passes": passes})
     monkeypatch.setattr(bs, "row_head", lambda shape, args, b, prompts: {"config": args, "batch_size": b})
     todo = [(bs.BASELINE, "A"), (bs.TreeShape(2, 1, 3), "bad"), (bs.TreeShape(3, 1, 4), "B")]
     rows, skipped = bs.run_interleaved(todo, {1: ["p", "q"], 2: ["p", "q"]}, {}, reps=2)
