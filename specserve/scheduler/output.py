@@ -85,7 +85,7 @@ class OutputProcessor:
             next_ids = torch.tensor(tokens, dtype=torch.int64, device=next_ids.device)  # [B]
         if redraw:
             sub = [reqs[b] for b in redraw]
-            next_ids[redraw] = self._draw(sub, logits[redraw], self.grammar_ban(sub, list(range(len(sub)))))
+            next_ids[redraw] = self._draw(sub, logits[redraw], self.grammar_ban(sub))
         return next_ids, taken
 
     def _draw(self, reqs: list[Req], logits: torch.Tensor, ban: torch.Tensor | None) -> torch.Tensor:
