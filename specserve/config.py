@@ -139,8 +139,10 @@ class ServerArgs:
                 "64, 128 or 256 (SGLang's names; PyTorch's packed int8 / int4 matmuls for calls of a few rows, a "
                 "dequantized copy for larger ones). Empty: none."})
     quantization: str | None = field(default=None, metadata={
-        "help": "SGLang's checkpoint quantization method. gguf: a GGUF checkpoint, dequantized to --dtype (for 4-bit "
-                "kernels add --torchao-config int4wo-32); other methods are not supported."})
+        "help": "SGLang's checkpoint quantization method. gguf (a GGUF checkpoint, CPU): the file's 4-bit linears "
+                "(Q4_0, Q4_1, Q4_K) run on the int4 kernel with the file's own blocks, its other quantized linears "
+                "re-quantized per row to int8; without it a GGUF file runs dequantized to --dtype. Other methods "
+                "are not supported."})
     enable_torch_compile: bool = field(
         default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
     torch_compile_max_bs: int = field(
@@ -320,6 +322,9 @@ class ServerArgs:
                               f"quantizes a checkpoint's weights at load")
         if not (self.model_path or "").endswith(".gguf") and self.load_format not in ("auto", "gguf"):
             raise ConfigError(f"--quantization gguf needs a GGUF checkpoint; --load-format is {self.load_format}")
+        if self.torchao_config:
+            raise ConfigError(f"--quantization gguf runs the GGUF file's own quantized weights; --torchao-config "
+                              f"{self.torchao_config} would quantize them again: pass one of the two")
 
     def _validate_sglang_only(self) -> None:
         """Flags SGLang's launch commands pass whose GPU machinery specserve does not have: checked, then mapped onto
@@ -363,6 +368,9 @@ class ServerArgs:
             raise ConfigError("--dp-size > 1 runs its replicas on one node; it cannot be combined with --nnodes > 1")
         if self.tp_size > 1 and self.torchao_config:
             raise ConfigError("--torchao-config is not supported with --tp-size > 1")
+        if self.tp_size > 1 and self.quantization == "gguf":
+            raise ConfigError("--quantization gguf is not supported with --tp-size > 1 (its linears run dequantized "
+                              "without the flag)")
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ConfigError("--enable-torch-compile is not supported with --tp-size > 1 (the sharded forward's "
                               "collectives run eagerly)")

@@ -5,7 +5,7 @@ in one run.
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
         [--only plain,llamacpp,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
         [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R] [--llamacpp-gguf FILE]
-        [--torchao-config int8wo|int4wo-<group>]
+        [--torchao-config int8wo|int4wo-<group> | --quantization gguf]
 
 Batch 1, greedy (temperature 0) unless ``--temperature`` samples, exactly ``--max-new-tokens`` per prompt on both
 sides (specserve ``ignore_eos``; transformers ``eos_token_id=None``, so neither stops early nor masks EOS), the same
@@ -17,7 +17,8 @@ through them (so drift of a shared machine hits all alike), each compared with i
                                                         same draft LM); transformers cannot run an EAGLE-3 head
     transformers prompt lookup (N tokens)            <- specserve NGRAM
     specserve plain decoding                         <- specserve plain decoding and EAGLE-3 of the target quantized
-                                                        by --torchao-config (rows quant, eagle3-quant; their greedy
+                                                        by --torchao-config, or of the GGUF file's own 4-bit blocks
+                                                        (--quantization gguf) (rows quant, eagle3-quant; their greedy
                                                         agreement with our unquantized plain decoding is reported)
 
 and every row with llama.cpp's plain decoding of the same model at 16-bit weights (``bench.llamacpp``: the target's
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torchao-config", default="", metavar="NAME",
                    help="int8wo or int4wo-<group>: adds the rows quant (our plain decoding of the quantized target, "
                         "against the unquantized one, with its greedy agreement) and eagle3-quant (EAGLE-3 over it)")
+    p.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: the rows quant and eagle3-quant run the GGUF target's own 4-bit blocks (the engine's "
+                        "--quantization gguf) instead of a --torchao-config quantization")
     p.add_argument("--eagle3-tree", default=None, metavar="S,K,N",
                    help="our EAGLE-3 tree: --speculative-num-steps, --speculative-eagle-topk, "
                         "--speculative-num-draft-tokens (default: the engine's resolution: the bundled heads' tuned "
@@ -179,13 +183,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         from specserve.demo_models import bundled_eagle3
 
         args.eagle3_path = bundled_eagle3(args.model_path)
-    default = [n for n in SELECTABLE if args.torchao_config or n not in QUANT_SELECT]  # quantized rows: with the flag
+    if args.torchao_config and args.quantization:
+        p.error("--quantization gguf and --torchao-config both quantize the rows quant / eagle3-quant: pass one")
+    quantized = bool(args.torchao_config or args.quantization)
+    default = [n for n in SELECTABLE if quantized or n not in QUANT_SELECT]  # quantized rows: with a flag
     try:
         args.only = selected_configs(args.only or ",".join(default))
     except ValueError as e:
         p.error(f"--only: {e}")
-    if any(c.name in QUANTIZED for c in args.only) and not args.torchao_config:
-        p.error("--only quant / eagle3-quant need --torchao-config (int8wo, int4wo-<group>)")
+    if any(c.name in QUANTIZED for c in args.only) and not quantized:
+        p.error("--only quant / eagle3-quant need --torchao-config (int8wo, int4wo-<group>) or --quantization gguf")
     if args.eagle3_tree is not None:
         try:
             args.eagle3_tree = tuple(int(v) for v in args.eagle3_tree.split(","))
@@ -425,7 +432,9 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         if tree_given:
             kw.update(zip(("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"),
                           args.eagle3_tree, strict=True))
-        if name in QUANTIZED:
+        if name in QUANTIZED and args.quantization:
+            kw["quantization"] = args.quantization
+        elif name in QUANTIZED:
             kw["torchao_config"] = args.torchao_config
         engine = Engine(model_path=target, dtype=args.dtype, device=str(device), num_threads=threads,
                         max_total_tokens=kv_tokens, log_level="warning",
@@ -516,7 +525,10 @@ def kernel_setup(info: dict) -> dict:
     """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one
     (info: its get_server_info)."""
     verdicts = info.get("cpu_one_row_kernel") or {}
-    return {"one_row_kernel": next(iter(verdicts.values()))} if verdicts else {}
+    setup = {"one_row_kernel": next(iter(verdicts.values()))} if verdicts else {}
+    if info.get("gguf_linears"):  # --quantization gguf: linears on the file's 4-bit blocks / dense
+        setup["gguf_linears"] = info["gguf_linears"]
+    return setup
 
 
 def assisted_setup(assistant, draft_path: str) -> dict:

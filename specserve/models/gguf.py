@@ -44,6 +44,20 @@ def find_gguf_file(path: str) -> str | None:
     return os.path.join(path, files[0]) if files else None
 
 
+def source_file(path: str) -> str | None:
+    """The GGUF file behind a model path: the file `path` names (``find_gguf_file``), or the one a converted folder
+    was made from (recorded in its done mark) while that file is still there; None otherwise."""
+    found = find_gguf_file(path)
+    if found is not None:
+        return found
+    mark = os.path.join(path, DONE_MARK)
+    if not os.path.isfile(mark):
+        return None
+    with open(mark) as f:
+        recorded = f.read().strip()
+    return recorded if recorded.lower().endswith(SUFFIX) and os.path.isfile(recorded) else None
+
+
 def cache_root() -> str:
     """Where converted checkpoints go: $SPECSERVE_CACHE_DIR, else ~/.cache/specserve."""
     return os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specserve")

@@ -116,9 +116,13 @@ class DenseCopy(Linear):
 
 class QuantLinear(DirectCall):
     """A Linear with int8 / int4 weights for calls of at most QUANT_MAX_ROWS rows and a dense copy of the same
-    (dequantized) weights for larger calls (``dense``: a Linear, packed by the platform like any other)."""
+    (dequantized) weights for larger calls (``dense``: a Linear, packed by the platform like any other).
 
-    def __init__(self, linear: nn.Linear, cfg: QuantConfig) -> None:
+    grid: int4 only, the weights already on a 4-bit grid, as ``quantize_int4`` returns them (q [N, K], scales and
+    zeros [N, K/G]): a GGUF file's own blocks (``models/gguf_quant.py``); None: quantize linear's weight."""
+
+    def __init__(self, linear: nn.Linear, cfg: QuantConfig,
+                 grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.cfg = linear.in_features, linear.out_features, cfg
         dtype = linear.weight.dtype
@@ -128,7 +132,7 @@ class QuantLinear(DirectCall):
             self.q8, self.scales = q, scales.to(dtype)  # [N, K] int8, [N] in the run dtype (the kernel's rule)
             dense = dequantize_int8(q, self.scales)
         else:
-            q, scales, zeros = quantize_int4(linear.weight, cfg.group)
+            q, scales, zeros = grid if grid is not None else quantize_int4(linear.weight, cfg.group)
             sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/G, N, 2]
             self.q4 = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2] uint8, packed for this CPU
             self.scales_zeros = sz

@@ -19,6 +19,8 @@ from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.compile import CompileStats, compile_forward
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
+from specserve.models.gguf import source_file
+from specserve.models.gguf_quant import apply_gguf_quantization
 from specserve.models.llama import ModelOutput
 from specserve.models.loader import load_model
 from specserve.models.quantize import QuantLinear, parse_torchao_config, quantize_linears
@@ -59,6 +61,7 @@ class ModelRunner:
             args.model_path, args.dtype, self.device, load_format=args.load_format, seed=args.random_seed,
             tp=self.tp_leader.group if self.tp_leader is not None else None)
         self.dtype = next(self.model.parameters()).dtype
+        self.gguf_linears: dict | None = None  # --quantization gguf: linears per kind (GGUFLinears.summary)
         self._quantize()
         # the weights as they are held: a quantized linear's integer weights beside its dense copy
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
@@ -98,8 +101,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------
     def _quantize(self) -> None:
-        """--torchao-config: the target's linears -> weight-only int8 / int4 (``models/quantize.py``), before they
-        are packed (a quantized linear's dense copy is packed like any linear)."""
+        """--torchao-config: the target's linears -> weight-only int8 / int4 (``models/quantize.py``); --quantization
+        gguf: rebuilt from the GGUF file's blocks (``models/gguf_quant.py``). Before the weights are packed (a
+        quantized linear's dense copy is packed like any linear)."""
+        if self.args.quantization == "gguf":
+            self._gguf_blocks()
+            return
         quant = parse_torchao_config(self.args.torchao_config)
         if quant is None:
             return
@@ -107,6 +114,17 @@ class ModelRunner:
             raise ConfigError(f"--torchao-config {quant.name} runs on CPU only (PyTorch's CPU int8 / int4 kernels); "
                               f"this engine runs on {self.device.type}")
         quantize_linears(self.model, quant)
+
+    def _gguf_blocks(self) -> None:
+        if self.device.type != "cpu":
+            logger.info("--quantization gguf on %s: the GGUF file's weights run dequantized to %s (the 4-bit kernel "
+                        "is PyTorch's CPU one)", self.device.type, self.dtype)
+            return
+        gguf_file = source_file(self.args.model_path)
+        if gguf_file is None:
+            raise ConfigError(f"--quantization gguf: {self.args.model_path!r} is neither a GGUF file nor a folder "
+                              "converted from one")
+        self.gguf_linears = apply_gguf_quantization(self.model, self.spec, gguf_file).summary()
 
     def speed_up_forward(self, module: nn.Module) -> nn.Module:
         """Wrap module.forward(fb, *tensors) in the forward speed-ups in force: torch.compile, then CUDA graphs
@@ -147,6 +165,8 @@ class ModelRunner:
         if cs is not None:
             info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
                         torch_compile_calls=cs.compiled_calls)
+        if self.gguf_linears is not None:
+            info.update(gguf_linears=self.gguf_linears)
         graphs = self.cuda_graphs
         if graphs is not None:
             st = graphs.stats
