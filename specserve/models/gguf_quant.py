@@ -11,7 +11,9 @@ for them, instead of running the dequantized copy:
   float32 they are the file's, in bf16 they round to bf16 (as every bf16 run rounds the file's weights).
 - **Every other linear** (Q8_0, Q5_*, Q6_K, F16, ...; SmolLM2's tied LM head is Q8_0) runs the loaded weights, the
   file's values in the run dtype: PyTorch's int8 kernel has one scale per output row, not one per block of 32, so
-  it could only run a re-quantization of them (``--torchao-config int8wo`` is that, for every linear).
+  it could only run a re-quantization of them (``--torchao-config int8wo`` is that, for every linear). A fused
+  projection (q/k/v, gate/up) runs on the int4 kernel only when all its tensors are 4-bit: in a Q4_K_M file, whose
+  attn_v of some layers is Q6_K, those layers' q/k/v stay dense.
 
 Each rebuilt linear is checked against the weight the engine loaded from the converted folder: the file's blocks,
 dequantized and cast to the run dtype, must equal it exactly (they are the same numbers). A linear whose blocks do
@@ -143,7 +145,7 @@ def apply_gguf_quantization(model: nn.Module, spec, gguf_file: str) -> GGUFLinea
         kinds = {t.tensor_type.name for t in found}
         if kinds <= {"Q4_0", "Q4_1", "Q4_K"} and _fits_int4(linear):
             grid = _file_grid(found, pieces)
-            if grid is not None and _same_weights(grid, linear):
+            if _same_weights(grid, linear):
                 setattr(parent, attr, QuantLinear(linear, QuantConfig(4, GROUP), grid=_kernel_grid(*grid)))
                 done.int4 += 1
                 continue
@@ -162,7 +164,7 @@ def _fits_int4(linear: nn.Linear) -> bool:
     return n % 16 == 0 and k % GROUP == 0
 
 
-def _file_grid(found, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _file_grid(found, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pieces' blocks stacked in the engine's row order -> (q [N, K], scale [N, K/32], low [N, K/32])."""
     parts = []
     for t, piece in zip(found, pieces, strict=True):
