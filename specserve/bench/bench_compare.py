@@ -2,8 +2,9 @@
 in one run.
 
     specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path HEAD]
+        [--eagle-path HEAD] [--eagle-token-map FILE|none]
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
-        [--only plain,llamacpp,assisted,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
+        [--only plain,llamacpp,assisted,eagle,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
         [--eagle3-tree S,K,N] [--draft-stop-threshold P] [--rounds R] [--llamacpp-gguf FILE]
         [--torchao-config int8wo|int4wo-<group> | --quantization gguf]
 
@@ -13,8 +14,9 @@ prompt token ids, the same dtype and thread count for both engines. Configuratio
 through them (so drift of a shared machine hits all alike), each compared with its counterpart:
 
     transformers plain generate                      <- specserve plain decoding
-    transformers assisted generation (the draft LM)  <- specserve EAGLE-3 (its head) and specserve STANDALONE (the
-                                                        same draft LM); transformers cannot run an EAGLE-3 head
+    transformers assisted generation (the draft LM)  <- specserve EAGLE-2 and EAGLE-3 (their heads; EAGLE-2 with the
+                                                        FR-Spec map of a bundled head) and specserve STANDALONE (the
+                                                        same draft LM); transformers cannot run an EAGLE head
     transformers prompt lookup (N tokens)            <- specserve NGRAM
     specserve plain decoding                         <- specserve plain decoding and EAGLE-3 of the target quantized
                                                         by --torchao-config, or of the GGUF file's own 4-bit blocks
@@ -49,7 +51,8 @@ import torch
 
 from specserve.bench.report import format_table, plot_bars, report_missing_extra, write_jsonl
 
-SELECTABLE = ("plain", "llamacpp", "assisted", "eagle3", "standalone", "lookup", "ngram", "quant", "eagle3-quant")
+SELECTABLE = ("plain", "llamacpp", "assisted", "eagle", "eagle3", "standalone", "lookup", "ngram", "quant",
+              "eagle3-quant")
 QUANT_SELECT = ("quant", "eagle3-quant")  # the rows with --torchao-config's quantized target (need that flag)
 DTYPES = ("float32", "bfloat16")
 WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
@@ -74,6 +77,7 @@ CONFIGS = (
     Config("llamacpp_f16", "llama.cpp", "llama.cpp 16-bit", "llamacpp"),
     Config("llamacpp_quant", "llama.cpp", "llama.cpp quantized", "llamacpp"),
     Config("hf_assisted", "transformers", "HF assisted", "assisted", plain="hf_plain"),
+    Config("ours_eagle", "specserve", "ours EAGLE-2", "eagle", versus="hf_assisted", plain="ours_plain"),
     Config("ours_eagle3", "specserve", "ours EAGLE-3", "eagle3", versus="hf_assisted", plain="ours_plain"),
     Config("ours_standalone", "specserve", "ours STANDALONE", "standalone", versus="hf_assisted", plain="ours_plain"),
     Config("hf_lookup", "transformers", "HF lookup", "lookup", plain="hf_plain"),
@@ -83,7 +87,7 @@ CONFIGS = (
     Config("ours_eagle3_quant", "specserve", "ours EAGLE-3, quantized", "eagle3-quant", plain="ours_quant"),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
-ENGINE_ALGORITHM = {"ours_plain": None, "ours_eagle3": "EAGLE3", "ours_standalone": "STANDALONE",
+ENGINE_ALGORITHM = {"ours_plain": None, "ours_eagle": "EAGLE", "ours_eagle3": "EAGLE3", "ours_standalone": "STANDALONE",
                     "ours_ngram": "NGRAM", "ours_quant": None, "ours_eagle3_quant": "EAGLE3"}
 QUANTIZED = {"ours_quant", "ours_eagle3_quant"}
 
@@ -120,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eagle3-path", default=None,
                    help="EAGLE-3 head for our EAGLE3 (default: the bundled head of the target: smollm2-eagle3 for "
                         "smollm2, else demo-eagle3)")
+    p.add_argument("--eagle-path", default=None,
+                   help="EAGLE-2 head for our EAGLE (default: the bundled head of the target: smollm2-eagle for "
+                        "smollm2, else demo-eagle)")
+    p.add_argument("--eagle-token-map", default=None, metavar="FILE",
+                   help="FR-Spec map for our EAGLE (--speculative-token-map; default: the bundled head's own map, "
+                        "none for another head; 'none': the head's full vocabulary)")
     p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts (held_out_prompts)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generated per prompt on both sides")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="both engines (always the same)")
@@ -183,6 +193,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         from specserve.demo_models import bundled_eagle3
 
         args.eagle3_path = bundled_eagle3(args.model_path)
+    args.eagle_path, args.eagle_token_map = eagle_head_and_map(args.model_path, args.eagle_path, args.eagle_token_map)
     if args.torchao_config and args.quantization:
         p.error("--quantization gguf and --torchao-config both quantize the rows quant / eagle3-quant: pass one")
     quantized = bool(args.torchao_config or args.quantization)
@@ -344,6 +355,7 @@ def setup_lines(rows: list[dict]) -> list[str]:
                          + (f", draft score temperature {r['speculative_draft_score_temperature']}"
                             if r.get("speculative_draft_score_temperature", 1.0) != 1.0 else "")
                          + (f", draft {r['draft_path']}" if r.get("draft_path") else "")
+                         + (f", token map {r['speculative_token_map']}" if r.get("speculative_token_map") else "")
                          + (f" in {r['draft_dtype']}" if r.get("draft_dtype") else ""))
         if r.get("one_row_kernel") is not None:
             k = r["one_row_kernel"]
@@ -412,12 +424,13 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
     target = resolve_path(args.model_path)
     draft = resolve_path(args.draft_model_path) if names & {"hf_assisted", "ours_standalone"} else None
     head = resolve_path(args.eagle3_path) if names & {"ours_eagle3", "ours_eagle3_quant"} else None
+    head2 = resolve_path(args.eagle_path) if "ours_eagle" in names else None
     loaded.setup["common"] = {"model_path": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                               "num_threads": threads, "device": str(device), "rounds": args.rounds,
                               "temperature": args.temperature}
     n = args.max_new_tokens
-    drafts = {"ours_eagle3": head, "ours_eagle3_quant": head, "ours_standalone": draft}  # resolved folders
-    given = {"ours_eagle3": args.eagle3_path, "ours_eagle3_quant": args.eagle3_path,
+    drafts = {"ours_eagle": head2, "ours_eagle3": head, "ours_eagle3_quant": head, "ours_standalone": draft}  # folders
+    given = {"ours_eagle": args.eagle_path, "ours_eagle3": args.eagle3_path, "ours_eagle3_quant": args.eagle3_path,
              "ours_standalone": args.draft_model_path}  # the rows keep the given names
     for name, algorithm in ENGINE_ALGORITHM.items():
         if name not in names:
@@ -425,7 +438,9 @@ def load_all(args: argparse.Namespace, threads: int, kv_tokens: int, loaded: Loa
         _log(f"loading {BY_NAME[name].label} ...")
         kw = {"speculative_algorithm": algorithm, "speculative_draft_model_path": drafts.get(name),
               "disable_speculative_auto_off": args.always_speculate} if algorithm else {}
-        if algorithm in ("EAGLE3", "STANDALONE"):
+        if algorithm == "EAGLE" and args.eagle_token_map:
+            kw["speculative_token_map"] = args.eagle_token_map
+        if algorithm in ("EAGLE", "EAGLE3", "STANDALONE"):
             kw["speculative_draft_stop_threshold"] = args.draft_stop_threshold
             kw["speculative_draft_score_temperature"] = args.draft_score_temperature
         tree_given = algorithm == "EAGLE3" and args.eagle3_tree is not None
@@ -518,7 +533,20 @@ def spec_setup(info: dict, draft_path: str | None) -> dict:
             "speculative_num_draft_tokens": info["speculative_num_draft_tokens"],
             "speculative_draft_stop_threshold": info.get("speculative_draft_stop_threshold"),
             "speculative_draft_score_temperature": info.get("speculative_draft_score_temperature"),
+            "speculative_token_map": info.get("speculative_token_map"),
             "draft_dtype": info.get("speculative_draft_dtype")}
+
+
+def eagle_head_and_map(model_path: str, head: str | None, token_map: str | None) -> tuple[str, str | None]:
+    """--eagle-path / --eagle-token-map as given, or the target's bundled EAGLE-2 head with its FR-Spec map (a head
+    other than a bundled one gets no map unless one is given; 'none' turns the map off)."""
+    from specserve.demo_models import SMOLLM2_EAGLE, SMOLLM2_TOKEN_MAP, TOKEN_MAP, is_smollm2
+
+    bundled = (SMOLLM2_EAGLE, SMOLLM2_TOKEN_MAP) if is_smollm2(model_path) else ("demo-eagle", TOKEN_MAP)
+    head = head or bundled[0]
+    if token_map is None:
+        token_map = bundled[1] if head == bundled[0] else None
+    return head, None if token_map == "none" else token_map
 
 
 def kernel_setup(info: dict) -> dict:

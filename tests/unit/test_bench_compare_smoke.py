@@ -15,18 +15,19 @@ from specserve.bench.bench_compare import (
 from specserve.bench.bench_ngram import Tally
 from specserve.bench.report import read_jsonl
 from specserve.cli import main as cli_main
-from specserve.test.tiny import make_eagle3_head_dir
+from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
 
-ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle3", "ours_standalone", "hf_lookup", "ours_ngram"]
+ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle", "ours_eagle3", "ours_standalone", "hf_lookup",
+       "ours_ngram"]
 
 
 def test_selected_configs_maps_names_in_run_order():
     assert [c.name for c in selected_configs("ngram, plain")] == ["hf_plain", "ours_plain", "ours_ngram"]
-    assert [c.name for c in selected_configs("plain,assisted,eagle3,standalone,lookup,ngram")] == ALL
+    assert [c.name for c in selected_configs("plain,assisted,eagle,eagle3,standalone,lookup,ngram")] == ALL
     assert [c.name for c in selected_configs("eagle3,llamacpp,plain")] == [
         "hf_plain", "ours_plain", "llamacpp_f16", "llamacpp_quant", "ours_eagle3"]
-    with pytest.raises(ValueError, match="eagle"):
-        selected_configs("plain,eagle")
+    with pytest.raises(ValueError, match="eagle4"):
+        selected_configs("plain,eagle4")
 
 
 def test_ratios_and_bars_from_hand_made_rows():
@@ -104,6 +105,20 @@ def test_the_eagle3_head_defaults_to_the_targets_bundled_one(tmp_path):
     assert parse_args(["--model-path", "smollm2", "--eagle3-path", "h"]).eagle3_path == "h"
 
 
+def test_the_eagle2_head_and_its_token_map_default_to_the_bundled_ones(tmp_path):
+    from specserve.bench.bench_compare import parse_args
+
+    def pick(*argv):
+        a = parse_args([*argv, "--out-dir", str(tmp_path)])
+        return a.eagle_path, a.eagle_token_map
+
+    assert pick("--model-path", "smollm2") == ("smollm2-eagle", "smollm2-fr-spec/freq_8192.pt")
+    assert pick("--model-path", "demo") == ("demo-eagle", "demo/fr_spec_1024.pt")
+    assert pick("--model-path", "demo", "--eagle-path", "h") == ("h", None)  # another head: no map unless given
+    assert pick("--model-path", "demo", "--eagle-path", "h", "--eagle-token-map", "m.pt") == ("h", "m.pt")
+    assert pick("--model-path", "smollm2", "--eagle-token-map", "none") == ("smollm2-eagle", None)
+
+
 def test_rounds_give_median_ratios_and_summed_tallies():
     """Three rounds by hand: ours plain / HF plain is 1.5, 2.0 and 4.0 (a noisy round), so the ratio is the
     median 2.0, while tok/s sums every round (300 tokens in 3 + 2 + 1 = 6 s for ours plain = 50 tok/s)."""
@@ -123,10 +138,11 @@ def test_rounds_give_median_ratios_and_summed_tallies():
 
 def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
     head = make_eagle3_head_dir(str(tmp_path / "eagle3"), llama_dir, kind="random", seed=1)
+    head2 = make_eagle_head_dir(str(tmp_path / "eagle"), llama_dir, kind="random", seed=2)
     out = tmp_path / "out"
     rc = cli_main(["bench-compare", "--model-path", llama_dir, "--draft-model-path", llama_dir,
-                   "--eagle3-path", head, "--num-prompts", "2", "--max-new-tokens", "8", "--num-threads", "1",
-                   "--lookup-tokens", "3", "--always-speculate", "--out-dir", str(out)])
+                   "--eagle3-path", head, "--eagle-path", head2, "--num-prompts", "2", "--max-new-tokens", "8",
+                   "--num-threads", "1", "--lookup-tokens", "3", "--always-speculate", "--out-dir", str(out)])
     assert rc == 0
     rows = read_jsonl(str(out / "results.jsonl"))
     assert [r["config"] for r in rows] == ALL
@@ -141,7 +157,7 @@ def test_bench_compare_smoke(tmp_path, llama_dir, capsys):
             assert r["ratio_vs_plain"] == pytest.approx(tps[r["config"]] / tps["ours_plain"])
     by = {r["config"]: r for r in rows}
     assert by["ours_plain"]["ratio_vs_versus"] == pytest.approx(tps["ours_plain"] / tps["hf_plain"])
-    for name in ("ours_eagle3", "ours_standalone"):
+    for name in ("ours_eagle", "ours_eagle3", "ours_standalone"):
         assert by[name]["ratio_vs_versus"] == pytest.approx(tps[name] / tps["hf_assisted"])
     assert by["ours_ngram"]["ratio_vs_versus"] == pytest.approx(tps["ours_ngram"] / tps["hf_lookup"])
     assert by["hf_lookup"]["ratio_vs_plain"] == pytest.approx(tps["hf_lookup"] / tps["hf_plain"])
