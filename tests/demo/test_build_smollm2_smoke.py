@@ -1,6 +1,7 @@
 """`specserve build-demo --family smollm2` end to end at a tiny scale (a handful of prompts, a few training steps):
-every stage writes its output in the served formats, and the EAGLE-3 head it trains loads and drafts for SmolLM2
-losslessly. (A few steps teach a head nothing: acceptance is tested on the bundled, fully trained head.)"""
+every stage writes its output in the served formats, and the EAGLE-3 and EAGLE-2 heads it trains load and draft for
+SmolLM2 losslessly (the EAGLE-2 head with the FR-Spec map it writes). (A few steps teach a head nothing: acceptance
+is tested on the bundled, fully trained heads.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def built(tmp_path_factory):
 def test_every_stage_writes_its_output(built):
     out, work = built
     assert sorted(f for f in os.listdir(work) if f.endswith(".done")) == sorted(
-        f"{s}.done" for s in ("data", "features", "eagle3", "token-map"))
+        f"{s}.done" for s in ("data", "features", "eagle3", "eagle", "token-map"))
     assert os.path.isfile(os.path.join(work, "features-0.pt"))  # a smoke build writes one shard
     with open(os.path.join(work, "train-0.jsonl")) as f:
         train = [json.loads(line) for line in f]
@@ -42,6 +43,9 @@ def test_every_stage_writes_its_output(built):
     with open(os.path.join(out, "smollm2-eagle3", "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 8192
+    with open(os.path.join(out, "smollm2-eagle", "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["hidden_size"] == 576
     ids = torch.load(os.path.join(out, "smollm2-fr-spec", "freq_8192.pt"))
     assert ids.numel() == 8192 and ids.unique().numel() == 8192
     # the trainer's loss mask: the rows whose next token is an answer's, the first of them the header's last token
@@ -59,7 +63,7 @@ def test_every_stage_writes_its_output(built):
     assert cli_main(["build-demo", "--family", "smollm2", "--out", out, "--work-dir", work, "--no-progress"]) == 0
 
 
-def test_the_head_loads_and_drafts_for_smollm2_losslessly(built):
+def test_the_heads_load_and_draft_for_smollm2_losslessly(built):
     out, work = built
     with open(os.path.join(work, "train-0.jsonl")) as f:
         prompt = json.loads(f.readline())["prompt"]
@@ -68,12 +72,17 @@ def test_the_head_loads_and_drafts_for_smollm2_losslessly(built):
     with Engine(model_path="smollm2", dtype="float32") as e:
         text = e.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         want = e.generate(text, params)["output_ids"]
+    tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+                disable_speculative_auto_off=True)
     with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="EAGLE3",
-                speculative_draft_model_path=os.path.join(out, "smollm2-eagle3"), speculative_num_steps=3,
-                speculative_eagle_topk=2, speculative_num_draft_tokens=4, disable_speculative_auto_off=True) as e:
+                speculative_draft_model_path=os.path.join(out, "smollm2-eagle3"), **tree) as e:
         got = e.generate(text, params)
-    assert got["output_ids"] == want
-    assert got["meta_info"]["spec_verify_ct"] > 0
+    with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="EAGLE",
+                speculative_draft_model_path=os.path.join(out, "smollm2-eagle"),
+                speculative_token_map=os.path.join(out, "smollm2-fr-spec", "freq_8192.pt"), **tree) as e:
+        got2 = e.generate(text, params)
+    assert got["output_ids"] == want and got2["output_ids"] == want
+    assert got["meta_info"]["spec_verify_ct"] > 0 and got2["meta_info"]["spec_verify_ct"] > 0
 
 
 def test_unknown_stage_names_the_family(capsys):
