@@ -140,9 +140,8 @@ class ServerArgs:
                 "dequantized copy for larger ones). Empty: none."})
     quantization: str | None = field(default=None, metadata={
         "help": "SGLang's checkpoint quantization method. gguf (a GGUF checkpoint, CPU): the file's 4-bit linears "
-                "(Q4_0, Q4_1, Q4_K) run on the int4 kernel with the file's own blocks, its other quantized linears "
-                "re-quantized per row to int8; without it a GGUF file runs dequantized to --dtype. Other methods "
-                "are not supported."})
+                "(Q4_0, Q4_1, Q4_K) run on the int4 kernel with the file's own blocks, its other linears dense in "
+                "--dtype; without it a GGUF file runs dequantized to --dtype. Other methods are not supported."})
     enable_torch_compile: bool = field(
         default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
     torch_compile_max_bs: int = field(

@@ -38,6 +38,7 @@ from specserve.models.quantize import QuantConfig, QuantLinear
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # input columns per scale in every 4-bit GGUF block type handled here (Q4_K: per sub-block)
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF types int4_blocks reads
 #: GGUF architectures whose q / k rows llama.cpp's converter permutes (transformers undoes it when loading)
 PERMUTED_QK = ("llama",)
 
@@ -76,14 +77,15 @@ def int4_blocks(raw: np.ndarray, qtype_name: str) -> tuple[torch.Tensor, torch.T
         q = (qs & 0x0F).reshape(-1, 8, 32)  # [S, 8, 32]: sub-block j
         scale, low = scale.reshape(n, -1), low.reshape(n, -1)
     else:
-        raise ValueError(f"{qtype_name} is not a 4-bit block type with groups of 32")
+        raise ValueError(f"{qtype_name} is not one of {', '.join(FOUR_BIT)}")
     q = torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1)).astype(np.int32))
     return q, torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(low))
 
 
 def hf_rows(a: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a Llama q / k projection in llama.cpp's order (per head: the even rotary dims, then the odd ones)
-    -> in the HF checkpoint's order (per head: the first half, then the second). a [n_heads * D, ...]."""
+    """Rows of a Llama q / k projection in llama.cpp's order (per head: the rows of its two rotary halves
+    interleaved, row i of the first half then row i of the second) -> in the HF checkpoint's order (per head: the
+    first half, then the second). a [n_heads * D, ...]."""
     half = a.shape[0] // n_heads // 2
     return a.reshape(n_heads, half, 2, *a.shape[1:]).transpose(1, 2).reshape(a.shape)
 
@@ -143,7 +145,7 @@ def apply_gguf_quantization(model: nn.Module, spec, gguf_file: str) -> GGUFLinea
             done.mismatched.append(path)
             continue
         kinds = {t.tensor_type.name for t in found}
-        if kinds <= {"Q4_0", "Q4_1", "Q4_K"} and _fits_int4(linear):
+        if kinds <= set(FOUR_BIT) and _fits_int4(linear):
             grid = _file_grid(found, pieces)
             if _same_weights(grid, linear):
                 setattr(parent, attr, QuantLinear(linear, QuantConfig(4, GROUP), grid=_kernel_grid(*grid)))

@@ -180,23 +180,26 @@ def assistant_markers(tokenizer) -> tuple[list[int], int]:
     return tokenizer.encode(header, add_special_tokens=False), tokenizer.eos_token_id
 
 
-def stage_eagle3(b: ChatBuild) -> None:
-    from specserve.train.eagle import EagleOptions, train_eagle
+def _train_head(b: ChatBuild, stage: str, opts) -> None:
+    """Train the head of `stage` (its TRAIN config and work folder) on the feature cache into smollm2-<stage>."""
+    from specserve.train.eagle import train_eagle
 
-    cache = load_features(b)
-    opts = EagleOptions("EAGLE3", ttt_steps=5, draft_vocab_size=EAGLE3_DRAFT_VOCAB)
-    metrics = train_eagle(b.target, None, opts, b.cfg("eagle3"), b.folder("smollm2-eagle3"), resume=b.resume,
-                          work_dir=b.path("eagle3"), cache=cache)
-    print(f"smollm2-eagle3: {metrics}", file=sys.stderr)
+    name = f"smollm2-{stage}"
+    metrics = train_eagle(b.target, None, opts, b.cfg(stage), b.folder(name), resume=b.resume,
+                          work_dir=b.path(stage), cache=load_features(b))
+    print(f"{name}: {metrics}", file=sys.stderr)
+
+
+def stage_eagle3(b: ChatBuild) -> None:
+    from specserve.train.eagle import EagleOptions
+
+    _train_head(b, "eagle3", EagleOptions("EAGLE3", ttt_steps=5, draft_vocab_size=EAGLE3_DRAFT_VOCAB))
 
 
 def stage_eagle(b: ChatBuild) -> None:
-    from specserve.train.eagle import EagleOptions, train_eagle
+    from specserve.train.eagle import EagleOptions
 
-    opts = EagleOptions("EAGLE", ttt_steps=EAGLE_TTT_STEPS)
-    metrics = train_eagle(b.target, None, opts, b.cfg("eagle"), b.folder("smollm2-eagle"), resume=b.resume,
-                          work_dir=b.path("eagle"), cache=load_features(b))
-    print(f"smollm2-eagle: {metrics}", file=sys.stderr)
+    _train_head(b, "eagle", EagleOptions("EAGLE", ttt_steps=EAGLE_TTT_STEPS))
 
 
 def stage_token_map(b: ChatBuild) -> None:
