@@ -70,7 +70,7 @@ def draft_vocabulary(tokens: torch.Tensor, vocab_size: int, size: int, always: l
     """The `size` most frequent ids of the token stream [N] (ids in `always` forced in), ascending [size]."""
     from specserve.speculative.token_map import select_hot_ids
 
-    counts = torch.bincount(tokens.long(), minlength=vocab_size)[:vocab_size]
+    counts = torch.bincount(tokens.long().cpu(), minlength=vocab_size)[:vocab_size]  # the ids live on the CPU
     return select_hot_ids(counts, size, always).sort().values
 
 

@@ -78,3 +78,73 @@ def test_torch_compile_on_gpu_keeps_outputs(target, self_head):
                                disable_speculative_auto_off=True, **kw)
         assert _ids(outs) == _ids(want), kw
         assert info["torch_compile_graphs"] > 0, info
+
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta", "gamma"]},
+                                           "name": {"type": "string", "maxLength": 10}},
+          "required": ["kind", "name"], "additionalProperties": False}
+
+
+def test_http_server_on_gpu_is_lossless_and_constrained(target, self_head, tmp_path):
+    """The HTTP server on the GPU with EAGLE: /generate greedy (free and JSON-schema constrained) equals the plain
+    engine's on the GPU, the official client's strict json_schema answer validates, streaming spells the same text."""
+    import json
+
+    import jsonschema
+    import openai
+
+    from specserve.utils import terminate_process
+    from tests.server.conftest import start_server
+
+    free, constrained = greedy(32), greedy(32, json_schema=json.dumps(SCHEMA))
+    want_free, _ = _generate(target, PROMPTS[:4], free)
+    want_json, _ = _generate(target, PROMPTS[:4], constrained)
+    server = start_server(target, str(tmp_path / "server.log"), "--device", "cuda", "--max-total-tokens", "8192",
+                          "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", self_head,
+                          "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                          "--speculative-num-draft-tokens", "5", "--disable-speculative-auto-off")
+    try:
+        for params, want in ((free, want_free), (constrained, want_json)):
+            outs = server.post("/generate", json={"text": PROMPTS[:4], "sampling_params": params}).json()
+            assert _ids(outs) == _ids(want), params
+            assert_drafting_happened(outs, min_accept_length=1.1)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+        msg = [{"role": "user", "content": "Pick one."}]
+        reply = client.chat.completions.create(model="m", messages=msg, response_format=fmt, temperature=0,
+                                               max_tokens=600)  # room for the whitespace the grammar allows
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+        stream = client.chat.completions.create(model="m", messages=msg, response_format=fmt, temperature=0,
+                                                max_tokens=600, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == reply.choices[0].message.content
+        info = server.info()
+        assert info["device"].startswith("cuda") and info["cuda_graph"] == "cuda", info
+    finally:
+        terminate_process(server.proc)
+
+
+def test_trainer_on_gpu_writes_a_lossless_head(model_factory, tokenizer_dir, tmp_path):
+    """train-eagle on the GPU in bf16 autocast: the head learns, loads on the GPU and drafts losslessly."""
+    from transformers import AutoTokenizer
+
+    from specserve.test.tiny import corpus_text
+    from specserve.train.eagle import EagleOptions, train_eagle
+    from specserve.train.loop import TrainConfig
+
+    bigram = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True,
+                           max_position_embeddings=1024)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokens = torch.tensor(tok(corpus_text(60_000))["input_ids"], dtype=torch.int32)
+    cfg = TrainConfig(steps=120, batch_size=8, seq_len=32, lr=2e-2, warmup_steps=10, checkpoint_every=1000,
+                      progress=False, bf16=True, device="cuda")
+    head = str(tmp_path / "head")
+    metrics = train_eagle(bigram, tokens, EagleOptions("EAGLE3", draft_vocab_size=480), cfg, head,
+                          dtype=torch.float32)
+    assert metrics["acc0"] > 0.5, metrics
+    want, _ = _generate(bigram, PROMPTS, greedy(32))
+    outs, _ = _generate(bigram, PROMPTS, greedy(32), disable_speculative_auto_off=True,
+                        **spec_kwargs("EAGLE3", head, 3, 1, 4))
+    assert _ids(outs) == _ids(want)
+    assert_drafting_happened(outs, min_accept_length=1.3)
