@@ -1,7 +1,8 @@
 """Speculative decoding on a CUDA device: each algorithm's greedy output equals plain decoding's on the same device
 (CUDA graphs on, the engine's default there), seeded sampled output equals plain decoding's tokens, and
-``--enable-torch-compile`` (inductor's GPU kernels) keeps outputs. Float32, tiny random models; every test needs a
-GPU and none runs in CPU-only CI (the CPU versions of the same checks live beside this file)."""
+``--enable-torch-compile`` (inductor's GPU kernels) keeps outputs; the HTTP server on the GPU is lossless with and
+without a JSON-schema grammar; an EAGLE-3 head trained on the GPU drafts losslessly. Float32, tiny random models;
+every test needs a GPU and none runs in CPU-only CI (the CPU versions of the same checks live beside the tests)."""
 
 from __future__ import annotations
 
