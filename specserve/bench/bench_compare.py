@@ -1,7 +1,7 @@
 """``specserve bench-compare``: specserve vs transformers and llama.cpp on the same model and prompts, side by side
 in one run.
 
-    specserve bench-compare [--model-path demo] [--draft-model-path demo-draft] [--eagle3-path HEAD]
+    specserve bench-compare [--model-path demo] [--draft-model-path DRAFT] [--eagle3-path HEAD]
         [--eagle-path HEAD] [--eagle-token-map FILE|none]
         [--num-prompts 8] [--max-new-tokens 128] [--dtype float32] [--lookup-tokens 10]
         [--only plain,llamacpp,assisted,eagle,eagle3,standalone,lookup,ngram] [--num-threads N] [--out-dir DIR]
@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.bench.report import format_table, plot_bars, report_missing_extra, write_jsonl
+from specserve.demo_models import bundled_drafter
 
 SELECTABLE = ("plain", "llamacpp", "assisted", "eagle", "eagle3", "standalone", "lookup", "ngram", "quant",
               "eagle3-quant")
@@ -119,8 +120,9 @@ class _BadFlag(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specserve bench-compare", description=__doc__.split("\n")[0].split(": ", 1)[-1])
     p.add_argument("--model-path", default="demo", help="target (default: the code family's target)")
-    p.add_argument("--draft-model-path", default="demo-draft",
-                   help="draft LM for transformers' assisted generation and our STANDALONE (same tokenizer)")
+    p.add_argument("--draft-model-path", default=None,
+                   help="draft LM for transformers' assisted generation and our STANDALONE (same tokenizer; default: "
+                        "the bundled draft of the target: smollm2-draft for smollm2, else demo-draft)")
     p.add_argument("--eagle3-path", default=None,
                    help="EAGLE-3 head for our EAGLE3 (default: the bundled head of the target: smollm2-eagle3 for "
                         "smollm2, else demo-eagle3)")
@@ -189,10 +191,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except ValueError as e:
             p.error(str(e))
     args.llamacpp_optional = args.only is None
-    if args.eagle3_path is None:
-        from specserve.demo_models import bundled_eagle3
-
-        args.eagle3_path = bundled_eagle3(args.model_path)
+    args.eagle3_path = args.eagle3_path or bundled_drafter(args.model_path, "eagle3")
+    args.draft_model_path = args.draft_model_path or bundled_drafter(args.model_path, "draft")
     args.eagle_path, args.eagle_token_map = eagle_head_and_map(args.model_path, args.eagle_path, args.eagle_token_map)
     if args.torchao_config and args.quantization:
         p.error("--quantization gguf and --torchao-config both quantize the rows quant / eagle3-quant: pass one")
@@ -540,12 +540,10 @@ def spec_setup(info: dict, draft_path: str | None) -> dict:
 def eagle_head_and_map(model_path: str, head: str | None, token_map: str | None) -> tuple[str, str | None]:
     """--eagle-path / --eagle-token-map as given, or the target's bundled EAGLE-2 head with its FR-Spec map (a head
     other than a bundled one gets no map unless one is given; 'none' turns the map off)."""
-    from specserve.demo_models import SMOLLM2_EAGLE, SMOLLM2_TOKEN_MAP, TOKEN_MAP, is_smollm2
-
-    bundled = (SMOLLM2_EAGLE, SMOLLM2_TOKEN_MAP) if is_smollm2(model_path) else ("demo-eagle", TOKEN_MAP)
-    head = head or bundled[0]
+    bundled = bundled_drafter(model_path, "eagle")
+    head = head or bundled
     if token_map is None:
-        token_map = bundled[1] if head == bundled[0] else None
+        token_map = bundled_drafter(model_path, "token-map") if head == bundled else None
     return head, None if token_map == "none" else token_map
 
 

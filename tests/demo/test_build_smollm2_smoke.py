@@ -1,7 +1,7 @@
 """`specserve build-demo --family smollm2` end to end at a tiny scale (a handful of prompts, a few training steps):
-every stage writes its output in the served formats, and the EAGLE-3 and EAGLE-2 heads it trains load and draft for
-SmolLM2 losslessly (the EAGLE-2 head with the FR-Spec map it writes). (A few steps teach a head nothing: acceptance
-is tested on the bundled, fully trained heads.)"""
+every stage writes its output in the served formats, and the EAGLE-3 and EAGLE-2 heads and the STANDALONE draft it
+trains load and draft for SmolLM2 losslessly (the EAGLE-2 head with the FR-Spec map it writes; the draft without
+tokenizer files). (A few steps teach a drafter nothing: acceptance is tested on the bundled, fully trained ones.)"""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def built(tmp_path_factory):
 def test_every_stage_writes_its_output(built):
     out, work = built
     assert sorted(f for f in os.listdir(work) if f.endswith(".done")) == sorted(
-        f"{s}.done" for s in ("data", "features", "eagle3", "eagle", "token-map"))
+        f"{s}.done" for s in ("data", "features", "eagle3", "eagle", "token-map", "draft"))
     assert os.path.isfile(os.path.join(work, "features-0.pt"))  # a smoke build writes one shard
     with open(os.path.join(work, "train-0.jsonl")) as f:
         train = [json.loads(line) for line in f]
@@ -46,6 +46,10 @@ def test_every_stage_writes_its_output(built):
     with open(os.path.join(out, "smollm2-eagle", "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["hidden_size"] == 576
+    with open(os.path.join(out, "smollm2-draft", "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] == 49152 and cfg["hidden_size"] == 96
+    assert sorted(os.listdir(os.path.join(out, "smollm2-draft"))) == ["config.json", "model.safetensors"]
     ids = torch.load(os.path.join(out, "smollm2-fr-spec", "freq_8192.pt"))
     assert ids.numel() == 8192 and ids.unique().numel() == 8192
     # the trainer's loss mask: the rows whose next token is an answer's, the first of them the header's last token
@@ -81,8 +85,12 @@ def test_the_heads_load_and_draft_for_smollm2_losslessly(built):
                 speculative_draft_model_path=os.path.join(out, "smollm2-eagle"),
                 speculative_token_map=os.path.join(out, "smollm2-fr-spec", "freq_8192.pt"), **tree) as e:
         got2 = e.generate(text, params)
-    assert got["output_ids"] == want and got2["output_ids"] == want
-    assert got["meta_info"]["spec_verify_ct"] > 0 and got2["meta_info"]["spec_verify_ct"] > 0
+    with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=os.path.join(out, "smollm2-draft"), **tree) as e:
+        got3 = e.generate(text, params)
+    for got_k in (got, got2, got3):
+        assert got_k["output_ids"] == want
+        assert got_k["meta_info"]["spec_verify_ct"] > 0
 
 
 def test_unknown_stage_names_the_family(capsys):

@@ -49,7 +49,7 @@ def test_the_wheel_bundles_smollm2_heads_within_budget_and_not_the_code_family()
     assert tuple(package_data) == BUNDLED
     files = [os.path.relpath(f, DEMO_ROOT) for f in bundled_files()]
     assert {"smollm2-eagle3/model.safetensors", "smollm2-eagle/model.safetensors", "smollm2-fr-spec/freq_8192.pt",
-            "smollm2-held-out.jsonl"} <= set(files)
+            "smollm2-held-out.jsonl", "smollm2-draft/model.safetensors", "smollm2-draft/config.json"} <= set(files)
     assert not any(f.split(os.sep)[0] in DEMO_NAMES for f in files)
     total = sum(os.path.getsize(os.path.join(DEMO_ROOT, f)) for f in files)
     assert total <= SIZE_BUDGET, total

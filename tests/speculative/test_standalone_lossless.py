@@ -87,3 +87,41 @@ def test_draft_with_another_tokenizer_fails_at_start_up(target, tmp_path):
     (draft / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ConfigError, match="^--speculative-draft-model-path: the draft's tokenizer differs"):
         Engine(model_path=target, **spec_kwargs("STANDALONE", str(draft), 3, 1, 4))
+
+
+def _without_tokenizer(src: str, dst) -> str:
+    """A copy of the model folder src with its tokenizer files left out (a draft shipped to go with one target)."""
+    import shutil
+
+    from specserve.speculative.draft_models import TOKENIZER_FILES
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "tokenizer_config.json",
+                                                            "special_tokens_map.json"))
+    return str(dst)
+
+
+def test_draft_without_tokenizer_files_is_checked_by_its_config(target, plain, tmp_path):
+    """No tokenizer in the draft folder: the vocabulary size and BOS / EOS ids decide; a match drafts losslessly."""
+    draft = _without_tokenizer(target, tmp_path / "draft")
+    with Engine(model_path=target, max_total_tokens=4096, disable_speculative_auto_off=True,
+                **spec_kwargs("STANDALONE", draft, 3, 2, 5)) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+    assert [o["output_ids"] for o in outs] == plain
+    assert_drafting_happened(outs, min_accept_length=2.0)
+
+
+@pytest.mark.parametrize("key,value", [("vocab_size", 640), ("eos_token_id", 7), ("bos_token_id", 9)])
+def test_draft_without_tokenizer_files_and_another_vocabulary_fails(target, model_factory, tmp_path, key, value):
+    import json
+
+    from specserve.config import ConfigError
+
+    # another vocabulary size needs weights of that size: a model built so (its extra rows padding, as Qwen pads)
+    source = model_factory("llama", num_hidden_layers=1, vocab_size=value) if key == "vocab_size" else target
+    draft = _without_tokenizer(source, tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"^--speculative-draft-model-path: the draft has no tokenizer files and "
+                                          f"its config differs from the target's in {key} "):
+        Engine(model_path=target, **spec_kwargs("STANDALONE", draft, 3, 1, 4))
