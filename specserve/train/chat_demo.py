@@ -245,7 +245,6 @@ def stage_draft(b: ChatBuild) -> None:
     target, spec, _ = load_model(b.target, dtype="float32", device="cpu")
     tok = AutoTokenizer.from_pretrained(b.target)
     config = lm_config(LmShape(max_position_embeddings=spec.max_position_embeddings, **DRAFT_SHAPE), tok)
-    config["rope_theta"] = spec.rope_theta
     cfg = b.cfg("draft")
     student = build_model(config, cfg.seed)
     with torch.no_grad():
