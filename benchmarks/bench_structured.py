@@ -34,7 +34,7 @@ import time
 
 from specserve import Engine
 from specserve.bench.schemas import SCHEMA_CASES
-from specserve.demo_models import SMOLLM2, bundled_eagle3, demo_path
+from specserve.demo_models import SMOLLM2, bundled_drafter, demo_path
 
 # EAGLE-3's variants: engine options on top of EAGLE-3's (all three give the same outputs)
 VARIANTS = {"eagle3": {}, "eagle3-nojf": dict(disable_grammar_jump_forward=True),
@@ -48,7 +48,7 @@ MODELS = {"demo": dict(model_path=demo_path("demo")), SMOLLM2: dict(model_path=S
 def engines(model: str, backends: list[str], algos: list[str], threads: int | None, compact: bool
             ) -> dict[tuple[str, str], Engine]:
     out = {}
-    target, head = MODELS[model], bundled_eagle3(model)
+    target, head = MODELS[model], bundled_drafter(model)
     for backend in backends:
         common = dict(grammar_backend=backend, num_threads=threads, constrained_json_disable_any_whitespace=compact,
                       **target)

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from specserve import Engine
-from specserve.demo_models import SMOLLM2, bundled_eagle3, demo_path
+from specserve.demo_models import SMOLLM2, bundled_drafter, demo_path
 
 MODELS = {"demo": dict(model_path=demo_path("demo"), dtype="bfloat16"),
           SMOLLM2: dict(model_path=SMOLLM2, dtype="bfloat16")}
@@ -31,7 +31,7 @@ COUNTERS = ("tp_all_reduces", "tp_all_reduce_seconds", "tp_gathers", "tp_gather_
 
 def engine(model: str, tp: int, eagle3: bool, load_format: str = "auto") -> Engine:
     target = MODELS.get(model, dict(model_path=model, load_format=load_format))
-    kw = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=bundled_eagle3(model),
+    kw = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=bundled_drafter(model),
               disable_speculative_auto_off=True) if eagle3 else {}
     return Engine(tp_size=tp, **target, **kw)
 

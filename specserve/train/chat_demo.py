@@ -239,18 +239,18 @@ def projected_embedding(embed: torch.Tensor, width: int) -> torch.Tensor:
 def stage_draft(b: ChatBuild) -> None:
     from transformers import AutoTokenizer
 
-    from specserve.models.loader import load_model
+    from specserve.models.loader import iter_safetensors, model_spec, safetensors_files
     from specserve.train.lm import LmShape, build_model, distill, lm_config
 
-    target, spec, _ = load_model(b.target, dtype="float32", device="cpu")
+    spec = model_spec(b.target)
+    embed = next(t[:] for name, t in iter_safetensors(safetensors_files(b.target), lazy=True)
+                 if name == "model.embed_tokens.weight")  # [V, H], the one target tensor the draft starts from
     tok = AutoTokenizer.from_pretrained(b.target)
     config = lm_config(LmShape(max_position_embeddings=spec.max_position_embeddings, **DRAFT_SHAPE), tok)
     cfg = b.cfg("draft")
     student = build_model(config, cfg.seed)
     with torch.no_grad():
-        student.model.embed_tokens.weight.copy_(projected_embedding(target.model.embed_tokens.weight,
-                                                                    DRAFT_SHAPE["hidden_size"]))
-    del target
+        student.model.embed_tokens.weight.copy_(projected_embedding(embed, DRAFT_SHAPE["hidden_size"]))
     metrics = distill(None, config, None, cfg, b.folder(SMOLLM2_DRAFT), None, resume=b.resume,
                       work_dir=b.path("draft"), cache=load_features(b), student=student)
     print(f"{SMOLLM2_DRAFT}: {metrics}", file=sys.stderr)

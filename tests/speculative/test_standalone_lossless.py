@@ -93,9 +93,9 @@ def _without_tokenizer(src: str, dst) -> str:
     """A copy of the model folder src with its tokenizer files left out (a draft shipped to go with one target)."""
     import shutil
 
-    from specserve.speculative.draft_models import TOKENIZER_FILES
+    from specserve.speculative.draft_models import VOCAB_FILES
 
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*TOKENIZER_FILES, "tokenizer_config.json",
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*VOCAB_FILES, "tokenizer_config.json",
                                                             "special_tokens_map.json"))
     return str(dst)
 
