@@ -142,8 +142,9 @@ class ServerArgs:
         "help": "SGLang's checkpoint quantization method. gguf (a GGUF checkpoint, CPU): the file's 4-bit linears "
                 "(Q4_0, Q4_1, Q4_K) run on the int4 kernel with the file's own blocks, its other linears dense in "
                 "--dtype; without it a GGUF file runs dequantized to --dtype. Other methods are not supported."})
-    enable_torch_compile: bool = field(
-        default=False, metadata={"help": "Compile the decode, verify and draft forwards with torch.compile."})
+    enable_torch_compile: bool = field(default=False, metadata={
+        "help": "Compile the decode, verify and draft forwards with torch.compile; their graphs are built at start-up "
+                "by warm-up requests (unless --skip-server-warmup)."})
     torch_compile_max_bs: int = field(
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
@@ -161,7 +162,8 @@ class ServerArgs:
     disable_overlap_schedule: bool = field(default=False, metadata={
         "help": "Turn the overlap scheduler off even when SGLANG_ENABLE_SPEC_V2 / SPECSERVE_ENABLE_SPEC_V2 is set."})
     skip_server_warmup: bool = field(default=False, metadata={
-        "help": "Accepted for SGLang's scripts: specserve sends no warm-up request at start either way."})
+        "help": "Skip the warm-up requests run at start-up under --enable-torch-compile (its graphs are then built "
+                "during the first requests)."})
     disable_cpu_weight_packing: bool = field(
         default=False, metadata={"help": "Keep plain bf16/fp16 linears on CPU (no oneDNN pre-packing)."}
     )

@@ -81,6 +81,9 @@ class SchedulerLoop:
         self.deliver: dict[str, Any] = {}  # rid -> callable(ReqOutput)
         self._stop = threading.Event()
         self.platform = scheduler.runner.platform
+        args = scheduler.args
+        if args.enable_torch_compile and not args.skip_server_warmup:  # build the graphs before the first request
+            logger.info("warm-up requests done in %.1fs", scheduler.warm_up())
         # this thread loaded the model; its idle OpenMP workers would slow the loop's (platform/cpu/omp.py)
         self.platform.release_thread_pool()
         self.thread = threading.Thread(target=self._run, name="specserve-scheduler", daemon=True)

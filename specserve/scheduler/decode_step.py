@@ -84,6 +84,9 @@ class DecodeStep(ABC):
         """(tokens from verify steps, request verify steps) since start: the accept length's two sides."""
         return 0, 0
 
+    def reset_counters(self) -> None:  # noqa: B027 - optional hook
+        """Forget what was counted and measured so far (after the scheduler's warm-up requests)."""
+
     def info(self) -> dict:
         """What this decoder reports in the server info."""
         return {}

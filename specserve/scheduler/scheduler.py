@@ -29,6 +29,7 @@ from specserve.attention import ForwardBatch, ForwardMode, extend_inputs, last_t
 from specserve.cache.kv_manager import KVManager
 from specserve.config import ServerArgs
 from specserve.request import Req, ReqOutput
+from specserve.sampling.params import SamplingParams
 from specserve.sampling.sampler import request_logprobs
 from specserve.scheduler.decode_step import DecodeContext, make_decode_step
 from specserve.scheduler.model_runner import ModelRunner
@@ -52,6 +53,11 @@ INIT_NEW_TOKEN_RATIO = 0.5
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 RETRACT_RATIO_BUMP = 0.3
+# warm-up requests (``Scheduler.warm_up``), greedy, EOS ignored, ids spread over the vocabulary: two groups run one
+# after the other, (prompt length, new tokens) each. First requests with as many keys each (no attention mask), then
+# with unequal ones (a mask); each group's batch shrinks as its requests end (3, 2, then 1 request in the second), so
+# the graphs built take any batch size, and each mode of batch-aware speculation gets its tries.
+WARM_UP_GROUPS = (((16, 24), (16, 24), (16, 12)), ((16, 64), (11, 24), (13, 12)))
 DECODE_LOG_INTERVAL = 40  # decode steps between two progress log lines (SGLang's default)
 PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head call (bounds the [R, V] logits of a long prompt)
 
@@ -166,6 +172,27 @@ class Scheduler:
         out.finished_reason = req.finished_reason = {
             "type": "abort", "message": "the request does not fit in the KV cache (--max-total-tokens)"}
         return [out]
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run warm-up requests to their end before any other (with torch.compile: the decode, verify and draft
+        graphs are built now, not during the first users' requests), then drop what they left: the prefix cache,
+        the counters, the batch policy's measurements. -> seconds taken."""
+        start = time.perf_counter()
+        vocab = self.runner.spec.vocab_size
+        for i, group in enumerate(WARM_UP_GROUPS):
+            for j, (prompt_len, new_tokens) in enumerate(group):
+                ids = [(97 * (32 * (4 * i + j) + k) + 1) % vocab for k in range(prompt_len)]
+                params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True).normalize()
+                self.add_request(Req(f"warm-up-{i}-{j}", ids, params, set(), None))
+            while self.has_work():
+                self.step()
+        self.flush_cache()
+        self.stats, self.new_token_ratio = SchedulerStats(), INIT_NEW_TOKEN_RATIO
+        self.outputs.generated_tokens = 0
+        self.decoder.reset_counters()
+        self._log_mark = (time.monotonic(), 0, 0, 0)
+        return time.perf_counter() - start
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; only allowed when idle."""

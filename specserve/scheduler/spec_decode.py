@@ -180,6 +180,11 @@ class SpecDecoder(DecodeStep):
     def accept_counts(self) -> tuple[int, int]:
         return self.stats.tokens, self.stats.verify_ct
 
+    def reset_counters(self) -> None:
+        self.stats, self.policy = SpecStats(), self._batch_policy(self.ctx.args)
+        if self.overlap is not None:
+            self.overlap.overlapped_steps = 0
+
     def info(self) -> dict:
         st, args = self.stats, self.ctx.args
         draft_dtype = getattr(self.proposer, "draft_dtype", None)

@@ -1,6 +1,6 @@
 """--enable-torch-compile: compiled decode, verify and draft forwards give the eager greedy output token for token
 (with drafting and acceptance happening), batches above --torch-compile-max-bs run eager, compile time is
-reported."""
+reported. Without a flag, large CPU targets compile by default, their graphs built by warm-up requests at start-up."""
 
 from __future__ import annotations
 
@@ -92,3 +92,45 @@ def test_grouped_attention_runs_eagerly():
 
     assert wrapper.use_compiled(fb(None))
     assert not wrapper.use_compiled(fb([(3, None), (5, None)]))
+
+
+# ---------------------------------------------------------------- warm-up at start-up
+def test_graphs_are_built_at_start_up_and_decode_as_eager(target, plain):
+    """With --enable-torch-compile the warm-up requests build the graphs of every batch size before the engine
+    takes a request (none is built afterwards, at batch 1, 2 or 8), the outputs equal eager decoding's, and the
+    warm-up leaves nothing behind: no cached prefix, no counted steps or tokens."""
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True) as e:
+        start = e.get_server_info()
+        single = e.generate(PROMPTS[0], greedy(24))["output_ids"]
+        pair = [o["output_ids"] for o in e.generate(PROMPTS[1:3], greedy(24))]
+        batch = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+        info = e.get_server_info()
+        assert_no_kv_leak(e)
+    assert [single, *pair] == plain[:3] and batch == plain
+    assert start["torch_compile_graphs"] >= 2 and start["torch_compile_seconds"] > 0
+    assert (start["generated_tokens"], start["num_decode_steps"], start["radix_cached_tokens"]) == (0, 0, 0)
+    assert info["torch_compile_graphs"] == start["torch_compile_graphs"], "graphs built after start-up"
+    assert info["torch_compile_calls"] > start["torch_compile_calls"]
+
+
+def test_speculative_warm_up_builds_the_graphs_and_resets_the_counters(target, self_head, plain):
+    """EAGLE under --enable-torch-compile: the target's and the head's graphs are built at start-up, greedy outputs
+    equal plain decoding with drafting and acceptance happening, and the speculative counters start from zero."""
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True,
+                **spec_kwargs("EAGLE", self_head, 3, 2, 5)) as e:
+        start = e.get_server_info()
+        outs = e.generate(PROMPTS, greedy(24))
+        info = e.get_server_info()
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in outs] == plain
+    assert_drafting_happened(outs, min_accept_length=1.5)
+    assert start["torch_compile_graphs"] >= 2
+    assert (start["spec_verify_ct"], start["avg_spec_accept_length"], start["generated_tokens"]) == (0, 0, 0)
+    assert info["spec_verify_ct"] > 0
+
+
+def test_skip_server_warmup_leaves_the_graphs_to_the_first_request(target):
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True, skip_server_warmup=True) as e:
+        assert e.get_server_info()["torch_compile_graphs"] == 0
+        e.generate(PROMPTS[0], greedy(8))
+        assert e.get_server_info()["torch_compile_graphs"] > 0
