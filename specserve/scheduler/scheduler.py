@@ -53,11 +53,12 @@ INIT_NEW_TOKEN_RATIO = 0.5
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002
 RETRACT_RATIO_BUMP = 0.3
-# warm-up requests (``Scheduler.warm_up``), greedy, EOS ignored, ids spread over the vocabulary: two groups run one
-# after the other, (prompt length, new tokens) each. First requests with as many keys each (no attention mask), then
-# with unequal ones (a mask); each group's batch shrinks as its requests end (3, 2, then 1 request in the second), so
-# the graphs built take any batch size, and each mode of batch-aware speculation gets its tries.
-WARM_UP_GROUPS = (((16, 24), (16, 24), (16, 12)), ((16, 64), (11, 24), (13, 12)))
+# warm-up requests (``Scheduler.warm_up``), greedy, EOS ignored, ids spread over the vocabulary: groups run one after
+# the other, (prompt length, new tokens) each. First requests with as many keys each (no attention mask), then with
+# unequal ones (a mask); each group's batch shrinks as its requests end (3, 2, then 1 request in the second), so the
+# graphs built take any batch size; then two lone requests of unequal prompts (a drafter's catch-up over a prompt,
+# batch-1 steps at several lengths). Each mode of batch-aware speculation gets its tries in each batch size.
+WARM_UP_GROUPS = (((16, 24), (16, 24), (16, 12)), ((16, 64), (11, 24), (13, 12)), ((24, 48),), ((9, 48),))
 DECODE_LOG_INTERVAL = 40  # decode steps between two progress log lines (SGLang's default)
 PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per LM-head call (bounds the [R, V] logits of a long prompt)
 
@@ -182,7 +183,7 @@ class Scheduler:
         vocab = self.runner.spec.vocab_size
         for i, group in enumerate(WARM_UP_GROUPS):
             for j, (prompt_len, new_tokens) in enumerate(group):
-                ids = [(97 * (32 * (4 * i + j) + k) + 1) % vocab for k in range(prompt_len)]
+                ids = [(97 * (32 * (3 * i + j) + k) + 1) % vocab for k in range(prompt_len)]
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True).normalize()
                 self.add_request(Req(f"warm-up-{i}-{j}", ids, params, set(), None))
             while self.has_work():
