@@ -181,8 +181,13 @@ class Scheduler:
         the counters, the batch policy's measurements. -> seconds taken."""
         start = time.perf_counter()
         vocab = self.runner.spec.vocab_size
+        room = self.context_len  # prompt + new tokens, as requests are capped (``RequestFactory.params``)
         for i, group in enumerate(WARM_UP_GROUPS):
             for j, (prompt_len, new_tokens) in enumerate(group):
+                prompt_len = min(prompt_len, room // 2)
+                new_tokens = min(new_tokens, room - prompt_len)
+                if prompt_len < 1 or new_tokens < 1:
+                    continue
                 ids = [(97 * (32 * (3 * i + j) + k) + 1) % vocab for k in range(prompt_len)]
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True).normalize()
                 self.add_request(Req(f"warm-up-{i}-{j}", ids, params, set(), None))

@@ -134,3 +134,12 @@ def test_skip_server_warmup_leaves_the_graphs_to_the_first_request(target):
         assert e.get_server_info()["torch_compile_graphs"] == 0
         e.generate(PROMPTS[0], greedy(8))
         assert e.get_server_info()["torch_compile_graphs"] > 0
+
+
+def test_warm_up_fits_a_short_context(target):
+    """A context shorter than the warm-up's requests: they are shortened to fit, and the engine still serves."""
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True, context_length=40) as e:
+        assert e.get_server_info()["torch_compile_graphs"] > 0
+        out = e.generate(PROMPTS[0], greedy(8))
+        assert_no_kv_leak(e)
+    assert len(out["output_ids"]) == 8
