@@ -83,8 +83,6 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is part-way through prefill
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self.stats = SchedulerStats()
         self._extra_outputs: list[ReqOutput] = []  # outputs made outside a step (retraction failures, a drain)
         self.prefilling: list[tuple[Req, int, int]] = []  # the prefill batch while it runs (see step)
         self.context_len = self.runner.context_len
@@ -94,6 +92,12 @@ class Scheduler:
                                        self.device, _weak_method(self._release),
                                        check_first_grammar=not args.disable_grammar_check_first)
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        """The scheduler's counters and admission estimate as before any request (at start, after the warm-up)."""
+        self.stats, self.new_token_ratio = SchedulerStats(), INIT_NEW_TOKEN_RATIO
+        self.outputs.generated_tokens = 0
         self._log_mark = (time.monotonic(), 0, 0, 0)  # (time, generated tokens, verify-step tokens, verify count)
 
     # ------------------------------------------------------------------ public API
@@ -194,10 +198,8 @@ class Scheduler:
             while self.has_work():
                 self.step()
         self.flush_cache()
-        self.stats, self.new_token_ratio = SchedulerStats(), INIT_NEW_TOKEN_RATIO
-        self.outputs.generated_tokens = 0
+        self._start_counting()
         self.decoder.reset_counters()
-        self._log_mark = (time.monotonic(), 0, 0, 0)
         return time.perf_counter() - start
 
     def flush_cache(self) -> bool:

@@ -1,6 +1,6 @@
 """--enable-torch-compile: compiled decode, verify and draft forwards give the eager greedy output token for token
 (with drafting and acceptance happening), batches above --torch-compile-max-bs run eager, compile time is
-reported. Without a flag, large CPU targets compile by default, their graphs built by warm-up requests at start-up."""
+reported; the graphs are built by warm-up requests at start-up (unless --skip-server-warmup)."""
 
 from __future__ import annotations
 
