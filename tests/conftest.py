@@ -15,6 +15,9 @@ torch.set_num_threads(2)
 # timing probe: two engines compared token for token in bf16 then round alike. The probe has its own tests
 # (tests/model/test_cpu_packing.py), which set the variable themselves.
 os.environ.setdefault("SPECSERVE_ONE_ROW_KERNEL", "gemv")
+# Likewise one float32 / bf16 crossover for float32 drafts' linears (the default's), instead of each engine's probe
+# (tests/speculative/test_draft_dtype.py sets the variable itself).
+os.environ.setdefault("SPECSERVE_DRAFT_FP32_MAX_ROWS", "8")
 
 
 @pytest.fixture(scope="session")

@@ -156,3 +156,74 @@ def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_pat
         assert_drafting_happened([one], min_accept_length=1.5)
         assert {F32, BF16} <= set(seen)
         assert_no_kv_leak(e)
+
+
+@pytest.mark.parametrize("fp32_ms,bf16_ms,want", [
+    ({1: 1.0, 2: 1.0, 3: 1.0}, {1: 2.0, 2: 2.0, 3: 2.0}, 3),  # float32 faster throughout: all probed rows
+    ({1: 1.0, 2: 3.0, 3: 1.0}, {1: 2.0, 2: 2.0, 3: 2.0}, 1),  # the first loss ends it, later wins aside
+    ({1: 2.0, 2: 1.0}, {1: 1.0, 2: 2.0}, 0),  # bf16 faster from one row: always bf16
+    ({1: 2.0}, {1: 2.0}, 0),  # a tie goes to bf16 (half the bytes between calls)
+])
+def test_pick_crossover(fp32_ms, bf16_ms, want):
+    from specserve.platform.cpu.mixed_probe import pick_crossover
+
+    def passes(ms: dict[int, float]) -> dict[int, list[float]]:  # three passes a row count, the median in the middle
+        return {r: [v * 0.9, v, v * 5] for r, v in ms.items()}
+
+    assert pick_crossover(passes(fp32_ms), passes(bf16_ms)) == want
+
+
+def test_engine_probes_the_float32_crossover(model_factory, tmp_path, monkeypatch):
+    """With SPECSERVE_DRAFT_FP32_MAX_ROWS=auto the first float32 draft times its own linears at 1..8 rows both ways:
+    the server info gives the crossover and the times, every MixedLinear and the draft's forwards follow it."""
+    from specserve.platform.cpu import mixed_probe
+
+    monkeypatch.setenv(mixed_probe.ENV, "auto")
+    target = model_factory("llama", num_hidden_layers=2, unit_embeddings=True, dtype=BF16)
+    head = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE3", head, 4, 3, 8)) as e:
+        verdict = e.get_server_info()["cpu_draft_fp32_rows"]
+        proposer = e.scheduler.decoder.proposer
+        mixed = [m for m in proposer.head.modules() if isinstance(m, MixedLinear)]
+        assert len(e.generate(PROMPTS[0], greedy(6))["output_ids"]) == 6
+    assert verdict["source"] == "probe" and 0 <= verdict["fp32_max_rows"] <= 8
+    assert sorted(verdict["fp32_ms"]) == sorted(verdict["bf16_ms"]) == list(range(1, 9))
+    assert all(t > 0 for t in [*verdict["fp32_ms"].values(), *verdict["bf16_ms"].values()])
+    assert mixed and all(m.fp32_max_rows == verdict["fp32_max_rows"] for m in mixed)
+    rows = verdict["fp32_max_rows"]
+    assert proposer.compute_dtype(rows + 1) == BF16
+    assert rows == 0 or proposer.compute_dtype(rows) == F32
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "STANDALONE"])
+def test_a_crossover_of_zero_runs_every_draft_call_in_bf16_losslessly(model_factory, tmp_path, monkeypatch, algo):
+    """SPECSERVE_DRAFT_FP32_MAX_ROWS=0 (what the probe picks where bf16 wins from one row): a float32 draft's
+    linears run their packed bf16 copies at every row count, the EAGLE-3 head's forwards in bf16 throughout, and
+    greedy outputs stay plain decoding's, batch 1 and batch 4, drafting checked."""
+    from specserve.platform.cpu import mixed_probe, packing
+
+    monkeypatch.setenv(mixed_probe.ENV, "0")
+    target = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True, dtype=BF16)
+    draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self") if algo == "EAGLE3" else target
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS[:4], greedy(20))]
+        lone = e.generate(PROMPTS[0], greedy(20))["output_ids"]
+    fp32_calls = []
+    real = packing.F.linear
+    monkeypatch.setattr(packing.F, "linear",  # a float32 weight's call is a MixedLinear's float32 path
+                        lambda x, w, b=None: (w.dtype == F32 and fp32_calls.append(x.shape)) or real(x, w, b))
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs(algo, draft, 4, 3, 8)) as e:
+        proposer = e.scheduler.decoder.proposer
+        assert e.get_server_info()["cpu_draft_fp32_rows"] == {"fp32_max_rows": 0, "source": mixed_probe.ENV}
+        assert proposer.draft_dtype == F32
+        seen = []
+        pick = proposer.compute_dtype
+        proposer.compute_dtype = lambda rows: seen.append(pick(rows)) or seen[-1]
+        outs = e.generate(PROMPTS[:4], greedy(20))
+        one = e.generate(PROMPTS[0], greedy(20))
+    assert [o["output_ids"] for o in outs] == plain and one["output_ids"] == lone
+    assert_drafting_happened(outs, min_accept_length=1.5)
+    assert_drafting_happened([one], min_accept_length=1.5)
+    if algo == "EAGLE3":  # a STANDALONE draft keeps float32 activations between its linears
+        assert set(seen) == {BF16}
+    assert fp32_calls == []  # no MixedLinear took its float32 path

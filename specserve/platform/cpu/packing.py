@@ -86,25 +86,28 @@ class PackedLinear(DirectCall):
         return cpu_gemv(x, self.plain, self.bias) if gemv else _packed_matmul(x, self.packed, self.bias)
 
 
-#: MixedLinear's float32 / packed-bf16 crossover in rows per call. A batch-1 EAGLE tree level (topk rows) and
-#: draft extend (accepted tokens) stay in float32, where the whole float32 draft measured faster end to end; at 16
-#: rows float32 matmuls of the demo drafts' shapes take 2-4x the packed bf16 time (docs/benchmarks.md).
+#: MixedLinear's float32 / packed-bf16 crossover in rows per call where none was measured, and the most rows the
+#: probe (``mixed_probe.py``) tries. On a Xeon with AMX a batch-1 EAGLE tree level (topk rows) and draft extend
+#: (accepted tokens) ran faster in float32, the whole float32 draft measured faster end to end, while at 16 rows
+#: float32 matmuls of the demo drafts' shapes took 2-4x the packed bf16 time (docs/benchmarks.md).
 FP32_MAX_ROWS = 8
 
 
 class MixedLinear(DirectCall):
-    """A float32 Linear with a oneDNN-packed bf16 copy of its weight: a call of at most FP32_MAX_ROWS rows runs in
-    float32, whose per-call cost is lower; a larger one casts its input to bf16, runs the packed matmul (AMX /
-    AVX512-BF16, far more multiply-adds per second) and casts the result back to float32."""
+    """A float32 Linear with a oneDNN-packed bf16 copy of its weight: a call of at most ``fp32_max_rows`` rows runs
+    in float32, where its per-call cost is lower; a larger one casts its input to bf16, runs the packed matmul (AMX
+    / AVX512-BF16, far more multiply-adds per second) and casts the result back to float32. ``fp32_max_rows`` is
+    FP32_MAX_ROWS until the policy sets the crossover measured on this machine (``mixed_probe.py``)."""
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.packed = linear.weight, linear.bias, packed
         self.bias_bf16 = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.fp32_max_rows = FP32_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
-        if x.shape[0] <= FP32_MAX_ROWS:
+        if x.shape[0] <= self.fp32_max_rows:
             return F.linear(x, self.weight, self.bias)
         low = x.to(torch.bfloat16)
         if torch.compiler.is_compiling():

@@ -12,9 +12,11 @@ from torch import nn
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.malloc import HeapTrimmer, tune_malloc
+from specserve.platform.cpu.mixed_probe import choose_crossover
 from specserve.platform.cpu.one_row_probe import choose_one_row_kernel
 from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
+    MixedLinear,
     PackedLinear,
     mix_linears_for_cpu,
     pack_linears_for_cpu,
@@ -31,9 +33,10 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: as many bytes in bf16, so they keep the target's dtype.
 CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
 
-#: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more than FP32_MAX_ROWS
-#: tokens in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the bytes and its prompt
-#: catch-up runs on half-size activations (docs/benchmarks.md); batch-1 tree levels and extends stay float32.
+#: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more rows than its linears'
+#: crossover (``mixed_probe.py``) in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the
+#: bytes and its prompt catch-up runs on half-size activations (docs/benchmarks.md); smaller forwards (on the Xeon,
+#: batch-1 tree levels and extends) stay float32.
 HALF_DRAFT_DTYPE = torch.bfloat16
 
 #: ``_attend_folded`` is used for half-precision queries on CPU from this many requests and up to FOLD_MAX_Q query
@@ -56,6 +59,7 @@ class CpuPolicy(PlatformPolicy):
         self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
         self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
         self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
+        self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
 
     @property
     def packs_weights(self) -> bool:
@@ -102,6 +106,8 @@ class CpuPolicy(PlatformPolicy):
         extra = {"cpu_heap_trims": self.trimmer.trims} if self.trimmer is not None else {}
         if self.one_row:
             extra["cpu_one_row_kernel"] = self.one_row
+        if self.mixed is not None:
+            extra["cpu_draft_fp32_rows"] = self.mixed
         if self.governor is not None:
             return {"cpu_threads_adaptive": True, **self.governor.info(), **extra}
         return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads(), **extra}
@@ -138,18 +144,31 @@ class CpuPolicy(PlatformPolicy):
         return self.packs_weights and draft_dtype == torch.float32 and target_dtype in HALF_DTYPES
 
     def mix_linears(self, module: nn.Module) -> int:
-        """float32 linears -> ``MixedLinear`` (``packing.py``)."""
-        return mix_linears_for_cpu(module)
+        """float32 linears -> ``MixedLinear`` (``packing.py``), float32 up to the crossover the first mixed module
+        measured on this machine (``mixed_probe.py``), packed bf16 above it."""
+        count = mix_linears_for_cpu(module)
+        mixed = [m for m in module.modules() if isinstance(m, MixedLinear)]
+        if mixed and self.mixed is None:
+            self.mixed = choose_crossover(mixed)
+        for m in mixed:
+            m.fp32_max_rows = self.fp32_max_rows
+        return count
+
+    @property
+    def fp32_max_rows(self) -> int:
+        """A mixed draft's calls of up to this many rows run in float32 (the measured crossover, else the default)."""
+        return FP32_MAX_ROWS if self.mixed is None else self.mixed["fp32_max_rows"]
 
     def draft_kv_dtype(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> torch.dtype:
         """HALF_DRAFT_DTYPE for a float32 draft with MixedLinears, else the draft's own."""
         return HALF_DRAFT_DTYPE if self.mixed_linears(draft_dtype, target_dtype) else draft_dtype
 
     def runs_half_precision(self, rows: int) -> bool:
-        """Calls of more than FP32_MAX_ROWS rows (MixedLinear's crossover): prompt catch-ups, and at a large batch
-        the catch-ups and tree levels. Their matmuls run packed bf16 anyway, so the activations between them stay
-        half-size and unconverted; smaller calls keep float32's lower per-op cost."""
-        return rows > FP32_MAX_ROWS
+        """Calls of more rows than the mixed linears' crossover (``fp32_max_rows``): prompt catch-ups, and at a large
+        batch the catch-ups and tree levels (with a crossover of 0, every call). Their matmuls run packed bf16
+        anyway, so the activations between them stay half-size and unconverted; smaller calls keep float32, where
+        the probe found it faster."""
+        return rows > self.fp32_max_rows
 
     # ------------------------------------------------------------------ attention
     def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
