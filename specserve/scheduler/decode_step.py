@@ -85,7 +85,8 @@ class DecodeStep(ABC):
         return 0, 0
 
     def reset_counters(self) -> None:  # noqa: B027 - optional hook
-        """Forget what was counted and measured so far (after the scheduler's warm-up requests)."""
+        """Forget what was counted and measured so far, and what the requests taught a drafter (after the
+        scheduler's warm-up requests)."""
 
     def info(self) -> dict:
         """What this decoder reports in the server info."""

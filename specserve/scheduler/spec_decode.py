@@ -182,6 +182,7 @@ class SpecDecoder(DecodeStep):
 
     def reset_counters(self) -> None:
         self.stats, self.policy = SpecStats(), self._batch_policy(self.ctx.args)
+        self.proposer.forget()
         if self.overlap is not None:
             self.overlap.overlapped_steps = 0
 

@@ -152,6 +152,10 @@ class Proposer(ABC):
     def release(self, req: Req) -> None:  # noqa: B027 - optional hook
         """Drop any per-request state (the request finished, was aborted or retracted)."""
 
+    def forget(self) -> None:  # noqa: B027 - optional hook
+        """Drop what earlier requests taught the drafter beyond their own state (the n-gram trie): after the
+        scheduler's warm-up requests, whose made-up tokens no user's request should be drafted from."""
+
     def draft_modules(self) -> list:
         """The draft networks whose ``forward(fb, *tensors)`` may be compiled (``--enable-torch-compile``) and graphed
         (CUDA graphs)."""

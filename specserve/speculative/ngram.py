@@ -88,6 +88,9 @@ class NgramProposer(Proposer):
         for s in steps:
             self.cache.insert(s.req.fill_ids, num_new=len(s.new_tokens))
 
+    def forget(self) -> None:
+        self.cache.reset()
+
     def propose(self, reqs, shape: TreeShape | None = None) -> DraftTree:
         matches = self.cache.batch_match([r.fill_ids[-self.window:] for r in reqs])
         if shape is not None and shape.num_draft_tokens < self.num_draft_tokens:  # batch-aware shrinking

@@ -150,3 +150,15 @@ def test_warm_up_fits_a_short_context(target, fresh_dynamo):
         out = e.generate(PROMPTS[0], greedy(8))
         assert_no_kv_leak(e)
     assert len(out["output_ids"]) == 8
+
+
+def test_ngram_trie_forgets_the_warm_up(target, fresh_dynamo):
+    """NGRAM under --enable-torch-compile: the warm-up's made-up token streams are not left in the n-gram trie for
+    users' requests to be drafted from; the first request then fills it."""
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True,
+                speculative_algorithm="NGRAM", speculative_num_draft_tokens=8) as e:
+        cache = e.scheduler.decoder.proposer.cache
+        assert e.get_server_info()["torch_compile_graphs"] > 0  # the warm-up ran
+        assert e.loop.call(lambda s: cache.num_nodes) == 0
+        e.generate(PROMPTS[0], greedy(8))
+        assert e.loop.call(lambda s: cache.num_nodes) > 0
