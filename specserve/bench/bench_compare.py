@@ -362,6 +362,10 @@ def setup_lines(rows: list[dict]) -> list[str]:
             lines.append(f"{r['label']}: one-row linears on the {k['kernel']} kernel"
                          + (f" (probe: gemv {k['gemv_ms']} ms, packed {k['packed_ms']} ms a pass)"
                             if k.get("source") == "probe" else f" ({k['source']})"))
+        if r.get("draft_fp32_rows") is not None:
+            d = r["draft_fp32_rows"]
+            lines.append(f"{r['label']}: float32 draft linears in float32 up to {d['fp32_max_rows']} rows, packed bf16 "
+                         "above" + (" (probe)" if d.get("source") == "probe" else f" ({d['source']})"))
         if r.get("hf_num_assistant_tokens") is not None:
             lines.append(f"{r['label']}: num_assistant_tokens {r['hf_num_assistant_tokens']} "
                          f"({r['hf_num_assistant_tokens_schedule']}), confidence threshold "
@@ -548,10 +552,13 @@ def eagle_head_and_map(model_path: str, head: str | None, token_map: str | None)
 
 
 def kernel_setup(info: dict) -> dict:
-    """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one
-    (info: its get_server_info)."""
+    """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one,
+    and a float32 draft's float32 / bf16 crossover (``platform/cpu/mixed_probe.py``) (info: its get_server_info)."""
     verdicts = info.get("cpu_one_row_kernel") or {}
     setup = {"one_row_kernel": next(iter(verdicts.values()))} if verdicts else {}
+    if info.get("cpu_draft_fp32_rows"):
+        setup["draft_fp32_rows"] = {k: v for k, v in info["cpu_draft_fp32_rows"].items()
+                                    if k in ("fp32_max_rows", "source")}
     if info.get("gguf_linears"):  # --quantization gguf: linears on the file's 4-bit blocks / dense
         setup["gguf_linears"] = info["gguf_linears"]
     return setup

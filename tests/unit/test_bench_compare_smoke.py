@@ -225,6 +225,17 @@ def test_setup_lines_name_the_one_row_kernel():
         "ours EAGLE-3: one-row linears on the gemv kernel (SPECSERVE_ONE_ROW_KERNEL)"]
 
 
+def test_setup_lines_name_the_float32_draft_crossover():
+    base = {"model_path": "m", "dtype": "bfloat16", "max_new_tokens": 8, "num_prompts": 2, "num_threads": 2}
+    rows = [{**base, "label": "ours EAGLE-3", "draft_fp32_rows": {"fp32_max_rows": 0, "source": "probe"}},
+            {**base, "label": "ours STANDALONE",
+             "draft_fp32_rows": {"fp32_max_rows": 8, "source": "SPECSERVE_DRAFT_FP32_MAX_ROWS"}}]
+    assert setup_lines(rows)[1:] == [
+        "ours EAGLE-3: float32 draft linears in float32 up to 0 rows, packed bf16 above (probe)",
+        "ours STANDALONE: float32 draft linears in float32 up to 8 rows, packed bf16 above "
+        "(SPECSERVE_DRAFT_FP32_MAX_ROWS)"]
+
+
 def test_bench_compare_one_row_kernel_in_bf16(tmp_path, llama_dir, monkeypatch, capsys):
     """A bf16 run records the kernel its packed target runs one row on, as the engine's server info says."""
     monkeypatch.setenv("SPECSERVE_ONE_ROW_KERNEL", "packed")
