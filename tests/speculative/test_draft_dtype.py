@@ -163,6 +163,8 @@ def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_pat
     ({1: 1.0, 2: 3.0, 3: 1.0}, {1: 2.0, 2: 2.0, 3: 2.0}, 1),  # the first loss ends it, later wins aside
     ({1: 2.0, 2: 1.0}, {1: 1.0, 2: 2.0}, 0),  # bf16 faster from one row: always bf16
     ({1: 2.0}, {1: 2.0}, 0),  # a tie goes to bf16 (half the bytes between calls)
+    ({1: 1.94, 2: 1.0}, {1: 2.0, 2: 2.0}, 0),  # 3% faster is a near tie: bf16, whatever follows
+    ({1: 1.8, 2: 1.94}, {1: 2.0, 2: 2.0}, 1),  # 10% faster keeps the row count
 ])
 def test_pick_crossover(fp32_ms, bf16_ms, want):
     from specserve.platform.cpu.mixed_probe import pick_crossover

@@ -7,7 +7,7 @@ wins small calls (the whole float32 draft measured faster at batch 1), while on 
 AMX) float32 matmuls of 2 rows and up took 2-6x the packed bf16 time, casts included, so a batch-1 tree level of
 3 rows ran slower in float32. So the first draft module mixed on a machine times a pass over its own linears at
 each row count from 1 to ``FP32_MAX_ROWS``, both ways, and the crossover becomes the largest row count up to which
-float32 won every time; the draft's forwards switch their activations to bf16 above it
+float32 won every time by FP32_MIN_GAIN; the draft's forwards switch their activations to bf16 above it
 (``CpuPolicy.runs_half_precision``).
 
 ``SPECSERVE_DRAFT_FP32_MAX_ROWS=N`` (0 = always bf16) skips the probe (``auto``, the default, runs it).
@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 ENV = "SPECSERVE_DRAFT_FP32_MAX_ROWS"
 PROBE_REPS = 5
 
+#: float32 keeps a row count only when this much faster: a near tie (the demo head's one-row calls on an EPYC) would
+#: otherwise flip from start to start, and bf16 passes half-size activations between the calls.
+FP32_MIN_GAIN = 0.05
+
 
 def forced_rows() -> int | None:
     """SPECSERVE_DRAFT_FP32_MAX_ROWS's crossover, None for auto (the probe decides)."""
@@ -41,12 +45,14 @@ def forced_rows() -> int | None:
     return int(value)
 
 
-def pick_crossover(fp32: dict[int, list[float]], bf16: dict[int, list[float]]) -> int:
-    """The largest row count r such that, at every probed row count up to r, the float32 pass's median time is
-    below the bf16 pass's; 0 when float32 loses at the smallest. fp32 / bf16: {rows: seconds of each pass}."""
+def pick_crossover(fp32: dict[int, list[float]], bf16: dict[int, list[float]], min_gain: float = FP32_MIN_GAIN
+                   ) -> int:
+    """The largest row count r such that, at every probed row count up to r, the float32 pass's median time is at
+    least min_gain below the bf16 pass's; 0 when float32 loses at the smallest. fp32 / bf16: {rows: seconds of each
+    pass}."""
     crossover = 0
     for rows in sorted(fp32):
-        if statistics.median(fp32[rows]) >= statistics.median(bf16[rows]):
+        if statistics.median(fp32[rows]) >= (1.0 - min_gain) * statistics.median(bf16[rows]):
             break
         crossover = rows
     return crossover
