@@ -4,8 +4,8 @@ A small draft runs in float32 under a bf16 target on CPU, each of its linears a 
 ``fp32_max_rows`` rows run ``F.linear`` in float32, larger ones cast to bf16 and run the weight's packed bf16 copy.
 Where the crossover lies depends on the CPU (docs/benchmarks.md, "Draft dtype"): on a 2-core Xeon with AMX float32
 wins small calls (the whole float32 draft measured faster at batch 1), while on a 2-core AMD EPYC (AVX512-BF16, no
-AMX) float32 matmuls of 2 rows and up took 2-6x the packed bf16 time, casts included, so a batch-1 tree level of
-3 rows ran slower in float32. So the first draft module mixed on a machine times a pass over its own linears at
+AMX) float32 matmuls of 3 rows took 1.6-4.5x the packed bf16 time, casts included, so a batch-1 tree level of 3 rows
+ran slower in float32. So the first draft module mixed on a machine times a pass over its own linears at
 each row count from 1 to ``FP32_MAX_ROWS``, both ways, and the crossover becomes the largest row count up to which
 float32 won every time by FP32_MIN_GAIN; the draft's forwards switch their activations to bf16 above it
 (``CpuPolicy.runs_half_precision``).
