@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from specserve.platform.cpu.one_row_probe import interleaved_times
 from specserve.platform.cpu.packing import FP32_MAX_ROWS, _packed_matmul
 
 logger = logging.getLogger(__name__)
@@ -74,14 +74,8 @@ def probe(linears: list, max_rows: int = FP32_MAX_ROWS, reps: int = PROBE_REPS) 
                 "bf16": lambda xs=xs: [_packed_matmul(xs[m.in_features].to(torch.bfloat16), m.packed, m.bias_bf16)
                                        .float() for m in linears],
             }
-            times = {"fp32": fp32.setdefault(rows, []), "bf16": bf16.setdefault(rows, [])}
-            for fn in passes.values():
-                fn()
-            for _ in range(reps):
-                for name, fn in passes.items():
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
+            times = interleaved_times(passes, reps)
+            fp32[rows], bf16[rows] = times["fp32"], times["bf16"]
 
     def ms(t: dict[int, list[float]]) -> dict[int, float]:
         return {r: round(statistics.median(v) * 1e3, 3) for r, v in t.items()}

@@ -17,6 +17,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -70,18 +71,25 @@ def probe(linears: list, reps: int = PROBE_REPS) -> dict:
     rows = {n: torch.randn(1, n, generator=gen).to(chosen[0].plain.dtype) for n in {m.in_features for m in chosen}}
     passes = {"gemv": lambda: [cpu_gemv(rows[m.in_features], m.plain, m.bias) for m in chosen],
               "packed": lambda: [_packed_matmul(rows[m.in_features], m.packed, m.bias) for m in chosen]}
-    times: dict[str, list[float]] = {k: [] for k in KERNELS}
     with torch.inference_mode():
-        for fn in passes.values():
-            fn()
-        for _ in range(reps):
-            for name, fn in passes.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        times = interleaved_times(passes, reps)
     return {"kernel": pick_kernel(times["gemv"], times["packed"]),
             "gemv_ms": round(statistics.median(times["gemv"]) * 1e3, 3),
             "packed_ms": round(statistics.median(times["packed"]) * 1e3, 3)}
+
+
+def interleaved_times(passes: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each of reps rounds of every pass, the passes interleaved round by round (so a neighbour's load
+    falls on all alike), after one uncounted warm-up call each."""
+    for fn in passes.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(reps):
+        for name, fn in passes.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def choose_one_row_kernel(linears: list) -> dict:
