@@ -20,10 +20,9 @@ import os
 import statistics
 
 import torch
-import torch.nn.functional as F
 
 from specserve.platform.cpu.one_row_probe import interleaved_times
-from specserve.platform.cpu.packing import FP32_MAX_ROWS, _packed_matmul
+from specserve.platform.cpu.packing import FP32_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +58,9 @@ def pick_crossover(fp32: dict[int, list[float]], bf16: dict[int, list[float]], m
 
 
 def probe(linears: list, max_rows: int = FP32_MAX_ROWS, reps: int = PROBE_REPS) -> dict:
-    """Time one pass through ``linears`` (MixedLinears) at each row count 1..max_rows, float32 against the packed
-    bf16 copy (with the casts a MixedLinear does), reps passes each, interleaved after a warm-up pass
-    -> {"fp32_max_rows", "fp32_ms", "bf16_ms"} (medians of a pass per row count)."""
+    """Time one pass through ``linears`` (MixedLinears) at each row count 1..max_rows, their float32 path against
+    their packed bf16 path (``MixedLinear.fp32`` / ``bf16``, casts included), reps passes each, interleaved after a
+    warm-up pass -> {"fp32_max_rows", "fp32_ms", "bf16_ms"} (medians of a pass per row count)."""
     gen = torch.Generator().manual_seed(0)  # not the global generator: the probe leaves seeded runs alone
     widths = {m.in_features for m in linears}
     fp32: dict[int, list[float]] = {}
@@ -69,11 +68,8 @@ def probe(linears: list, max_rows: int = FP32_MAX_ROWS, reps: int = PROBE_REPS) 
     with torch.inference_mode():
         for rows in range(1, max_rows + 1):
             xs = {n: torch.randn(rows, n, generator=gen) for n in widths}
-            passes = {
-                "fp32": lambda xs=xs: [F.linear(xs[m.in_features], m.weight, m.bias) for m in linears],
-                "bf16": lambda xs=xs: [_packed_matmul(xs[m.in_features].to(torch.bfloat16), m.packed, m.bias_bf16)
-                                       .float() for m in linears],
-            }
+            passes = {"fp32": lambda xs=xs: [m.fp32(xs[m.in_features]) for m in linears],
+                      "bf16": lambda xs=xs: [m.bf16(xs[m.in_features]) for m in linears]}
             times = interleaved_times(passes, reps)
             fp32[rows], bf16[rows] = times["fp32"], times["bf16"]
 

@@ -107,8 +107,14 @@ class MixedLinear(DirectCall):
         self.fp32_max_rows = FP32_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
-        if x.shape[0] <= self.fp32_max_rows:
-            return F.linear(x, self.weight, self.bias)
+        return self.fp32(x) if x.shape[0] <= self.fp32_max_rows else self.bf16(x)
+
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 path, whatever the row count (the crossover probe times it)."""
+        return F.linear(x, self.weight, self.bias)
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed bf16 path with its casts, whatever the row count (the crossover probe times it)."""
         low = x.to(torch.bfloat16)
         if torch.compiler.is_compiling():
             return packed_linear(low, self.packed, self.bias_bf16).to(x.dtype)
