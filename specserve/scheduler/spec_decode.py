@@ -50,7 +50,7 @@ from specserve.speculative.accept_stats import add_step, position_rates
 from specserve.speculative.base import GRAMMAR_ROOM, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import BatchPolicy, TreeShape, batch_kind
 from specserve.speculative.simulate import AcceptSimulator
-from specserve.speculative.tree import DraftTree, build_tree
+from specserve.speculative.tree import DraftTree, build_tree, cap_depth
 from specserve.speculative.verify import (
     VerifyResult,
     race_node_ids,
@@ -126,6 +126,14 @@ class StepRecord:
     def num_tokens(self) -> int:
         return sum(self.taken)
 
+
+
+def cap_to_remaining(reqs: list[Req], tree: DraftTree) -> DraftTree:
+    """Drop the nodes a request cannot emit: with R new tokens left, nothing deeper than R - 1."""
+    left = [r.remaining_new_tokens() for r in reqs]
+    if min(left) >= tree.width:  # no node is deeper than width - 1
+        return tree
+    return cap_depth(tree, torch.tensor([max(0, n - 1) for n in left], device=tree.depth.device))
 
 class SpecDecoder(DecodeStep):
     def __init__(self, ctx: DecodeContext, proposer: Proposer) -> None:
@@ -220,7 +228,7 @@ class SpecDecoder(DecodeStep):
         if self.overlap is not None:
             return self.overlap.run(reqs)
         kind = self.batch_kind(reqs)
-        shape = self.policy.choose(len(reqs), kind)
+        shape = self.policy.choose(len(reqs), kind, self.most_new(reqs))
         if shape is None:
             return self.timed_plain_step(reqs)
         started = self.step_start()
@@ -242,6 +250,11 @@ class SpecDecoder(DecodeStep):
     def batch_kind(reqs: list[Req]) -> str:
         """The batch policy's kind of this batch (``batch_policy.batch_kind``: greedy, sampled or mixed)."""
         return batch_kind([r.params.is_greedy for r in reqs])
+
+    @staticmethod
+    def most_new(reqs: list[Req]) -> int:
+        """The most new tokens any of `reqs` may still make: the batch policy fits the tree to it."""
+        return max(r.remaining_new_tokens() for r in reqs)
 
     def step_start(self) -> tuple[float, int]:
         """(now, torch.compile graphs built so far): what ``record_step`` measures a step from."""
@@ -268,9 +281,10 @@ class SpecDecoder(DecodeStep):
         target's hidden states in its backlog, which the drafter replays before the next speculative step."""
         self.stats.plain_steps += 1
         root_pos = [r.seq_len - 1 for r in reqs]
+        for req in reqs:  # counted first: the outputs of a request this step finishes report it
+            req.spec_plain_tokens += 1
         outputs, out = self.plain.forward(reqs, self.proposer.capture_layers)
         for b, req in enumerate(reqs):
-            req.spec_plain_tokens += 1
             if req.finished:  # released: its state is gone
                 continue
             if req.spec_backlog is None:
@@ -303,7 +317,7 @@ class SpecDecoder(DecodeStep):
         is found later by ``process``, which then drops the tokens after it (``release_done`` trims them)."""
         if shape != self.policy.full:
             self.stats.shrunk_steps += 1
-        tree, grammar_trees = self._jump_forward(reqs, self.proposer.propose(reqs, shape))
+        tree, grammar_trees = self._jump_forward(reqs, cap_to_remaining(reqs, self.proposer.propose(reqs, shape)))
         n_nodes = tree.num_nodes.tolist()
         root_pos = [r.seq_len - 1 for r in reqs]
         slots = self._verify_slots(reqs, root_pos, n_nodes)  # [T] request-major, node order

@@ -25,6 +25,12 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    steps must beat speculation by more than SPEC_MARGIN to win (step times on a busy host are noisy, and the
    margin is within the "a few percent" speculation may cost at most).
 
+A third rule needs no measuring (``fit_to_remaining``): no tree is deeper than the batch's requests can use. A node
+at depth d becomes the (d+1)-th new token of its request, so with at most R new tokens left to any request of the
+batch (``max_new_tokens`` minus what it has) the tree keeps at most R - 1 draft levels, and with R = 1 the step is a
+plain one: it makes the same single token without drafting. (Per request, ``tree.cap_depth`` drops the nodes a
+request with fewer tokens left cannot emit.)
+
 Switching is free of output effects: a plain step produces the token plain decoding would; the drafter's state
 is kept per request and catches up on the tokens it missed before the next speculative step
 (``SpecDecoder``'s backlog), so speculation resumes when the batch shrinks again. That catch-up is a cost of
@@ -34,6 +40,8 @@ speculating: it is timed with the speculative step it precedes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specserve.speculative.tree import max_tree_nodes
 
 DECAY = 0.9  # weight of the older steps in a mode's running sums (an effective window of about 10 steps)
 TRY_STEPS = 4  # consecutive steps a try of a mode runs; that mode's estimate restarts from them
@@ -65,6 +73,18 @@ def shape_for_batch(batch: int, full: TreeShape, token_budget: int, disable_batc
     if nodes < 2:
         return None
     return TreeShape(nodes - 1, 1, nodes)
+
+
+def fit_to_remaining(shape: TreeShape, most_new: int) -> TreeShape | None:
+    """shape for a step in which no request can take more than `most_new` new tokens: at most most_new - 1 draft
+    levels (a node at depth d would be the (d+1)-th new token), the node count cut to what those levels hold;
+    None (a plain step) when most_new <= 1."""
+    levels = most_new - 1
+    if levels < 1:
+        return None
+    if shape.steps <= levels:
+        return shape
+    return TreeShape(levels, shape.topk, min(shape.num_draft_tokens, max_tree_nodes(levels, shape.topk)))
 
 
 GREEDY, SAMPLED, MIXED = "greedy", "sampled", "mixed"
@@ -148,10 +168,13 @@ class BatchPolicy:
             self.rates[b].start_try(True, self.warmup_steps)  # measure speculation first, then plain
         return self.rates[b]
 
-    def choose(self, batch: int, kind: str = GREEDY) -> TreeShape | None:
+    def choose(self, batch: int, kind: str = GREEDY, most_new: int | None = None) -> TreeShape | None:
         """The tree for the next step of `batch` requests of this kind (``batch_kind``), or None for a plain
-        step."""
+        step. most_new: the most new tokens any of them may still make (None: unbounded); a step that cannot use a
+        draft is plain without being counted as a choice of the bucket (``fit_to_remaining``)."""
         shape = shape_for_batch(batch, self.full, self.token_budget, self.disable_batch_size)
+        if shape is not None and most_new is not None:
+            shape = fit_to_remaining(shape, most_new)
         if shape is None or not self.auto_off:
             return shape
         r = self._bucket(batch, kind)

@@ -179,13 +179,31 @@ def _merge_duplicates(tokens: Tensor, parents: Tensor, valid: Tensor) -> tuple[T
     keep = valid & (canon == own)  # [B, N]
     if torch.equal(keep, valid):
         return tokens, parents, valid.sum(dim=1)
+    return _compact(tokens, parents, keep, canon.gather(1, parents.clamp(min=0)))
+
+
+def _compact(tokens: Tensor, parents: Tensor, keep: Tensor, parent_of: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Keep the nodes where keep [B, N] is True, in their order, at the front; padding after them.
+    parent_of [B, N]: the (kept) node each node hangs under, by old index (for nodes whose parents >= 0).
+    -> (tokens [B, N], parents [B, N] by new index, num_nodes [B])."""
+    N = tokens.shape[1]
     new_index = keep.cumsum(dim=1) - 1  # [B, N]: position of each kept node after compaction
-    canon_parent = canon.gather(1, parents.clamp(min=0))  # [B, N]; kept nodes hang under canonical parents
-    new_parents = torch.where(parents < 0, -1, new_index.gather(1, canon_parent))  # [B, N]
+    new_parents = torch.where(parents < 0, -1, new_index.gather(1, parent_of))  # [B, N]
     order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, N]: kept nodes first, in order
     num_nodes = keep.sum(dim=1)  # [B]
     tokens, parents = tokens.gather(1, order), new_parents.gather(1, order)
     return (*_apply_padding(tokens, parents, _valid_mask(num_nodes, N)), num_nodes)
+
+
+def cap_depth(tree: DraftTree, max_depth: Tensor) -> DraftTree:
+    """Drop the nodes of request b deeper than max_depth[b] ([B] int64, >= 0) -> a DraftTree of the same width with
+    the kept nodes first, in their order. A node's ancestors are shallower than it, so what is kept is a tree.
+    The tree itself is returned when nothing is dropped."""
+    keep = tree.valid & (tree.depth <= max_depth.view(-1, 1))  # [B, N]
+    if bool(keep.sum() == tree.num_nodes.sum()):
+        return tree
+    tokens, parents, num_nodes = _compact(tree.tokens, tree.parents, keep, tree.parents.clamp(min=0))
+    return _from_parents(tokens, parents, num_nodes)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -94,3 +94,53 @@ def test_the_drafters_catch_up_on_plain_steps_is_timed_with_the_next_speculative
     assert flushed  # plain steps (batch above 4), then speculative ones with a backlog to replay
     assert sum(1 for spec, secs in recorded if spec and secs >= 0.2) == len(flushed)
     assert not any(secs >= 0.2 for spec, secs in recorded if not spec)
+
+
+# --------------------------------------------------------------------------- trees fitted to the tokens left
+NO_SHRINK = dict(speculative_batch_token_budget=0, disable_speculative_auto_off=True)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
+def test_no_node_deeper_than_a_request_can_emit(target, drafts, algorithm, monkeypatch):
+    """A request with R new tokens left verifies no node deeper than R - 1, next to a batch mate with many left
+    whose tree goes deeper; outputs equal plain decoding."""
+    from specserve.scheduler.spec_decode import SpecDecoder
+
+    verify, steps = SpecDecoder._verify_forward, []
+
+    def spy(self, reqs, tree, *args):
+        depth = tree.depth.masked_fill(~tree.valid, 0).max(dim=1).values.tolist()
+        steps.append([(r.remaining_new_tokens(), d) for r, d in zip(reqs, depth, strict=True)])
+        return verify(self, reqs, tree, *args)
+
+    monkeypatch.setattr(SpecDecoder, "_verify_forward", spy)
+    lengths = [3, 5, 30]
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        want = [o["output_ids"] for o in e.generate(PROMPTS[:3], [greedy(n) for n in lengths])]
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs(algorithm, drafts[algorithm], 3, 1, 4,
+                                                                        **NO_SHRINK)) as e:
+        outs = e.generate(PROMPTS[:3], [greedy(n) for n in lengths])
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in outs] == want
+    assert steps and all(depth <= left - 1 for step in steps for left, depth in step)
+    if algorithm != "NGRAM":  # a model draft fills every chain to depth 3: the short requests' chains were cut
+        assert any(max(d for _, d in step) == 3 and any(d == left - 1 < 3 for left, d in step) for step in steps)
+
+
+def test_a_step_that_can_emit_one_token_is_plain(target, drafts):
+    """One new token left to every request: the step drafts nothing (a plain step makes the same token); with more
+    left to some request the tree keeps only the levels it can use."""
+    kw = spec_kwargs("EAGLE", drafts["EAGLE"], 3, 2, 5, **NO_SHRINK)
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        want = [o["output_ids"] for o in e.generate(PROMPTS[:4], greedy(2))] + [e.generate(PROMPTS[4], greedy(3))
+                                                                                 ["output_ids"]]
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        two = e.generate(PROMPTS[:4], greedy(2))  # prefill makes one token, one decode step is left
+        info = e.get_server_info()
+        three = e.generate(PROMPTS[4], greedy(3))  # one decode step with two tokens left: a single draft level
+        after = e.get_server_info()
+    assert [o["output_ids"] for o in two] + [three["output_ids"]] == want
+    assert info["spec_verify_ct"] == 0 and info["spec_plain_steps"] == 1
+    assert all(o["meta_info"]["spec_plain_tokens"] == 1 for o in two)
+    assert after["spec_verify_ct"] == 1 and after["spec_shrunk_steps"] == 1
+    assert three["meta_info"]["completion_tokens"] == 3 and three["meta_info"]["spec_verify_ct"] == 1

@@ -12,6 +12,7 @@ from specserve.speculative.batch_policy import (
     TreeShape,
     batch_kind,
     bucket_of,
+    fit_to_remaining,
     shape_for_batch,
 )
 
@@ -33,6 +34,25 @@ def test_disable_batch_size_and_no_budget():
     assert shape_for_batch(4, FULL, 64, disable_batch_size=3) is None
     assert shape_for_batch(3, FULL, 64, disable_batch_size=3) == FULL
     assert shape_for_batch(1000, FULL, 0, None) == FULL  # budget 0: never shrink
+
+
+@pytest.mark.parametrize("shape,most_new,want", [
+    (FULL, 6, FULL),  # 5 levels: the deepest node is the 6th new token
+    (FULL, 100, FULL),
+    (FULL, 5, TreeShape(4, 4, 8)),  # 4 levels hold 1 + 4 + 3 * 16 = 53 >= 8 nodes
+    (FULL, 2, TreeShape(1, 4, 5)),  # one level: the root and its 4 children
+    (TreeShape(3, 1, 4), 3, TreeShape(2, 1, 3)),  # a chain loses its last node
+    (FULL, 1, None),  # one token left: a plain step makes it
+    (FULL, 0, None),
+])
+def test_fit_to_remaining(shape, most_new, want):
+    assert fit_to_remaining(shape, most_new) == want
+
+
+def test_a_step_that_cannot_use_a_draft_is_not_a_choice_of_its_bucket():
+    p = BatchPolicy(FULL)
+    assert p.choose(3, most_new=1) is None and not p.rates  # plain, and no bucket measured or counted
+    assert p.choose(3, most_new=3) == TreeShape(2, 4, 8) and p.rates[(3, "greedy")].steps == 1
 
 
 def test_buckets():

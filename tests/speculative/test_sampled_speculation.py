@@ -92,8 +92,8 @@ def test_auto_off_switching_mid_request_keeps_the_tokens(target, setups, monkeyp
     flips = iter(range(10**6))
     real = batch_policy.BatchPolicy.choose
 
-    def alternate(self, batch, kind="greedy"):
-        shape = real(self, batch, kind)
+    def alternate(self, batch, kind="greedy", most_new=None):
+        shape = real(self, batch, kind, most_new)
         return None if next(flips) % 3 == 2 else (shape or self.full)
 
     monkeypatch.setattr(batch_policy.BatchPolicy, "choose", alternate)
@@ -142,7 +142,8 @@ def chi_square_pvalue(a: dict, b: dict) -> float:
 
 
 def _params(temperature: float, extra: dict, seeds: range) -> list[dict]:
-    return [sampled(s, n=3, temperature=temperature, **extra) for s in seeds]
+    # 4 tokens: the verify step after the prefill has 3 left, so its tree keeps two levels for tokens 2-3
+    return [sampled(s, n=4, temperature=temperature, **extra) for s in seeds]
 
 
 @pytest.fixture(scope="module")

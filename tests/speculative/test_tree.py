@@ -9,6 +9,7 @@ from specserve.speculative import (
     EagleCandidates,
     build_chain,
     build_tree,
+    cap_depth,
     drafting_can_stop,
     expand_level,
     select_eagle_tree,
@@ -78,6 +79,30 @@ def test_padding_nodes():
     assert tree.next_sibling.tolist()[1] == [-1, 2, 3, -1, -1, -1, -1, -1]
     assert torch.equal(tree.mask[1], mask_from_ancestors([[0], [0, 1], [0, 2], [0, 3], [4], [5], [6], [7]], 8))
     assert tree.max_depth == 3  # row 0
+
+
+def test_cap_depth_hand_drawn():
+    # rows: the hand-drawn tree (depths 0 1 1 1 2 2 2 3) capped at 3 (whole), 2, 1 and 0
+    tree = build_tree(t([10] * 4), t([TOKENS] * 4), t([PARENTS] * 4))
+    capped = cap_depth(tree, t([3, 2, 1, 0]))
+    assert capped.num_nodes.tolist() == [8, 7, 4, 1]
+    assert capped.tokens.tolist() == [[10, 11, 12, 13, 14, 15, 16, 17], [10, 11, 12, 13, 14, 15, 16, 0],
+                                      [10, 11, 12, 13, 0, 0, 0, 0], [10, 0, 0, 0, 0, 0, 0, 0]]
+    assert capped.parents.tolist()[1] == [-1, 0, 0, 0, 1, 1, 2, -1]
+    assert capped.depth.tolist()[2] == [0, 1, 1, 1, 0, 0, 0, 0]
+    assert torch.equal(capped.mask[1, :7, :7], mask_from_ancestors(ANCESTORS[:7], 7))
+    assert torch.equal(capped.mask[0], tree.mask[0])
+
+
+def test_cap_depth_renumbers_the_kept_nodes():
+    # node: token (parent): 1: 5 (0), 2: 6 (1), 3: 7 (0), 4: 8 (3); depths 1 2 1 2. Capped at 1: nodes 0, 1, 3 stay
+    tree = build_tree(t([4]), t([[5, 6, 7, 8]]), t([[0, 1, 0, 3]]))
+    capped = cap_depth(tree, t([1]))
+    assert capped.num_nodes.tolist() == [3]
+    assert capped.tokens.tolist() == [[4, 5, 7, 0, 0]]
+    assert capped.parents.tolist() == [[-1, 0, 0, -1, -1]]
+    assert capped.first_child.tolist() == [[1, -1, -1, -1, -1]] and capped.next_sibling.tolist()[0][:3] == [-1, 2, -1]
+    assert cap_depth(tree, t([2])) is tree  # nothing deeper: the same tree
 
 
 def test_duplicate_siblings_are_merged_recursively():
