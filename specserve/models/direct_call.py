@@ -22,4 +22,8 @@ class Linear(DirectCall, nn.Linear):
 
 
 class Embedding(DirectCall, nn.Embedding):
-    pass
+    def reset_parameters(self) -> None:
+        """torch's random init, except on the meta device (the loader's model, whose weights come from the
+        checkpoint), where it would only import torch._dynamo: about 1 s of a server's start-up."""
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
