@@ -27,7 +27,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private, as malloc's own maps
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVPool:
