@@ -127,13 +127,13 @@ class StepRecord:
         return sum(self.taken)
 
 
-
 def cap_to_remaining(reqs: list[Req], tree: DraftTree) -> DraftTree:
     """Drop the nodes a request cannot emit: with R new tokens left, nothing deeper than R - 1."""
     left = [r.remaining_new_tokens() for r in reqs]
     if min(left) >= tree.width:  # no node is deeper than width - 1
         return tree
     return cap_depth(tree, torch.tensor([max(0, n - 1) for n in left], device=tree.depth.device))
+
 
 class SpecDecoder(DecodeStep):
     def __init__(self, ctx: DecodeContext, proposer: Proposer) -> None:
