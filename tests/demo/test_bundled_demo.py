@@ -106,16 +106,23 @@ def test_each_algorithm_drafts_on_the_demo_family(prompts, case):
 
 
 def _eagle3_trees(prompts, monkeypatch, full_depth: bool, **kw):
-    """Greedy outputs, the verified trees (tokens, parents) step by step, and the draft forwards / trees counts
-    of the demo EAGLE-3 pair (5/4/8 tree, float32)."""
-    select, trees = EagleCandidates.select, []
+    """Greedy outputs, the verified trees (tokens, parents) step by step, the draft forwards, and the levels each
+    tree could draft (5, fewer where the tokens left cap it) of the demo EAGLE-3 pair (5/4/8 tree, float32)."""
+    from specserve.speculative.eagle import EagleProposer
+
+    select, propose, trees, levels = EagleCandidates.select, EagleProposer.propose, [], []
 
     def recording_select(self, root_tokens, n, **kw):
         tree = select(self, root_tokens, n, **kw)
         trees.append((tree.tokens.tolist(), tree.parents.tolist()))
         return tree
 
+    def recording_propose(self, reqs, shape=None):
+        levels.append(self.steps if shape is None else shape.steps)
+        return propose(self, reqs, shape)
+
     monkeypatch.setattr(EagleCandidates, "select", recording_select)
+    monkeypatch.setattr(EagleProposer, "propose", recording_propose)
     if full_depth:  # the draft before the stop existed: every tree drafts all its levels
         monkeypatch.setattr(EagleCandidates, "can_stop", lambda self, keep, threshold=0.0: False)
     with Engine(model_path="demo", dtype="float32", **CASES["EAGLE3"][1], speculative_num_steps=5,
@@ -123,7 +130,8 @@ def _eagle3_trees(prompts, monkeypatch, full_depth: bool, **kw):
         outs = e.generate(prompts, GREEDY)
         prop = e.loop.scheduler.decoder.proposer
     monkeypatch.undo()
-    return [o["output_ids"] for o in outs], trees, prop.draft_forwards, prop.draft_trees
+    assert prop.draft_trees == sum(n > 1 for n in levels) and len(trees) == len(levels)
+    return [o["output_ids"] for o in outs], trees, prop.draft_forwards, levels
 
 
 def test_draft_stop_on_the_demo_pair(prompts, monkeypatch):
@@ -131,12 +139,12 @@ def test_draft_stop_on_the_demo_pair(prompts, monkeypatch):
     threshold drafts less still and changes trees but not the greedy output."""
     with Engine(model_path="demo", dtype="float32") as e:
         want = [o["output_ids"] for o in e.generate(prompts, GREEDY)]
-    full, full_trees, full_fw, n_full = _eagle3_trees(prompts, monkeypatch, full_depth=True)
-    stop, stop_trees, stop_fw, n_stop = _eagle3_trees(prompts, monkeypatch, full_depth=False)
+    full, full_trees, full_fw, levels = _eagle3_trees(prompts, monkeypatch, full_depth=True)
+    stop, stop_trees, stop_fw, stop_levels = _eagle3_trees(prompts, monkeypatch, full_depth=False)
     assert full == stop == want
-    assert stop_trees == full_trees and len(full_trees) == n_full == n_stop > 0
-    assert full_fw == 4 * n_full and stop_fw < full_fw
+    assert stop_trees == full_trees and stop_levels == levels and levels.count(5) > 0
+    assert full_fw == sum(n - 1 for n in levels) and stop_fw < full_fw  # full depth: every level below the first
     lossy, lossy_trees, lossy_fw, _ = _eagle3_trees(prompts, monkeypatch, full_depth=False,
                                                     speculative_draft_stop_threshold=0.2)
     assert lossy == want
-    assert lossy_trees != full_trees and lossy_fw / len(lossy_trees) < stop_fw / n_stop
+    assert lossy_trees != full_trees and lossy_fw / len(lossy_trees) < stop_fw / len(stop_trees)
