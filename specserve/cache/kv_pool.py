@@ -24,7 +24,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
     pool). The tensor keeps the map alive; the map goes when the tensor does."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private, as malloc's own maps

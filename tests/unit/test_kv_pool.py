@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specserve.cache.kv_pool import KVPool, lazy_zeros
+from specserve.models.direct_call import Embedding
 
 MIB = 2**20
 
@@ -41,7 +42,7 @@ def test_a_pool_costs_memory_only_where_written():
     assert written - allocated > 12 * MIB, (written - allocated) / MIB
 
 
-def test_building_a_model_on_meta_imports_no_compiler(tmp_path):
+def test_building_a_model_on_meta_imports_no_compiler():
     """The loader builds on the meta device; torch's random init of an embedding there imported torch._dynamo
     (about 1 s of start-up) for values that the checkpoint replaces."""
     code = ("import sys, torch\n"
@@ -52,6 +53,6 @@ def test_building_a_model_on_meta_imports_no_compiler(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
     torch.manual_seed(0)
-    a = __import__("specserve.models.direct_call", fromlist=["Embedding"]).Embedding(10, 4).weight
+    a = Embedding(10, 4).weight
     torch.manual_seed(0)
     assert torch.equal(a, torch.nn.Embedding(10, 4).weight)  # off meta (trainers' models): torch's own init

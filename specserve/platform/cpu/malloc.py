@@ -13,10 +13,10 @@ draft's catch-up ran in bf16 (its blocks then share the target's sizes), against
 
 ``tune_malloc`` (``CpuPolicy.tune_allocator``, which ``Engine`` calls) sets, through ``mallopt`` before the
 engine's threads start: one arena for the whole process (``M_ARENA_MAX``), a fixed mmap threshold of 32 MiB
-(``M_MMAP_THRESHOLD``, glibc's largest dynamic value; larger blocks such as the KV pool are still mapped on their
-own) and a trim threshold of 2 GiB (``M_TRIM_THRESHOLD``, the largest it takes). The heap then keeps what it has
-held instead of returning it between steps, which is what a serving process that runs the same shapes step after
-step wants.
+(``M_MMAP_THRESHOLD``, glibc's largest dynamic value; larger blocks are still mapped on their own, and the KV pool
+maps its own pages, ``cache/kv_pool.lazy_zeros``) and a trim threshold of 2 GiB (``M_TRIM_THRESHOLD``, the largest
+it takes). The heap then keeps what it has held instead of returning it between steps, which is what a serving
+process that runs the same shapes step after step wants.
 
 Keeping the heap has a price over hours: small blocks that live long (the prefix cache's slot lists, request state)
 land between a step's freed activation buffers, so the heap fragments and its free holes stay resident. In a
