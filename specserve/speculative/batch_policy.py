@@ -18,12 +18,15 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
    mixed), since sampled requests accept differently from greedy ones: a workload's sampled batches never decide
    for its greedy batches of the same size, nor the reverse.
-   Three guards keep a cold start from turning speculation off for good: the first WARMUP_STEPS steps of each
-   mode in a bucket are run but not measured (first calls pay allocations, caches and lazy compilation); a step
-   during which torch.compile built a graph is not measured either, and a try gets one more step for it
-   (``--enable-torch-compile`` builds graphs for new shapes well after the first steps, seconds each); and plain
-   steps must beat speculation by more than SPEC_MARGIN to win (step times on a busy host are noisy, and the
-   margin is within the "a few percent" speculation may cost at most).
+   Two guards keep cold steps out of the estimates: the first WARMUP_STEPS steps of every try are run but not
+   measured (first calls pay allocations, caches and lazy compilation, and after a switch the other mode's weights
+   and buffers have left the CPU caches: measured right after speculative steps, the demo's plain steps at batch
+   16 took 7-10% longer than in a plain engine, which made a tie look like a win for whichever mode was running),
+   and a step during which torch.compile built a graph is not measured either, and a try gets one more step for it
+   (``--enable-torch-compile`` builds graphs for new shapes well after the first steps, seconds each).
+   Speculative steps must beat plain ones by more than SPEC_MARGIN to run: speculation has costs its steps do not
+   show (the drafter's catch-up on every prompt, and requests that finish at different steps, so their successors
+   arrive one by one and prefill in more, smaller forwards), so a tie between the two rates is a loss for it.
 
 A third rule needs no measuring (``fit_to_remaining``): no tree is deeper than the batch's requests can use. A node
 at depth d becomes the (d+1)-th new token of its request, so with at most R new tokens left to any request of the
@@ -48,7 +51,7 @@ TRY_STEPS = 4  # consecutive steps a try of a mode runs; that mode's estimate re
 EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently losing (at first)
 MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the winner, up to this
 WARMUP_STEPS = 2  # the first steps of each mode in a bucket run unmeasured (cold caches, lazy compilation)
-SPEC_MARGIN = 0.03  # plain wins only when faster than speculation by more than this fraction
+SPEC_MARGIN = 0.03  # speculation wins only when faster than plain decoding by more than this fraction
 
 
 @dataclass(frozen=True)
@@ -133,22 +136,19 @@ class _Bucket:
     try_choices: int = 0  # steps of the current try still to hand out
     try_records: int = 0  # steps of the current try still to be measured
     try_skip: int = 0  # warm-up steps of the current try still to be run unmeasured
-    warmed: set[bool] = field(default_factory=set)  # modes that already ran their warm-up steps here
 
     def start_try(self, speculative: bool, warmup: int = 0) -> None:
-        """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions). A
-        mode's first try in the bucket runs `warmup` more steps first, which are not measured."""
-        self.try_skip = 0 if speculative in self.warmed else warmup
-        self.warmed.add(speculative)
+        """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions) at the
+        first of them that is measured. The try runs `warmup` more steps first, which are not measured."""
+        self.try_skip = warmup
         self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS + self.try_skip, TRY_STEPS
-        setattr(self, "spec" if speculative else "plain", _Mode())
 
     def winner(self) -> bool | None:
-        """True = speculative steps are faster (or plain is not faster by SPEC_MARGIN), False = plain, None =
-        not both measured yet."""
+        """True = speculative steps are faster than plain ones by more than SPEC_MARGIN, False = they are not (plain
+        runs), None = not both measured yet."""
         if self.spec.rate is None or self.plain.rate is None:
             return None
-        return self.spec.rate >= self.plain.rate * (1.0 - SPEC_MARGIN)
+        return self.spec.rate > self.plain.rate * (1.0 + SPEC_MARGIN)
 
 
 @dataclass
@@ -203,6 +203,8 @@ class BatchPolicy:
         if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, not measured
             r.try_skip -= 1
             return
+        if r.trying == speculative and r.try_records == TRY_STEPS:  # a try's first measured step: a fresh estimate
+            setattr(r, "spec" if speculative else "plain", _Mode())
         (r.spec if speculative else r.plain).add(tokens, seconds)
         if r.trying is None or speculative != r.trying:
             return

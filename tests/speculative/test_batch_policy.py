@@ -100,6 +100,42 @@ def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculatio
     assert p.rates[(1, "greedy")].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
 
 
+def test_every_try_starts_with_unmeasured_steps():
+    """After a switch the other mode's first steps run cold (its weights left the CPU caches): each later try of the
+    losing mode also runs WARMUP_STEPS steps unmeasured before its TRY_STEPS measured ones."""
+    p = BatchPolicy(FULL, explore_every=10)  # the default warm-up
+    flags, run_length = [], 0
+    for _ in range(40):
+        speculative = p.choose(1) is not None
+        run_length = run_length + 1 if flags and flags[-1] == speculative else 1
+        # speculative steps make 300 tok/s; plain ones 200, but 50 for the first two after a switch
+        rate = 300 if speculative else (50 if run_length <= 2 and flags else 200)
+        p.record(1, speculative, 1.0, rate)
+        flags.append(speculative)
+    n = WARMUP_STEPS + TRY_STEPS
+    first = [True] * n + [False] * n  # both modes measured, speculation wins (300 > 200 x 1.03)
+    assert flags[: 2 * n] == first
+    later = flags[2 * n:].index(False) + 2 * n  # the next try of plain decoding
+    assert flags[later : later + n] == [False] * n and flags[later + n] is True
+    assert p.rates[(1, "greedy")].plain.rate == pytest.approx(200.0)  # the two cold plain steps were not measured
+
+
+def test_a_try_keeps_the_previous_estimate_until_its_first_measured_step():
+    p = BatchPolicy(FULL, explore_every=10)
+    _run(p, 2 * (WARMUP_STEPS + TRY_STEPS), spec_rate=300, plain_rate=200)  # both measured: speculation wins
+    while p.choose(1) is not None:  # speculative steps until the next try of plain decoding
+        p.record(1, True, 1.0, 300)
+    p.record(1, False, 1.0, 50)  # the try's first (warm-up) step
+    assert p.summary()["1 greedy"]["plain_tok_s"] == pytest.approx(200.0)
+    assert p.summary()["1 greedy"]["winner"] == "spec"
+    for _ in range(WARMUP_STEPS - 1):
+        assert p.choose(1) is None
+        p.record(1, False, 1.0, 50)
+    assert p.choose(1) is None
+    p.record(1, False, 1.0, 100)  # the first measured step: the estimate restarts from it
+    assert p.summary()["1 greedy"]["plain_tok_s"] == pytest.approx(100.0)
+
+
 def test_steps_that_built_compiled_graphs_are_not_measured():
     """--enable-torch-compile builds graphs for new shapes after the warm-up: such a step (here 20 s) is run but
     not measured, and its try gets one more step, so a try still measures TRY_STEPS steady steps."""
@@ -118,12 +154,16 @@ def test_steps_that_built_compiled_graphs_are_not_measured():
     assert p.rates[(1, "greedy")].spec.rate == pytest.approx(300.0) and p.choose(1) == FULL
 
 
-def test_plain_must_win_by_the_margin():
+def test_speculation_must_win_by_the_margin():
+    """Speculation's costs outside its steps (the drafter's prompt catch-up, staggered finishes) make a tie a loss:
+    a speculative rate within the margin above plain's runs plain steps, one beyond it speculates."""
     p = _policy(explore_every=1000)
-    slower = 100 * (1 - SPEC_MARGIN / 2)  # speculation a little slower than plain: within the margin
-    assert _run(p, 12, spec_rate=slower, plain_rate=100)[8:] == [True] * 4
+    faster = 100 * (1 + SPEC_MARGIN / 2)  # speculation a little faster than plain: within the margin
+    assert _run(p, 12, spec_rate=faster, plain_rate=100)[8:] == [False] * 4
     p = _policy(explore_every=1000)
-    assert _run(p, 12, spec_rate=100 * (1 - 2 * SPEC_MARGIN), plain_rate=100)[8:] == [False] * 4
+    assert _run(p, 12, spec_rate=100, plain_rate=100)[8:] == [False] * 4  # a tie
+    p = _policy(explore_every=1000)
+    assert _run(p, 12, spec_rate=100 * (1 + 2 * SPEC_MARGIN), plain_rate=100)[8:] == [True] * 4
 
 
 def test_exploration_backs_off_while_the_loser_keeps_losing():
