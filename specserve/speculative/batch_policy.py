@@ -50,7 +50,7 @@ DECAY = 0.9  # weight of the older steps in a mode's running sums (an effective 
 TRY_STEPS = 4  # consecutive steps a try of a mode runs; that mode's estimate restarts from them
 EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently losing (at first)
 MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the winner, up to this
-WARMUP_STEPS = 2  # the first steps of each mode in a bucket run unmeasured (cold caches, lazy compilation)
+WARMUP_STEPS = 2  # the first steps of every try run unmeasured (cold caches, lazy compilation)
 SPEC_MARGIN = 0.03  # speculation wins only when faster than plain decoding by more than this fraction
 
 
