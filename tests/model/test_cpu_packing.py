@@ -212,3 +212,31 @@ def test_mixed_linear_float32_for_few_rows_packed_bf16_for_many():
                 assert not torch.equal(got, want)  # bf16 rounding: the packed path ran
                 torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
                 torch.testing.assert_close(torch.compile(model)(x), got)
+
+
+def test_engine_moves_its_weights_onto_huge_pages(model_factory, monkeypatch):
+    """The engine moves the target's weights (and the plain copies the one-row kernel reads) into one mapping
+    advised for huge pages and says how much in the server info; SPECSERVE_KEEP_WEIGHT_PAGES=1 leaves them on the
+    heap. Greedy outputs are the same either way."""
+    from specserve.platform.cpu.policy import KEEP_WEIGHT_PAGES_ENV
+    from tests.unit.test_hugepages import vm_flags_at
+
+    path = model_factory("qwen2", dtype=torch.bfloat16)
+    force_one_row_kernel(monkeypatch, "gemv")
+    outs = []
+    for keep in ("1", "0"):
+        monkeypatch.setenv(KEEP_WEIGHT_PAGES_ENV, keep)
+        with Engine(model_path=path, max_total_tokens=2048) as e:
+            model = e.scheduler.runner.model
+            info = e.get_server_info()
+            outs.append([e.generate(p, greedy(12))["output_ids"] for p in PROMPTS[:2]]
+                        + [o["output_ids"] for o in e.generate(PROMPTS[2:6], greedy(12))])
+            storages = {t.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, PackedLinear)
+                        for t in (m.plain, m.bias) if t is not None}
+            flags = vm_flags_at(model.model.embed_tokens.weight.data_ptr())
+        if keep == "1":
+            assert "cpu_weights_on_huge_pages_mib" not in info and len(storages) > 1
+        else:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            assert info["cpu_weights_on_huge_pages_mib"] >= weights / 2**20 and len(storages) == 1 and "hg" in flags
+    assert outs[0] == outs[1]

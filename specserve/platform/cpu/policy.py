@@ -6,11 +6,14 @@ Each constant below carries the measurement behind it; the mechanisms live besid
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
+from specserve.platform.cpu.hugepages import place_on_huge_pages
 from specserve.platform.cpu.malloc import HeapTrimmer, tune_malloc
 from specserve.platform.cpu.mixed_probe import choose_crossover
 from specserve.platform.cpu.one_row_probe import choose_one_row_kernel
@@ -52,6 +55,10 @@ FOLD_MAX_Q = 16
 #: model's 13 GB copy is left out on machines under 104 GB.
 PLAIN_COPY_MAX_MEMORY_SHARE = 1 / 8
 
+#: set to 1 to keep the weights where they were loaded instead of moving them onto huge pages (``hugepages.py``;
+#: for A/B measurements)
+KEEP_WEIGHT_PAGES_ENV = "SPECSERVE_KEEP_WEIGHT_PAGES"
+
 
 class CpuPolicy(PlatformPolicy):
     def __init__(self, args, device: torch.device) -> None:
@@ -60,6 +67,7 @@ class CpuPolicy(PlatformPolicy):
         self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
         self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
+        self.huge_page_bytes = 0  # weights moved onto huge pages (hugepages.py), all models together
 
     @property
     def packs_weights(self) -> bool:
@@ -108,6 +116,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_one_row_kernel"] = self.one_row
         if self.mixed is not None:
             extra["cpu_draft_fp32_rows"] = self.mixed
+        if self.huge_page_bytes:
+            extra["cpu_weights_on_huge_pages_mib"] = round(self.huge_page_bytes / 2**20, 1)
         if self.governor is not None:
             return {"cpu_threads_adaptive": True, **self.governor.info(), **extra}
         return {"cpu_threads_adaptive": False, "cpu_threads": torch.get_num_threads(), **extra}
@@ -116,14 +126,18 @@ class CpuPolicy(PlatformPolicy):
     def pack_weights(self, module: nn.Module) -> int:
         """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``), keeping their plain weights for
         one-row calls where that copy is small enough (``keeps_plain_weights``) and gemv is the faster one-row kernel
-        for them on this machine (``one_row_probe.py``)."""
-        if not self.packs_weights:
-            return 0
-        packed = pack_linears_for_cpu(module, keep_plain=self.keeps_plain_weights(module))
+        for them on this machine (``one_row_probe.py``); then the weights move onto huge pages (``place_weights``)."""
+        packed = pack_linears_for_cpu(module, keep_plain=self.keeps_plain_weights(module)) if self.packs_weights else 0
         kept = [m for m in module.modules() if isinstance(m, PackedLinear) and m.plain is not None]
         if kept:  # gemv or the packed kernel for one row: whichever is faster here (one_row_probe.py)
             self.one_row[type(module).__name__] = choose_one_row_kernel(kept)
+        self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
         return packed
+
+    def place_weights(self, module: nn.Module) -> None:
+        """The module's weights onto huge pages (``hugepages.py``) unless KEEP_WEIGHT_PAGES_ENV is set."""
+        if os.environ.get(KEEP_WEIGHT_PAGES_ENV, "") in ("", "0"):
+            self.huge_page_bytes += place_on_huge_pages(module)
 
     @staticmethod
     def keeps_plain_weights(module: nn.Module) -> bool:
