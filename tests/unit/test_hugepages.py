@@ -66,3 +66,34 @@ def test_inference_tensors_and_what_is_left_alone():
     assert lin.weight.is_inference() and torch.equal(lin.weight, before)
     assert lin.meta.device.type == "meta"
     assert place_on_huge_pages(nn.ReLU()) == 0  # nothing to move
+
+
+class _Buffer(bytearray):  # a bytearray that can be watched with a weak reference
+    pass
+
+
+def test_each_old_copy_is_freed_before_the_next_is_moved(monkeypatch):
+    """The move never holds two copies of the weights: by the time the second storage is re-pointed, the first
+    storage's old memory (here a watched buffer) is gone."""
+    import weakref
+
+    from specserve.platform.cpu import hugepages
+
+    module = nn.Module()
+    watched = []
+    for name in ("a", "b"):
+        buf = _Buffer(4096 * 4)
+        watched.append(weakref.ref(buf))
+        module.register_parameter(name, nn.Parameter(torch.frombuffer(buf, dtype=torch.float32), requires_grad=False))
+        del buf
+    alive_at_second = []
+    real = hugepages._point_at
+
+    def spy(t, target, at):
+        if t is module.b:
+            alive_at_second.append(watched[0]() is not None)
+        real(t, target, at)
+
+    monkeypatch.setattr(hugepages, "_point_at", spy)
+    assert place_on_huge_pages(module) == 2 * 4096 * 4
+    assert alive_at_second == [False] and watched[1]() is None

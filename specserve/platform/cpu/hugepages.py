@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 * 2**20
 MADV_HUGEPAGE = 14  # Linux's asm-generic/mman-common.h
 ALIGN = 64  # bytes between storages in the mapping: a cache line, as PyTorch's own CPU allocator aligns
+TRIM_EVERY_BYTES = 256 * 2**20  # freed heap copies handed back to the kernel at least this often while moving
 
 
 @functools.cache
@@ -100,10 +101,13 @@ def _advised_mapping(nbytes: int) -> tuple[torch.Tensor, int] | None:
 
 
 def place_on_huge_pages(module: nn.Module) -> int:
-    """Move the module's strided CPU tensors onto huge pages (module docstring) -> bytes moved (0: nothing moved)."""
-    groups = group_by_storage(module_tensors(module))
-    storages = [ts[0].untyped_storage() for ts in groups.values()]
-    offsets, total = layout([s.nbytes() for s in storages])
+    """Move the module's strided CPU tensors onto huge pages (module docstring) -> bytes moved (0: nothing moved).
+
+    Storage by storage, holding no old storage past its move: an old copy is freed as soon as its tensors point at
+    the new one, and the heap is trimmed every TRIM_EVERY_BYTES, so the process never holds two copies of the
+    weights (a 7B model's 14 GB)."""
+    groups = list(group_by_storage(module_tensors(module)).values())
+    offsets, total = layout([ts[0].untyped_storage().nbytes() for ts in groups])
     if not total:
         return 0
     mapped = _advised_mapping(total)
@@ -111,13 +115,17 @@ def place_on_huge_pages(module: nn.Module) -> int:
         logger.info("weights stay on the heap's pages: the kernel refused MADV_HUGEPAGE")
         return 0
     base, start = mapped
-    target = base.untyped_storage()
-    for tensors, old, off in zip(groups.values(), storages, offsets, strict=True):
-        at = start + off
+    target, untrimmed = base.untyped_storage(), 0
+    for tensors, off in zip(groups, offsets, strict=True):
+        at, old = start + off, tensors[0].untyped_storage()
         base[at : at + old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(old))  # byte for byte
         for t in tensors:
             _point_at(t, target, at)
-    del storages, groups
+        untrimmed += old.nbytes()
+        del old
+        if untrimmed >= TRIM_EVERY_BYTES:
+            trim_heap()
+            untrimmed = 0
     trim_heap()
     logger.info("weights: %.1f MiB moved onto huge pages", total / 2**20)
     return total
