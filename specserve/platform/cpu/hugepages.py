@@ -20,7 +20,6 @@ the module that share a moved storage (they keep the old copy, so its memory is 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import mmap
@@ -29,6 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from specserve.platform.cpu.clib import c_function, libc_path
 from specserve.platform.cpu.malloc import trim_heap
 
 logger = logging.getLogger(__name__)
@@ -42,12 +42,7 @@ TRIM_EVERY_BYTES = 256 * 2**20  # freed heap copies handed back to the kernel at
 @functools.cache
 def _madvise():
     """libc's madvise, or None (no C library with one)."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
+    return c_function(libc_path(), "madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
 
 
 def module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:

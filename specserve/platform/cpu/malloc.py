@@ -33,11 +33,12 @@ Left alone: a non-glibc C library; a process whose ``MALLOC_ARENA_MAX``, ``MALLO
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
 import time
+
+from specserve.platform.cpu.clib import c_function, libc_path
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +60,10 @@ def should_tune(environ) -> bool:
 @functools.cache
 def _mallopt():
     """glibc's mallopt, or None (another C library, or none found)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallopt
-        version = libc.gnu_get_libc_version
-    except (OSError, AttributeError):
+    fn = c_function(libc_path(), "mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    version = c_function(libc_path(), "gnu_get_libc_version", [], ctypes.c_char_p)
+    if fn is None or version is None:
         return None
-    version.restype = ctypes.c_char_p
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     logger.debug("glibc %s", version().decode())
     return fn
 
@@ -109,12 +106,7 @@ TRIM_EVERY_S = 60.0
 @functools.cache
 def _malloc_trim():
     """glibc's malloc_trim, or None (another C library)."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return c_function(libc_path(), "malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def trim_heap() -> bool:

@@ -33,6 +33,8 @@ import os
 
 import torch  # noqa: F401 - loads the OpenMP runtime whose entry point we look up
 
+from specserve.platform.cpu.clib import c_function
+
 logger = logging.getLogger(__name__)
 
 KEEP_POOLS_ENV = "SPECSERVE_KEEP_OMP_POOLS"
@@ -44,12 +46,9 @@ def _pause_all():
     """The runtime's ``omp_pause_resource_all`` (None when no loaded OpenMP runtime has it)."""
     candidates = [None, *_loaded_omp_libraries()]  # None: the symbols already global in the process
     for path in candidates:
-        try:
-            fn = ctypes.CDLL(path).omp_pause_resource_all
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
+        fn = c_function(path, "omp_pause_resource_all", [ctypes.c_int], ctypes.c_int)
+        if fn is not None:
+            return fn
     logger.debug("no OpenMP runtime with omp_pause_resource_all is loaded; idle pools are kept")
     return None
 
