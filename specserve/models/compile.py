@@ -15,6 +15,13 @@ A one-token CPU forward (batch-1 decode, a draft's first step) runs its compiled
 (``models.one_row``): its linears then call PyTorch's matrix-vector kernel on the kept plain weights from
 inside the graph, the fastest one-row path on CPU (SmolLM2-135M bf16 decode: 12.4 ms a token against 17-18 ms
 eager).
+
+Before each compiled call dynamo checks its guards (the inputs and every module attribute the graph read still
+match). Recursive dict-tag guards (``use_recursive_dict_tags_for_guards``) skip a module tree whose attribute dicts
+nobody has written to since the last call: on SmolLM2's decode the check fell from 0.81 to 0.38 ms a step. Each
+wrapped module compiles a copy of its forward's code (``_with_own_code``), so its graphs and guards are its own:
+a second instance of the class never shares them (where it did, dict-tag guards crashed on an attribute that
+was a module in one instance and None in the other).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -42,7 +50,7 @@ class _ThreadFlag(threading.local):
     done = False
 
 
-_limit_raised = _ThreadFlag()
+_configured = _ThreadFlag()
 
 
 @dataclass
@@ -63,7 +71,7 @@ class CompiledForward:
 
     def __init__(self, eager, max_bs: int, stats: CompileStats, modes=COMPILED_MODES) -> None:
         self.eager, self.max_bs, self.stats, self.modes = eager, max_bs, stats, modes
-        self.compiled = torch.compile(eager, dynamic=None)
+        self.compiled = torch.compile(_with_own_code(eager), dynamic=None)
 
     def use_compiled(self, fb: ForwardBatch) -> bool:
         # request-by-request attention (a split prefill catch-up) loops over a varying number of groups: eager
@@ -73,7 +81,7 @@ class CompiledForward:
         if not self.use_compiled(fb):
             return self.eager(fb, *args, **kwargs)
         self.stats.compiled_calls += 1
-        _raise_recompile_limit()  # dynamo's config is per thread: set it on the thread that runs the forwards
+        _configure_dynamo()  # dynamo's config is per thread: set it on the thread that runs the forwards
         before, start = _graph_count(), time.perf_counter()
         with onednn_off() if one_row_forward(fb.input_ids) else nullcontext():
             out = self.compiled(fb, *args, **kwargs)
@@ -88,17 +96,33 @@ class CompiledForward:
         return out
 
 
+def _with_own_code(method):
+    """The function or bound method ``method`` re-made around a copy of its code object. Dynamo keeps compiled
+    graphs and their guards on the code object, so without the copy every instance of a class (two engines in one
+    process, a STANDALONE draft of the target's architecture) would check its calls against the other instances'
+    guards first; with its own code a module's cache holds only its own graphs, and dict-tag guards (one check
+    per unchanged module, see ``_configure_dynamo``) never meet another instance's attributes."""
+    fn = getattr(method, "__func__", method)
+    if not isinstance(fn, types.FunctionType):
+        return method
+    twin = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    twin.__kwdefaults__, twin.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return types.MethodType(twin, method.__self__) if fn is not method else twin
+
+
 def compile_forward(module: nn.Module, max_bs: int, stats: CompileStats) -> nn.Module:
     """Replace module.forward (signature forward(fb: ForwardBatch, ...)) by a CompiledForward; returns module."""
     module.forward = CompiledForward(module.forward, max_bs, stats)
     return module
 
 
-def _raise_recompile_limit() -> None:
+def _configure_dynamo() -> None:
+    """Dynamo's settings for the wrapped forwards: more graphs per function, dict-tag guards."""
     cfg = torch._dynamo.config
-    if _limit_raised.done:
+    if _configured.done:
         return
-    _limit_raised.done = True
+    _configured.done = True
+    cfg.use_recursive_dict_tags_for_guards = True  # skip unchanged module trees (see the module docstring)
     for name in ("recompile_limit", "cache_size_limit"):  # the knob's name changed across torch versions
         if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
             setattr(cfg, name, RECOMPILE_LIMIT)

@@ -94,12 +94,57 @@ def test_grouped_attention_runs_eagerly():
     assert not wrapper.use_compiled(fb([(3, None), (5, None)]))
 
 
+
+def test_each_module_keeps_its_own_graphs(fresh_dynamo):
+    """Two instances of one model class, compiled: each gets its own graphs and guards (a copy of the forward's code),
+    so one instance's guards never meet the other's attributes. Where they shared one cache, dynamo's dict-tag
+    guards raised "cannot create weak reference to 'NoneType' object" on the instance whose linears keep no plain
+    weight (None where the other holds a tensor), as on the packed one-row kernel."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from specserve.attention import ForwardMode
+    from specserve.models.compile import CompileStats, compile_forward
+
+    class Lin(nn.Module):
+        def __init__(self, keep_plain: bool) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+            self.plain = self.weight.detach().clone() if keep_plain else None
+
+        def forward(self, x):  # [T, 4] -> [T, 4]
+            return x @ (self.weight if self.plain is None else self.plain).T
+
+    class Net(nn.Module):
+        def __init__(self, keep_plain: bool) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Lin(keep_plain), Lin(keep_plain)])
+
+        def forward(self, fb, x):  # [T, 4] -> [T, 4]
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    fb = SimpleNamespace(mode=ForwardMode.DECODE, input_ids=torch.zeros(2, dtype=torch.long),
+                         attn=SimpleNamespace(batch_size=2, groups=None))
+    torch.manual_seed(0)
+    stats, nets, x = CompileStats(), [Net(True), Net(False)], torch.randn(2, 4)
+    with torch.no_grad():
+        want = [n(fb, x) for n in nets]
+        for n in nets:
+            compile_forward(n, max_bs=8, stats=stats)
+        for _ in range(2):
+            got = [n(fb, x) for n in nets]
+            assert all(torch.allclose(g, w) for g, w in zip(got, want, strict=True))
+    assert stats.compiled_calls == 4 and stats.graphs == 2  # one graph each, none rebuilt or shared
+    assert nets[0].forward.compiled is not nets[1].forward.compiled
+
 # ---------------------------------------------------------------- warm-up at start-up
 @pytest.fixture
 def fresh_dynamo():
-    """Dynamo's state as a new process has it: its graphs are kept process-wide (an engine over a model compiled by an
-    earlier test builds none of its own) and are capped per function (RECOMPILE_LIMIT), which the tests before
-    these may have reached."""
+    """Dynamo's state as a new process has it: no graphs, counters or dynamic-shape decisions left by the tests
+    before these."""
     torch._dynamo.reset()
 
 
