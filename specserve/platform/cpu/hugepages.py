@@ -22,12 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from specserve.cache.kv_pool import lazy_zeros
 from specserve.platform.cpu.clib import c_function, libc_path
 from specserve.platform.cpu.malloc import trim_heap
 
@@ -87,8 +87,7 @@ def _advised_mapping(nbytes: int) -> tuple[torch.Tensor, int] | None:
     madvise = _madvise()
     if madvise is None:
         return None
-    pages = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = torch.frombuffer(pages, dtype=torch.uint8)  # keeps the mapping alive; untouched pages cost nothing
+    base = lazy_zeros((nbytes + HUGE_PAGE,), torch.uint8, "cpu")  # a mapping of its own; untouched pages cost nothing
     start = -base.data_ptr() % HUGE_PAGE
     if madvise(base.data_ptr() + start, nbytes, MADV_HUGEPAGE) != 0:
         return None
