@@ -258,6 +258,8 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
     -> [T, H*D]. platform: whether several queries per request fold their query heads (``_attend_folded``)."""
     n_tok, n_heads, head_dim = q.shape
     bsz, max_q = md.batch_size, md.max_q_len
+    if max_q == 1 and q.is_cpu and torch.compiler.is_compiling():
+        return _attend_one_query_by_slot(q, k_buf, v_buf, md, scale)
     flat = md.kv_slots.reshape(-1)
     kb = k_buf.index_select(0, flat).view(bsz, -1, k_buf.shape[1], head_dim)  # [B, Kmax, Hkv, D]
     vb = v_buf.index_select(0, flat).view(bsz, -1, v_buf.shape[1], head_dim)
@@ -319,6 +321,31 @@ def _attend_one_query(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, md: A
         scale=scale,
     )  # [B, Hkv, G, D]
     return out.reshape(bsz, n_heads * head_dim)
+
+
+def _attend_one_query_by_slot(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnMetadata,
+                              scale: float) -> torch.Tensor:
+    """``_attend_one_query`` for a compiled CPU forward: q [B, H, D], k_buf/v_buf [S, Hkv, D] the layer's pool
+    -> [B, H*D].
+
+    Written as a broadcast product summed over the head dimension, a softmax over the keys and a weighted sum over
+    them, which inductor turns into a few fused loops that read each key and value straight from its pool slot:
+    no gathered [B, Kmax, Hkv, D] copy and no SDPA call. Scores, probabilities and sums stay float32 (SDPA's CPU
+    kernel rounds the probabilities to a 16-bit pool's dtype before multiplying V, so in bf16 the two paths can
+    break an exact tie between two logits differently). Over SmolLM2's 30 layers (2 CPU threads) this took 0.56 ms
+    against 1.03 ms for the gather and SDPA at 100 keys, 6.6 against 11.3 ms at 2000, and 12 against 25 ms for 16
+    requests of 300 keys. With several queries per request (verify trees) SDPA stays faster (7.9 against 3.9 ms for
+    8 queries at 300 keys), so only decode rows take this path."""
+    bsz, n_heads, head_dim = q.shape
+    n_kv = k_buf.shape[1]
+    qb = q.float().view(bsz, 1, n_kv, n_heads // n_kv, head_dim)  # [B, 1, Hkv, G, D]
+    kb = k_buf[md.kv_slots].float().unsqueeze(3)  # [B, K, Hkv, 1, D]
+    vb = v_buf[md.kv_slots].float().unsqueeze(3)
+    scores = (qb * kb).sum(-1) * scale  # [B, K, Hkv, G]
+    if md.mask is not None:  # [B, 1, 1, K]: padded keys of shorter requests
+        scores = scores.masked_fill(~md.mask.view(bsz, -1, 1, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=1).unsqueeze(-1)  # [B, K, Hkv, G, 1]
+    return (probs * vb).sum(1).reshape(bsz, n_heads * head_dim).to(q.dtype)  # [B, H*D]
 
 
 @dataclass

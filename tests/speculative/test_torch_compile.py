@@ -9,7 +9,8 @@ import torch
 
 from specserve import Engine
 from specserve.platform.cpu.packing import PackedLinear
-from tests.engine.helpers import PROMPTS, assert_no_kv_leak, force_one_row_kernel, greedy
+from tests.engine.helpers import (PROMPTS, assert_greedy_equal_up_to_ties, assert_no_kv_leak, force_one_row_kernel,
+                                  greedy)
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 
@@ -44,9 +45,10 @@ def test_compiled_eagle_tree_equals_plain(target, self_head, plain):
 @pytest.mark.parametrize("kernel", ["gemv", "packed"])
 def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch, kernel):
     """bf16 on CPU: the oneDNN-packed linears stay packed under torch.compile (this used to fail in inductor's
-    lowering) and the compiled engine decodes what the eager one does, at batch 3 and at batch 1, whose one-token
-    forwards run their graphs with oneDNN off: the plain weights' matrix-vector kernel where the one-row kernel is
-    gemv; where it is the packed kernel, no plain weight is kept and the packed op ignores the switch."""
+    lowering) and the compiled engine decodes what the eager one does (up to ties its decode attention, in
+    float32, breaks otherwise than SDPA), at batch 3 and at batch 1, whose one-token forwards run their graphs with
+    oneDNN off: the plain weights' matrix-vector kernel where the one-row kernel is gemv; where it is the packed
+    kernel, no plain weight is kept and the packed op ignores the switch."""
     from contextlib import contextmanager
 
     from specserve.models import compile as compile_mod
@@ -68,10 +70,10 @@ def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch, kernel):
         with Engine(model_path=path, max_total_tokens=2048, enable_torch_compile=compiled) as e:
             packed = [m for m in e.scheduler.runner.model.modules() if isinstance(m, PackedLinear)]
             assert packed and all((m.plain is not None) == (kernel == "gemv") for m in packed)
-            outs.append([o["output_ids"] for o in e.generate(PROMPTS[:3], greedy(16))]
-                        + [e.generate(PROMPTS[3], greedy(16))["output_ids"]])
+            params = greedy(16, return_logprob=True, top_logprobs_num=2)
+            outs.append(e.generate(PROMPTS[:3], params) + [e.generate(PROMPTS[3], params)])
             graphs = e.get_server_info()["torch_compile_graphs"] if compiled else None
-    assert outs[0] == outs[1]
+    assert_greedy_equal_up_to_ties([o["output_ids"] for o in outs[1]], outs[0])
     assert graphs > 0
     assert len(one_row) >= 15 and not any(one_row)  # the batch-1 decode steps, oneDNN off inside
     assert torch._C._get_mkldnn_enabled()

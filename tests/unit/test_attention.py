@@ -278,6 +278,33 @@ def test_decode_metadata_hand_checked_and_equal_to_the_general_builder():
     assert same.mask is None and same.kv_slots.tolist() == [[12, 13, 14, 15], [0, 1, 2, 3]]
 
 
+def test_compiled_decode_attention_reads_the_pool_by_slot(monkeypatch):
+    """One query per request: the slot-reading formulation (taken by compiled CPU forwards) equals the per-query
+    reference for two requests of 6 and 3 keys (padded, masked) in float32, called directly and from inside a
+    compiled ``_attend``, which takes that path only while compiling (a spy counts the compiled trace's call)."""
+    from specserve.attention import sdpa
+    from specserve.attention.sdpa import _attend, _attend_one_query_by_slot, decode_attn_metadata
+
+    torch.manual_seed(0)
+    H, Hkv, D = 6, 2, 8
+    k_buf, v_buf = torch.randn(16, Hkv, D), torch.randn(16, Hkv, D)  # slot 0 = padding
+    table = torch.zeros(2, 8, dtype=torch.long)
+    table[0, :6], table[1, :3] = torch.tensor([3, 9, 4, 12, 1, 7]), torch.tensor([15, 2, 8])
+    md = decode_attn_metadata(table, torch.tensor([0, 1]), torch.tensor([5, 2]), [6, 3])
+    q = torch.randn(2, H, D)
+    want = torch.cat([_reference(q[b : b + 1], k_buf[table[b, :n]], v_buf[table[b, :n]],
+                                 torch.ones(1, n, dtype=torch.bool), D**-0.5) for b, n in ((0, 6), (1, 3))])
+    assert torch.allclose(_attend_one_query_by_slot(q, k_buf, v_buf, md, D**-0.5), want, atol=1e-5)
+    calls = []
+    real = sdpa._attend_one_query_by_slot
+    monkeypatch.setattr(sdpa, "_attend_one_query_by_slot", lambda *a: calls.append(1) or real(*a))
+    assert torch.allclose(_attend(q, k_buf, v_buf, md, D**-0.5, None), want, atol=1e-5)  # eager: SDPA
+    assert not calls
+    compiled = torch.compile(_attend, fullgraph=True, dynamic=False)
+    assert torch.allclose(compiled(q, k_buf, v_buf, md, D**-0.5, None), want, atol=1e-5)
+    assert calls  # traced through the slot path
+
+
 def test_padding_waste_hand_checked():
     from specserve.attention.sdpa import padding_waste
 
