@@ -9,8 +9,13 @@ import torch
 
 from specserve import Engine
 from specserve.platform.cpu.packing import PackedLinear
-from tests.engine.helpers import (PROMPTS, assert_greedy_equal_up_to_ties, assert_no_kv_leak, force_one_row_kernel,
-                                  greedy)
+from tests.engine.helpers import (
+    PROMPTS,
+    assert_greedy_equal_up_to_ties,
+    assert_no_kv_leak,
+    force_one_row_kernel,
+    greedy,
+)
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 
