@@ -6,7 +6,9 @@ keys are its prefix (KV already in the pool) followed by its new tokens; which n
 default, or an arbitrary mask over them (a draft tree), so verifying a whole tree is one forward. A mixed batch
 (``--enable-mixed-chunk``: the running requests' decode tokens and a prefill chunk in one forward) carries GROUPS
 of consecutive rows instead, each with its own metadata and SDPA call, so one-token decode rows are not padded to
-the prefill's query length (``mixed_attn_metadata``).
+the prefill's query length (``mixed_attn_metadata``). A compiled CPU forward's decode rows skip the gather and the
+SDPA call: their attention is written as sums that inductor fuses with the reads from the pool slots
+(``_attend_one_query_by_slot``).
 
 CUDA graphs fix a forward's shapes; with SDPA the key count is part of them, so graphed forwards pad it to
 ``kv_bucket`` sizes (a backend reading K/V by slot would not need to).
