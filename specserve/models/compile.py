@@ -6,9 +6,12 @@ where the time goes. Prefill (EXTEND) stays eager: its shapes vary the most and 
 
 A wrapped module keeps its eager forward and gains a compiled twin; each call picks one from the ForwardBatch
 (its first argument): compiled for the modes in ``modes`` when the batch has at most ``--torch-compile-max-bs``
-requests, eager otherwise (SGLang's rule for ``--torch-compile-max-bs``). Shapes are compiled static first and
-become dynamic (``dynamic=None``) on the first change, so the number of graphs stays small (one per attention
-variant: decode without a mask, tree verify with one, draft steps). Compile time is measured per call: a call
+requests, eager otherwise (SGLang's rule for ``--torch-compile-max-bs``). The dimensions that vary from call to
+call (token rows, requests, queries and keys per request) are marked dynamic before the first call
+(``mark_varying_dims``), so each attention variant (decode with or without a mask, tree verify, draft steps) gets one
+graph for all batch sizes above 1 and one for batch 1, which dynamo always specializes. Left to dynamo
+(``dynamic=None`` alone), every variant compiled first for its first shapes and again, dynamic, on the first change:
+SmolLM2-135M's plain decoding built 7 graphs at start-up instead of 3. Compile time is measured per call: a call
 during which dynamo built a new graph counts as compile time (``CompileStats``), reported in the server info.
 
 A one-token CPU forward (batch-1 decode, a draft's first step) runs its compiled graph with oneDNN off
@@ -82,6 +85,7 @@ class CompiledForward:
             return self.eager(fb, *args, **kwargs)
         self.stats.compiled_calls += 1
         _configure_dynamo()  # dynamo's config is per thread: set it on the thread that runs the forwards
+        mark_varying_dims(fb, args)
         before, start = _graph_count(), time.perf_counter()
         with onednn_off() if one_row_forward(fb.input_ids) else nullcontext():
             out = self.compiled(fb, *args, **kwargs)
@@ -94,6 +98,29 @@ class CompiledForward:
                         type(getattr(self.eager, "__self__", self.eager)).__name__, fb.mode.value,
                         fb.attn.batch_size, elapsed)
         return out
+
+
+#: ForwardBatch / attention-metadata tensors -> their dimensions that change from call to call (token rows,
+#: requests, queries and keys per request)
+VARYING_DIMS = {"input_ids": (0,), "positions": (0,), "out_cache_loc": (0,), "logits_indices": (0,),
+                "input_embeds": (0,), "kv_slots": (0, 1), "mask": (0, 2, 3), "q_index": (0, 1), "out_index": (0,),
+                "rel": (0, 1)}
+
+
+def mark_varying_dims(fb: ForwardBatch, args: tuple) -> None:
+    """Tell dynamo up front which dimensions of a call's tensors vary (``VARYING_DIMS``, and the token rows of the
+    tensor arguments), so the first graph of each attention variant is already the dynamic one. ``maybe_mark_dynamic``
+    lets a dimension the code needs as a constant, or a size of 1, stay specialized."""
+    for holder in (fb, fb.attn):
+        for name, dims in VARYING_DIMS.items():
+            t = getattr(holder, name, None)
+            if isinstance(t, torch.Tensor):
+                for d in dims:
+                    if d < t.dim():
+                        torch._dynamo.maybe_mark_dynamic(t, d)
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _with_own_code(method):

@@ -190,6 +190,20 @@ def test_speculative_warm_up_resets_the_counters(target, self_head, plain):
     assert info["spec_verify_ct"] > 0
 
 
+def test_one_graph_serves_every_batch_size(target, plain, fresh_dynamo):
+    """The first compiled graph of a batch of several requests is already dynamic in the batch size and the key
+    count: a later batch of another size (and other lengths) reuses it instead of compiling the forward again, and
+    both decode as eager decoding does."""
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True, skip_server_warmup=True) as e:
+        eight = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+        graphs = e.get_server_info()["torch_compile_graphs"]
+        three = [o["output_ids"] for o in e.generate(PROMPTS[2:5], greedy(24))]
+        info = e.get_server_info()
+    assert eight == plain and three == plain[2:5]
+    assert graphs > 0
+    assert info["torch_compile_graphs"] == graphs, "a new batch size compiled the forward again"
+
+
 def test_skip_server_warmup_leaves_the_graphs_to_the_first_request(target, fresh_dynamo):
     with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True, skip_server_warmup=True) as e:
         assert e.get_server_info()["torch_compile_graphs"] == 0
