@@ -16,7 +16,7 @@ CUDA graphs fix a forward's shapes; with SDPA the key count is part of them, so 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,12 @@ class AttnMetadata(AttentionMetadata):
     # above then describe the whole batch only loosely (batch_size, max_q_len) and kv_slots is None
     groups: list[tuple[int, AttnMetadata]] | None = None
     platform: AttentionTuning | None = None  # the host's tuning rules (query-head folding); None = defaults
+    # max_q_len == 1 (decode rows), kept apart so a compiled graph reads a flag rather than the int, which would pin
+    # the graph to one query count (one verify graph per tree size)
+    one_query: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.one_query = self.max_q_len == 1
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float) -> torch.Tensor:
         if self.groups is None:
@@ -259,16 +265,18 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
     """q [T, H, D] of md's requests; k_buf/v_buf [S, Hkv, D] the layer's pool (new K/V already written)
     -> [T, H*D]. platform: whether several queries per request fold their query heads (``_attend_folded``)."""
     n_tok, n_heads, head_dim = q.shape
-    bsz, max_q = md.batch_size, md.max_q_len
-    if max_q == 1 and q.is_cpu and torch.compiler.is_compiling():
+    # sizes from the tensors and the one_query flag, not md's ints: in a compiled graph an int pins the tensor
+    # dimension it meets to its value (one verify graph per batch size and tree size; ``models/compile.py``)
+    bsz = md.kv_slots.shape[0]
+    if md.one_query and q.is_cpu and torch.compiler.is_compiling():
         return _attend_one_query_by_slot(q, k_buf, v_buf, md, scale)
     flat = md.kv_slots.reshape(-1)
     kb = k_buf.index_select(0, flat).view(bsz, -1, k_buf.shape[1], head_dim)  # [B, Kmax, Hkv, D]
     vb = v_buf.index_select(0, flat).view(bsz, -1, v_buf.shape[1], head_dim)
-    if max_q == 1:
+    if md.one_query:
         return _attend_one_query(q, kb, vb, md, scale)
     if md.q_index is None:
-        qb = q.view(bsz, max_q, n_heads, head_dim)
+        qb = q.view(bsz, -1, n_heads, head_dim)  # [B, Qmax, H, D]
     else:
         qb = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[md.q_index]  # [B, Qmax, H, D]
     masked = md.mask is not None and not md.is_causal
@@ -283,7 +291,7 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
             is_causal=md.is_causal,
             scale=scale,
             enable_gqa=kb.shape[2] != n_heads,
-        ).transpose(1, 2).reshape(bsz * max_q, n_heads * head_dim)  # [B*Qmax, H*D]
+        ).transpose(1, 2).reshape(-1, n_heads * head_dim)  # [B*Qmax, H*D]
     if md.out_index is not None:
         out = out.index_select(0, md.out_index)
     return out  # [T, H*D]

@@ -33,8 +33,9 @@ import logging
 import threading
 import time
 import types
+from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -61,6 +62,7 @@ class CompileStats:
     graphs: int = 0  # graphs dynamo built for the wrapped forwards
     seconds: float = 0.0  # wall time of the calls that built them (tracing + inductor + the run itself)
     compiled_calls: int = 0
+    per_module: Counter = field(default_factory=Counter)  # graphs by the wrapped module's class name
 
 
 def _graph_count() -> int:
@@ -92,11 +94,12 @@ class CompiledForward:
         built = _graph_count() - before
         if built:
             elapsed = time.perf_counter() - start
+            module = type(getattr(self.eager, "__self__", self.eager)).__name__
             self.stats.graphs += built
+            self.stats.per_module[module] += built
             self.stats.seconds += elapsed
-            logger.info("torch.compile: %d new graph(s) for %s (%s, batch %d) in %.1fs", built,
-                        type(getattr(self.eager, "__self__", self.eager)).__name__, fb.mode.value,
-                        fb.attn.batch_size, elapsed)
+            logger.info("torch.compile: %d new graph(s) for %s (%s, batch %d) in %.1fs", built, module,
+                        fb.mode.value, fb.attn.batch_size, elapsed)
         return out
 
 

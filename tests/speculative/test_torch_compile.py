@@ -204,6 +204,23 @@ def test_one_graph_serves_every_batch_size(target, plain, fresh_dynamo):
     assert info["torch_compile_graphs"] == graphs, "a new batch size compiled the forward again"
 
 
+def test_speculative_graphs_of_the_warm_up_serve_larger_batches(target, self_head, plain, fresh_dynamo):
+    """EAGLE: the warm-up's batches of 3, 2 and 1 build the target's verify graphs that batches of 8 and 5 then use
+    (the target builds none after start-up; the draft head may still meet a rarer catch-up shape), and their
+    outputs equal plain decoding with drafting and acceptance happening (every step speculative: the batch
+    policy's timing-based plain steps would vary the graphs met)."""
+    with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True,
+                disable_speculative_auto_off=True, **spec_kwargs("EAGLE", self_head, 3, 2, 5)) as e:
+        stats = e.scheduler.runner.compile_stats
+        target_graphs = stats.per_module["DecoderModel"]
+        eight = e.generate(PROMPTS, greedy(24))
+        five = e.generate(PROMPTS[:5], greedy(24))
+    assert [o["output_ids"] for o in eight] == plain and [o["output_ids"] for o in five] == plain[:5]
+    assert_drafting_happened(eight, min_accept_length=1.5)
+    assert target_graphs > 0
+    assert stats.per_module["DecoderModel"] == target_graphs, "a larger batch compiled the target again"
+
+
 def test_skip_server_warmup_leaves_the_graphs_to_the_first_request(target, fresh_dynamo):
     with Engine(model_path=target, max_total_tokens=4096, enable_torch_compile=True, skip_server_warmup=True) as e:
         assert e.get_server_info()["torch_compile_graphs"] == 0
