@@ -237,7 +237,7 @@ def _own(x):
         return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return dataclasses.replace(x, **{f.name: None if f.name == "platform" else _own(getattr(x, f.name))
-                                         for f in dataclasses.fields(x)})
+                                         for f in dataclasses.fields(x) if f.init})  # the others are derived
     if isinstance(x, list):
         return [_own(v) for v in x]
     if isinstance(x, tuple):
