@@ -103,19 +103,19 @@ class CompiledForward:
         return out
 
 
-#: ForwardBatch / attention-metadata tensors -> their dimensions that change from call to call (token rows,
-#: requests, queries and keys per request)
-VARYING_DIMS = {"input_ids": (0,), "positions": (0,), "out_cache_loc": (0,), "logits_indices": (0,),
-                "input_embeds": (0,), "kv_slots": (0, 1), "mask": (0, 2, 3), "q_index": (0, 1), "out_index": (0,),
-                "rel": (0, 1)}
+#: tensors of a ForwardBatch (token rows) and of its attention metadata (requests, queries and keys per request)
+#: -> their dimensions that change from call to call
+BATCH_VARYING_DIMS = {"input_ids": (0,), "positions": (0,), "out_cache_loc": (0,), "logits_indices": (0,),
+                      "input_embeds": (0,)}
+ATTN_VARYING_DIMS = {"kv_slots": (0, 1), "mask": (0, 2, 3), "q_index": (0, 1), "out_index": (0,)}
 
 
 def mark_varying_dims(fb: ForwardBatch, args: tuple) -> None:
-    """Tell dynamo up front which dimensions of a call's tensors vary (``VARYING_DIMS``, and the token rows of the
-    tensor arguments), so the first graph of each attention variant is already the dynamic one. ``maybe_mark_dynamic``
-    lets a dimension the code needs as a constant, or a size of 1, stay specialized."""
-    for holder in (fb, fb.attn):
-        for name, dims in VARYING_DIMS.items():
+    """Tell dynamo up front which dimensions of a call's tensors vary (``BATCH_VARYING_DIMS``, ``ATTN_VARYING_DIMS``
+    and the token rows of the tensor arguments), so the first graph of each attention variant is already the dynamic
+    one. ``maybe_mark_dynamic`` lets a dimension the code needs as a constant, or a size of 1, stay specialized."""
+    for holder, varying in ((fb, BATCH_VARYING_DIMS), (fb.attn, ATTN_VARYING_DIMS)):
+        for name, dims in varying.items():
             t = getattr(holder, name, None)
             if isinstance(t, torch.Tensor):
                 for d in dims:
