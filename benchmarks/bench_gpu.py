@@ -186,15 +186,25 @@ def measure_decode(engine, prompt: list[int], ns: argparse.Namespace, device: to
     for _ in range(ns.warmup):
         run(1), run(1 + D)
     shorts, longs, verify_steps = [], [], []
-    for _ in tqdm(range(ns.reps), desc=label, leave=False):
+
+    def rep() -> None:
         shorts.append(timed(lambda: run(1), device))
         long_out: list[dict] = []
-        longs.append(timed(lambda: long_out.append(run(1 + D)), device))  # noqa: B023 - called right here
+        longs.append(timed(lambda: long_out.append(run(1 + D)), device))
         verify_steps.append(long_out[0]["meta_info"].get("spec_verify_ct", 0))
+
+    for _ in tqdm(range(ns.reps), desc=label, leave=False):
+        rep()
+    # a neighbour that slows every short run of a few reps can leave the fastest long run no slower than the fastest
+    # short one: take more reps (as many again, three times at most) before refusing
+    while min(longs) <= min(shorts) and len(shorts) < 4 * ns.reps:
+        for _ in range(ns.reps):
+            rep()
     decode_s = min(longs) - min(shorts)
     if decode_s <= 0:
-        raise RuntimeError(f"{label}: {D} decode tokens took no measurable time beyond the prefill "
-                           f"(fastest runs: {min(longs):.4f}s vs {min(shorts):.4f}s); raise --decode-tokens or --reps")
+        raise RuntimeError(f"{label}: {D} decode tokens took no measurable time beyond the prefill over "
+                           f"{len(shorts)} reps (fastest runs: {min(longs):.4f}s vs {min(shorts):.4f}s); "
+                           "raise --decode-tokens or --reps")
     per_token = decode_s / D
     row = {"tokens_per_s": 1.0 / per_token, "step_ms": per_token * 1e3, "decode_tokens": D,
            "times_s": {"one_token": shorts, "one_plus_decode_tokens": longs}}

@@ -72,6 +72,38 @@ def test_bench_gpu_torch_compile_rows(tmp_path, monkeypatch):
     assert modes == ["plain (CUDA graphs: emulate, torch.compile)", "plain, no CUDA graphs, torch.compile"]
 
 
+class _ScriptedEngine:
+    """generate() returns at once; the benchmark's clock reads scripted durations instead (short, long, short, ...)."""
+
+    def generate(self, input_ids, sampling_params):
+        return {"meta_info": {}}
+
+
+def _scripted_clock(monkeypatch, durations: list[float]) -> list[float]:
+    left = list(durations)
+    monkeypatch.setattr(bench_gpu, "timed", lambda fn, device: (fn(), left.pop(0))[1])
+    return left
+
+
+def test_decode_measure_takes_more_reps_when_noise_inverts_the_fastest_runs(monkeypatch):
+    # three reps whose short runs were all slowed (15.6 ms against 13.5 ms long runs), then three undisturbed ones
+    slowed, calm = [0.0156, 0.0135] * 3, [0.0020, 0.0134] * 3
+    left = _scripted_clock(monkeypatch, slowed + calm)
+    ns = bench_gpu.parse_args(["--shape", "tiny", "--device", "cpu", "--decode-tokens", "32", "--reps", "3",
+                               "--warmup", "0"])
+    row = bench_gpu.measure_decode(_ScriptedEngine(), [1, 2], ns, torch.device("cpu"), "plain")
+    assert left == [] and len(row["times_s"]["one_token"]) == 6
+    assert row["step_ms"] == pytest.approx((0.0134 - 0.0020) / 32 * 1e3)
+
+
+def test_decode_measure_refuses_after_four_times_the_reps(monkeypatch):
+    left = _scripted_clock(monkeypatch, [0.0156, 0.0135] * 12 + [0.001, 0.1])
+    ns = bench_gpu.parse_args(["--shape", "tiny", "--device", "cpu", "--reps", "3", "--warmup", "0"])
+    with pytest.raises(RuntimeError, match="over 12 reps"):
+        bench_gpu.measure_decode(_ScriptedEngine(), [1, 2], ns, torch.device("cpu"), "plain")
+    assert left == [0.001, 0.1]
+
+
 @pytest.mark.parametrize("argv,flag", [(["--verify-sizes", "1,x"], "--verify-sizes"), (["--reps", "0"], "--reps"),
                                        (["--accept-lens", "0.5"], "--accept-lens"), (["--skip", "nope"], "--skip"),
                                        (["--shape", "70b"], "--shape")])
