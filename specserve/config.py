@@ -145,6 +145,9 @@ class ServerArgs:
     enable_torch_compile: bool = field(default=False, metadata={
         "help": "Compile the decode, verify and draft forwards with torch.compile; their graphs are built at start-up "
                 "by warm-up requests (unless --skip-server-warmup)."})
+    torch_compile_in_background: bool = field(default=False, metadata={
+        "help": "With --enable-torch-compile (which it turns on): ready at once, no warm-up requests; each kind of "
+                "forward runs eager until a background thread has built its graph from its first call."})
     torch_compile_max_bs: int = field(
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
@@ -263,6 +266,8 @@ class ServerArgs:
         require_positive(self, "max_queued_requests", allow_none=True)
         require_positive(self, "max_prefill_tokens")
         require_positive(self, "torch_compile_max_bs")
+        if self.torch_compile_in_background:
+            self.enable_torch_compile = True
         require_positive(self, "cuda_graph_max_bs", allow_none=True)
         self._validate_sglang_only()
         self._validate_quantization()

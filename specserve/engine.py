@@ -82,7 +82,9 @@ class SchedulerLoop:
         self._stop = threading.Event()
         self.platform = scheduler.runner.platform
         args = scheduler.args
-        if args.enable_torch_compile and not args.skip_server_warmup:  # build the graphs before the first request
+        if scheduler.runner.background_compiler is not None:
+            logger.info("torch.compile: each forward runs eager until its graph is built in the background")
+        elif args.enable_torch_compile and not args.skip_server_warmup:  # build the graphs before the first request
             logger.info("warm-up requests done in %.1fs", scheduler.warm_up())
         # this thread loaded the model; its idle OpenMP workers would slow the loop's (platform/cpu/omp.py)
         self.platform.release_thread_pool()

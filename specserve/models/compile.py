@@ -25,11 +25,20 @@ nobody has written to since the last call: on SmolLM2's decode the check fell fr
 wrapped module compiles a copy of its forward's code (``_with_own_code``), so its graphs and guards are its own:
 a second instance of the class never shares them (where it did, dict-tag guard evaluation crashed on an attribute
 holding a tensor in one instance and None in the other: a linear's plain weight, kept or dropped).
+
+``--torch-compile-in-background`` keeps torch.compile off the scheduler's path (``BackgroundCompiler``): the first
+call of each kind (``variant_key``) runs eager and hands a copy of its inputs to a compile thread, which builds the
+graph from them; calls of a kind whose graph is built run it through dynamo's run-only mode (``torch._dynamo.run``:
+cached graphs whose guards pass, eager otherwise, never a compile on the scheduler's thread). The copy writes its
+K/V to the pool's padding slot 0, so the compile thread never touches a request's cache. A server is ready at once
+and decodes eager until its graphs are built, with the compile sharing the CPU meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 import time
 import types
@@ -48,6 +57,9 @@ logger = logging.getLogger(__name__)
 COMPILED_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE,
                             ForwardMode.DRAFT_EXTEND})
 RECOMPILE_LIMIT = 64  # graphs per compiled function (dynamo's default of 8 is too few for decode + verify + draft)
+# the background compiler's builds per kind of call (a kind may need several graphs: values its guards pin), and its
+# tries of a kind whose build raised (a forward running beside a build can upset its guards)
+BUILDS_PER_KIND, FAILED_TRIES = 8, 2
 
 
 class _ThreadFlag(threading.local):
@@ -63,6 +75,11 @@ class CompileStats:
     seconds: float = 0.0  # wall time of the calls that built them (tracing + inductor + the run itself)
     compiled_calls: int = 0
     per_module: Counter = field(default_factory=Counter)  # graphs by the wrapped module's class name
+    background: bool = False  # --torch-compile-in-background: graphs built on a compile thread
+    eager_calls: int = 0  # background: calls run eager (no graph of their kind yet, or none whose guards took them)
+    kinds_built: int = 0  # background: kinds of call whose graph the compile thread built
+    kinds_pending: int = 0  # background: kinds handed to the compile thread and not built yet
+    kinds_failed: int = 0  # background: kinds whose compile raised (they stay eager; the error is logged)
 
 
 def _graph_count() -> int:
@@ -71,12 +88,41 @@ def _graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class CompiledForward:
-    """Callable replacing ``module.forward``: fn(fb, *args) compiled or eager, chosen per call."""
+class _Ran(threading.local):
+    graph = False  # a graph built by ``_flagged_inductor`` ran on this thread since the flag was cleared
 
-    def __init__(self, eager, max_bs: int, stats: CompileStats, modes=COMPILED_MODES) -> None:
+
+_ran = _Ran()
+
+
+def _flagged_inductor(gm: torch.fx.GraphModule, example_inputs):
+    """torch.compile's inductor backend, its compiled graph flagging each run on the running thread (``_ran``): how
+    a run-only call (``torch._dynamo.run``) that met a built graph is told from one dynamo ran eager."""
+    from torch._inductor.compile_fx import compile_fx
+
+    run = compile_fx(gm, example_inputs)
+
+    def flagged(*args):
+        _ran.graph = True
+        return run(*args)
+
+    flagged._boxed_call = getattr(run, "_boxed_call", False)  # dynamo calls it as it would call `run`
+    return flagged
+
+
+class CompiledForward:
+    """Callable replacing ``module.forward``: fn(fb, *args) compiled or eager, chosen per call. With a
+    ``BackgroundCompiler`` the graphs are built on its thread and this one only runs graphs already built."""
+
+    def __init__(self, eager, max_bs: int, stats: CompileStats, modes=COMPILED_MODES,
+                 background: BackgroundCompiler | None = None) -> None:
         self.eager, self.max_bs, self.stats, self.modes = eager, max_bs, stats, modes
-        self.compiled = torch.compile(_with_own_code(eager), dynamic=None)
+        twin = _with_own_code(eager)
+        self.compiled = torch.compile(twin, dynamic=None, **({} if background is None else
+                                                              {"backend": _flagged_inductor}))
+        self.background = background
+        # dynamo's run-only mode on the same code object: the graphs compiled above whose guards pass, else eager
+        self.run_only = torch._dynamo.run(twin) if background is not None else None
 
     def use_compiled(self, fb: ForwardBatch) -> bool:
         # request-by-request attention (a split prefill catch-up) loops over a varying number of groups: eager
@@ -84,23 +130,240 @@ class CompiledForward:
 
     def __call__(self, fb: ForwardBatch, *args, **kwargs):
         if not self.use_compiled(fb):
+            if self.background is not None:
+                self.background.fit_threads()  # eager forwards too, prefill above all
             return self.eager(fb, *args, **kwargs)
-        self.stats.compiled_calls += 1
         _configure_dynamo()  # dynamo's config is per thread: set it on the thread that runs the forwards
         mark_varying_dims(fb, args)
+        if self.background is not None:
+            return self._call_built(fb, args, kwargs)
+        self.stats.compiled_calls += 1
         before, start = _graph_count(), time.perf_counter()
-        with onednn_off() if one_row_forward(fb.input_ids) else nullcontext():
-            out = self.compiled(fb, *args, **kwargs)
-        built = _graph_count() - before
-        if built:
-            elapsed = time.perf_counter() - start
-            module = type(getattr(self.eager, "__self__", self.eager)).__name__
-            self.stats.graphs += built
-            self.stats.per_module[module] += built
-            self.stats.seconds += elapsed
-            logger.info("torch.compile: %d new graph(s) for %s (%s, batch %d) in %.1fs", built, module,
-                        fb.mode.value, fb.attn.batch_size, elapsed)
+        out = self._run(self.compiled, fb, args, kwargs)
+        self.count_built(_graph_count() - before, time.perf_counter() - start, fb)
         return out
+
+    def _call_built(self, fb: ForwardBatch, args: tuple, kwargs: dict):
+        """Background compiling: a built graph that takes this call, else eager, handing the compile thread a copy
+        of the inputs when its kind has no graph for them (``BackgroundCompiler.claim``)."""
+        key = variant_key(fb, args)
+        own_threads = self.background.fit_threads()
+        if not self.background.built(key):
+            self.stats.eager_calls += 1
+            copy = self.background.claim(key, fb, args, kwargs)
+            out = self.eager(fb, *args, **kwargs)
+            if copy is not None:  # handed over after the eager call: state it builds lazily (RoPE tables) exists
+                self.background.submit(key, self, copy)
+            return out
+        if not own_threads:  # the graphs are guarded on the thread count, one fewer while a build runs
+            self.stats.eager_calls += 1
+            return self.eager(fb, *args, **kwargs)
+        _ran.graph = False
+        out = self._run(self.run_only, fb, args, kwargs)
+        if _ran.graph:
+            self.stats.compiled_calls += 1
+            return out
+        # no built graph of this kind took these inputs (a shape or value its guards pinned): dynamo ran it eager;
+        # the compile thread builds one more graph from them
+        self.stats.eager_calls += 1
+        copy = self.background.claim(key, fb, args, kwargs)
+        if copy is not None:
+            self.background.submit(key, self, copy)
+        return out
+
+    @staticmethod
+    def _run(fn, fb: ForwardBatch, args: tuple, kwargs: dict):
+        with onednn_off() if one_row_forward(fb.input_ids) else nullcontext():
+            return fn(fb, *args, **kwargs)
+
+    def count_built(self, built: int, elapsed: float, fb: ForwardBatch) -> None:
+        """Count `built` new graphs, made by a call of `elapsed` seconds."""
+        if not built:
+            return
+        module = type(getattr(self.eager, "__self__", self.eager)).__name__
+        self.stats.graphs += built
+        self.stats.per_module[module] += built
+        self.stats.seconds += elapsed
+        logger.info("torch.compile: %d new graph(s) for %s (%s, batch %d) in %.1fs", built, module,
+                    fb.mode.value, fb.attn.batch_size, elapsed)
+
+
+def variant_key(fb: ForwardBatch, args: tuple) -> tuple:
+    """What tells two calls' graphs apart (dynamo's guards, as ``mark_varying_dims`` leaves them): the mode, batch 1
+    or more (dynamo specializes a size of 1), a one-token forward (run with oneDNN off), which optional inputs are
+    present, the attention's flags and the extra arguments' ranks and dtypes. Calls with one key mostly meet one
+    graph; a call its graphs' guards refuse asks for one more (``BUILDS_PER_KIND``)."""
+    attn = fb.attn
+    optional = tuple(getattr(attn, name, None) is None for name in ATTN_VARYING_DIMS)
+    flags = tuple(getattr(attn, name, None) for name in ("is_causal", "one_query"))
+    extra = tuple((t.dim(), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in args)
+    return (fb.mode, attn.batch_size == 1, fb.input_ids.numel() == 1, type(attn).__name__, optional, flags,
+            fb.logits_indices is None, fb.input_embeds is None, tuple(fb.capture_layers), extra)
+
+
+def detached_inputs(fb: ForwardBatch, args: tuple, kwargs: dict) -> tuple[ForwardBatch, tuple, dict]:
+    """A copy of a forward's inputs that the compile thread can run at any later time: its tensors copied (strides
+    kept), and the slots it writes K/V to all the pool's padding slot 0, so running it never changes a request's
+    cache (what it reads from the pool only feeds outputs nobody uses)."""
+    def copy(t):
+        return _strided_copy(t) if isinstance(t, torch.Tensor) else t
+
+    attn = fb.attn
+    if dataclasses.is_dataclass(attn):
+        attn = dataclasses.replace(attn, **{f.name: copy(getattr(attn, f.name)) for f in dataclasses.fields(attn)
+                                            if f.init and isinstance(getattr(attn, f.name), torch.Tensor)})
+    fb = dataclasses.replace(fb, input_ids=fb.input_ids.clone(), positions=fb.positions.clone(),
+                             out_cache_loc=_same_strides(fb.out_cache_loc).zero_(), attn=attn,
+                             logits_indices=copy(fb.logits_indices), input_embeds=copy(fb.input_embeds),
+                             rope_rows={})
+    return fb, tuple(copy(t) for t in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _same_strides(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor with t's sizes and strides: dynamo's guards check strides (a request's KV slots are
+    a view into the slot table, whose rows are longer), so a contiguous clone would build a graph its calls miss."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t with its sizes and strides (``_same_strides``); one whose elements share memory (an expanded
+    tensor: a stride of 0) is a view of a copy of its whole storage."""
+    if all(st != 0 or n <= 1 for n, st in zip(t.size(), t.stride(), strict=True)):
+        return _same_strides(t).copy_(t)
+    storage = t.untyped_storage().clone()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+class BackgroundCompiler:
+    """Builds graphs on a thread of its own from the inputs ``CompiledForward`` hands it, one kind of call at a
+    time, so the scheduler's thread never waits for torch.compile. The thread ends when nothing is left to build
+    (its OpenMP workers go with it) and starts again on the next kind."""
+
+    def __init__(self, stats: CompileStats) -> None:
+        self.stats = stats
+        stats.background = True
+        self._built: set = set()
+        self._pending: set = set()  # kinds claimed and not built or failed yet
+        self._attempts: Counter = Counter()  # kind -> builds tried
+        self._failures: Counter = Counter()  # kind -> builds that raised
+        self._todo: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.threads: int | None = None  # the scheduler's OpenMP thread count, read on its first forward
+
+    def built(self, key: tuple) -> bool:
+        return key in self._built
+
+    def claim(self, key: tuple, fb: ForwardBatch, args: tuple, kwargs: dict) -> tuple | None:
+        """A call of kind `key` that found no graph for it, while none is being built for that kind and it has had
+        fewer than BUILDS_PER_KIND builds and FAILED_TRIES failures: a copy of its inputs to ``submit``; else None."""
+        with self._lock:
+            if (self._closed or key in self._pending or self._attempts[key] >= BUILDS_PER_KIND
+                    or self._failures[key] >= FAILED_TRIES):
+                return None
+            self._attempts[key] += 1
+            self._pending.add(key)
+            self.stats.kinds_pending += 1
+        try:
+            return detached_inputs(fb, args, kwargs)
+        except Exception:  # noqa: BLE001 - the forward itself must not fail for the compile's sake
+            logger.exception("torch.compile in the background: cannot copy a %s forward's inputs; it stays eager",
+                             fb.mode.value)
+            with self._lock:
+                self._pending.discard(key)
+                self._failures[key] = FAILED_TRIES
+                self.stats.kinds_pending -= 1
+                self.stats.kinds_failed += 1
+            return None
+
+    def submit(self, key: tuple, forward: CompiledForward, inputs: tuple) -> None:
+        """Queue a claimed kind's build (the thread starts if it is not running)."""
+        with self._lock:
+            self._todo.put((key, forward, inputs))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="specserve-compile", daemon=True)
+                self._thread.start()
+
+    def idle(self) -> bool:
+        """Nothing handed over is still being built."""
+        return self.stats.kinds_pending == 0
+
+    def wait(self, timeout: float = 3600.0) -> bool:
+        """Block until everything claimed so far is built or has failed, or `timeout` seconds pass (tests,
+        benchmarks). -> idle()."""
+        deadline = time.monotonic() + timeout
+        while not self.idle() and time.monotonic() < deadline:
+            with self._lock:
+                thread = self._thread
+            if thread is not None:
+                thread.join(max(0.0, min(1.0, deadline - time.monotonic())))
+            else:  # claimed, not yet submitted (its eager call is running)
+                time.sleep(0.01)
+        return self.idle()
+
+    def close(self) -> None:
+        """Build nothing more; a graph being built finishes on the (daemon) thread."""
+        with self._lock:
+            self._closed = True
+            while not self._todo.empty():
+                self._pending.discard(self._todo.get_nowait()[0])
+                self.stats.kinds_pending -= 1
+
+    def fit_threads(self) -> bool:
+        """On the scheduler's thread, before a forward: one OpenMP thread fewer while a graph is being built, all of
+        them again after. The compile thread keeps a core busy, and an OpenMP team with a thread on every core
+        waits at each barrier for the one the compile holds (the demo's eager decoding on 2 cores: 11-37 tok/s
+        during a compile with both threads, 110-118 with one). -> whether the thread count is the engine's own,
+        the one the graphs were built for (dynamo guards on it: with one fewer, every graph misses)."""
+        if self.threads is None:
+            self.threads = torch.get_num_threads()  # the count the engine runs with (the generated kernels' too)
+        want = self.threads if self.idle() else max(1, self.threads - 1)
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)  # the calling thread's OpenMP count
+        return want == self.threads
+
+    def _run(self) -> None:
+        with torch.inference_mode():  # the scheduler's tensors are inference tensors: the same kind of input
+            while True:
+                with self._lock:
+                    if self._todo.empty() or self._closed:
+                        self._thread = None
+                        return
+                    key, forward, (fb, args, kwargs) = self._todo.get_nowait()
+                self._build(key, forward, fb, args, kwargs)
+
+    def _build(self, key: tuple, forward: CompiledForward, fb: ForwardBatch, args: tuple, kwargs: dict) -> None:
+        # this thread's OpenMP count, which inductor sizes its kernels' teams from and dynamo guards the graph on.
+        # Read first: a thread's first read sets its count from the process-wide one, which the scheduler's thread
+        # last set (one fewer, while this builds)
+        torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        before, start = _graph_count(), time.perf_counter()
+        try:
+            _configure_dynamo()
+            mark_varying_dims(fb, args)
+            # without onednn_off: the switch is process-wide (it would slow the scheduler's own forwards meanwhile),
+            # and a graph reads it when it runs, not when it is built
+            forward.compiled(fb, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - a failed compile leaves that kind eager; the server keeps serving
+            logger.exception("torch.compile in the background failed for %s (%s, batch %d), try %d of %d; "
+                             "until it succeeds that kind of forward runs eager",
+                             type(getattr(forward.eager, "__self__", forward.eager)).__name__, fb.mode.value,
+                             fb.attn.batch_size, self._failures[key] + 1, FAILED_TRIES)
+            with self._lock:
+                self._failures[key] += 1
+                self.stats.kinds_failed += 1
+        else:
+            with self._lock:
+                forward.count_built(_graph_count() - before, time.perf_counter() - start, fb)
+                if key not in self._built:
+                    self._built.add(key)
+                    self.stats.kinds_built += 1
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+                self.stats.kinds_pending -= 1
 
 
 #: tensors of a ForwardBatch (token rows) and of its attention metadata (requests, queries and keys per request)
@@ -140,9 +403,10 @@ def _with_own_code(method):
     return types.MethodType(twin, method.__self__) if fn is not method else twin
 
 
-def compile_forward(module: nn.Module, max_bs: int, stats: CompileStats) -> nn.Module:
+def compile_forward(module: nn.Module, max_bs: int, stats: CompileStats,
+                    background: BackgroundCompiler | None = None) -> nn.Module:
     """Replace module.forward (signature forward(fb: ForwardBatch, ...)) by a CompiledForward; returns module."""
-    module.forward = CompiledForward(module.forward, max_bs, stats)
+    module.forward = CompiledForward(module.forward, max_bs, stats, background=background)
     return module
 
 

@@ -17,7 +17,7 @@ from specserve.attention import ForwardBatch, create_attention_backend
 from specserve.attention.backend import ATTENTION_BACKENDS
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
-from specserve.models.compile import CompileStats, compile_forward
+from specserve.models.compile import BackgroundCompiler, CompileStats, compile_forward
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.gguf import source_file
 from specserve.models.gguf_quant import apply_gguf_quantization
@@ -72,6 +72,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend, self.platform)
         self.compile_stats = CompileStats() if args.enable_torch_compile else None
         self.cuda_graphs = self._cuda_graphs()
+        self.background_compiler = self._background_compiler()
         self.speed_up_forward(self.model.model)  # the decoder stack; the LM head stays eager
         self.context_len = self._context_len()
         args.resolve_speculative_defaults(self.spec.architecture)
@@ -130,10 +131,18 @@ class ModelRunner:
         """Wrap module.forward(fb, *tensors) in the forward speed-ups in force: torch.compile, then CUDA graphs
         around the compiled forward. For the target's decoder stack and each proposer's draft modules."""
         if self.compile_stats is not None:
-            compile_forward(module, self.args.torch_compile_max_bs, self.compile_stats)
+            compile_forward(module, self.args.torch_compile_max_bs, self.compile_stats, self.background_compiler)
         if self.cuda_graphs is not None:
             self.cuda_graphs.wrap(module)
         return module
+
+    def _background_compiler(self) -> BackgroundCompiler | None:
+        if self.compile_stats is None or not self.args.torch_compile_in_background:
+            return None
+        if self.cuda_graphs is not None:  # a graph captured around an eager forward would never see the compiled one
+            logger.info("--torch-compile-in-background ignored with CUDA graphs: the graphs are built at start-up")
+            return None
+        return BackgroundCompiler(self.compile_stats)
 
     def _cuda_graphs(self) -> CudaGraphs | None:
         if self.tp_leader is not None:
@@ -165,6 +174,9 @@ class ModelRunner:
         if cs is not None:
             info.update(torch_compile_graphs=cs.graphs, torch_compile_seconds=cs.seconds,
                         torch_compile_calls=cs.compiled_calls)
+            if cs.background:
+                info.update(torch_compile_eager_calls=cs.eager_calls, torch_compile_kinds_built=cs.kinds_built,
+                            torch_compile_kinds_pending=cs.kinds_pending, torch_compile_kinds_failed=cs.kinds_failed)
         if self.gguf_linears is not None:
             info.update(gguf_linears=self.gguf_linears)
         graphs = self.cuda_graphs
@@ -224,6 +236,8 @@ class ModelRunner:
         return self.model(fb)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one process)."""
+        """Stop the background compiles and the other tensor-parallel ranks."""
+        if self.background_compiler is not None:
+            self.background_compiler.close()
         if self.tp_leader is not None:
             self.tp_leader.close()

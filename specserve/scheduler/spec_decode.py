@@ -266,7 +266,8 @@ class SpecDecoder(DecodeStep):
         graph during it."""
         start, graphs = started
         stats = self.runner.compile_stats
-        compiled = stats is not None and stats.graphs != graphs
+        # a step slowed by a compile (on this thread, or on the background compiler's while it shares the CPU)
+        compiled = stats is not None and (stats.graphs != graphs or stats.kinds_pending > 0)
         self.policy.record(batch, speculative, time.perf_counter() - start, tokens, compiled, kind)
 
     def release(self, req: Req) -> None:

@@ -309,3 +309,18 @@ def test_llama_cpp_runs_the_same_smollm2_at_16_bit_and_its_own_quantization(tmp_
     # this early is not expected on a chat prompt)
     assert f16["first_mismatch_vs_hf_plain"][0] != 0
     assert "llama.cpp 16-bit" in capsys.readouterr().out
+
+
+def test_bench_compare_builds_background_graphs_before_timing(tmp_path, llama_dir, capsys):
+    """--torch-compile-in-background: the prompts run untimed until a pass builds no new graph, then the timed
+    rounds decode what transformers does (float32)."""
+    out = tmp_path / "out"
+    rc = cli_main(["bench-compare", "--model-path", llama_dir, "--only", "plain", "--num-prompts", "1",
+                   "--max-new-tokens", "4", "--num-threads", "1", "--torch-compile-in-background",
+                   "--out-dir", str(out)])
+    assert rc == 0
+    ours = {r["config"]: r for r in read_jsonl(str(out / "results.jsonl"))}["ours_plain"]
+    assert ours["tokens"] == 4 and ours["equal_to_hf_plain"] == 1
+    counts = [int(line.split(": ")[1].split()[0]) for line in capsys.readouterr().err.splitlines()
+              if "graph build pass" in line]
+    assert len(counts) >= 2 and counts[0] > 0 and counts[-1] == counts[-2]  # built, then a pass that built none
