@@ -378,8 +378,9 @@ class ServerArgs:
             raise ConfigError("--quantization gguf is not supported with --tp-size > 1 (its linears run dequantized "
                               "without the flag)")
         if self.tp_size > 1 and self.enable_torch_compile:
-            raise ConfigError("--enable-torch-compile is not supported with --tp-size > 1 (the sharded forward's "
-                              "collectives run eagerly)")
+            flag = "--torch-compile-in-background" if self.torch_compile_in_background else "--enable-torch-compile"
+            raise ConfigError(f"{flag} is not supported with --tp-size > 1 (the sharded forward's collectives run "
+                              "eagerly)")
 
     def _validate_spec_v2(self) -> None:
         """The overlap scheduler: on by flag or environment (its topk 1 rule is the draft-tree algorithms')."""

@@ -109,6 +109,7 @@ def test_two_shards_hold_exactly_the_whole_model(model_factory, arch, overrides)
     (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank"),
     (dict(tp_size=2, dist_init_addr="nohost"), "--dist-init-addr must be host:port"),
     (dict(tp_size=2, enable_torch_compile=True), "--enable-torch-compile"),
+    (dict(tp_size=2, torch_compile_in_background=True), "--torch-compile-in-background"),
 ])
 def test_scale_out_flags_fail_at_start_up_naming_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
