@@ -78,20 +78,19 @@ def bench_config(name: str, args: argparse.Namespace, prompts: list[list[int]]) 
             "ready_s": ready_s, "built_s": built_s, "building_tok_s": building}
 
 
-BUILD_PASSES = 4  # untimed passes over the prompts at most, for --background
-
-
 def build_graphs(engine, run, prompts: list[list[int]]) -> float:
-    """--background: every prompt through `run` (untimed), then wait for the compile thread, until a pass builds no
-    new graph (at most BUILD_PASSES). -> tokens/s over those passes (waits included)."""
+    """--background: every prompt through `run` (untimed) until a pass builds no new graph
+    (``harness.build_background_graphs``). -> tokens/s over those passes (waits for the compile thread included)."""
+    from specserve.bench.harness import build_background_graphs
+
     tokens, start = 0, time.perf_counter()
-    for _ in range(BUILD_PASSES):
-        graphs = engine.get_server_info()["torch_compile_graphs"]
+
+    def run_pass() -> None:
+        nonlocal tokens
         for p in prompts:
             tokens += len(run(p)[0])
-        engine.scheduler.runner.background_compiler.wait()
-        if engine.get_server_info()["torch_compile_graphs"] == graphs:
-            break
+
+    build_background_graphs(engine, run_pass)
     return tokens / (time.perf_counter() - start)
 
 

@@ -45,3 +45,10 @@ def model_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def llama_dir(model_factory) -> str:
     return model_factory("llama")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's state as a new process has it: no graphs, counters or dynamic-shape decisions left by the tests
+    before these."""
+    torch._dynamo.reset()

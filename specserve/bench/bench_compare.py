@@ -594,24 +594,20 @@ def kv_margin(args: argparse.Namespace) -> int:
     return max(KV_MARGIN, tokens + topk * steps + 1)
 
 
-BUILD_PASSES = 4  # untimed passes over the prompts at most, for --torch-compile-in-background
-
-
 def build_graphs(loaded: Loaded, prompts: list[list[int]]) -> None:
-    """--torch-compile-in-background: run the prompts through each of our engines, untimed, and wait for its compile
-    thread, until a pass builds no new graph (at most BUILD_PASSES), so the timed rounds meet built graphs only."""
+    """--torch-compile-in-background: each of our engines runs the prompts untimed until a pass builds no new graph
+    (``harness.build_background_graphs``), so the timed rounds meet built graphs only."""
+    from specserve.bench.harness import build_background_graphs, flush_prefix_cache
+
+    params = {"max_new_tokens": 32, "temperature": 0.0}
     for engine in loaded.engines:
-        compiler = engine.scheduler.runner.background_compiler
-        for i in range(BUILD_PASSES):
-            graphs = engine.get_server_info()["torch_compile_graphs"]
+        def run_pass(engine=engine) -> None:
             for p in prompts:
-                engine.generate(input_ids=p, sampling_params={"max_new_tokens": 32, "temperature": 0.0})
-            compiler.wait()
-            built = engine.get_server_info()["torch_compile_graphs"]
-            _log(f"graph build pass {i + 1}: {built} graphs")
-            if built == graphs:
-                break
-        engine.flush_cache()
+                engine.generate(input_ids=p, sampling_params=params)
+
+        for i, graphs in enumerate(build_background_graphs(engine, run_pass)):
+            _log(f"graph build pass {i + 1}: {graphs} graphs")
+        flush_prefix_cache(engine)
 
 
 def run_bench(args: argparse.Namespace) -> list[dict]:

@@ -37,6 +37,24 @@ def flush_prefix_cache(engine) -> None:
     raise RuntimeError("specserve engine stayed busy; could not flush its prefix cache")
 
 
+BUILD_PASSES = 4  # untimed passes at most while an engine builds its graphs in the background
+
+
+def build_background_graphs(engine, run_pass, passes: int = BUILD_PASSES) -> list[int]:
+    """An engine under --torch-compile-in-background: call run_pass() (its prompts, untimed) and wait for the compile
+    thread, until a pass builds no new graph (at most `passes`), so what is timed next meets built graphs only.
+    -> the engine's graph count after each pass."""
+    counts: list[int] = []
+    for _ in range(passes):
+        before = engine.get_server_info()["torch_compile_graphs"]
+        run_pass()
+        engine.scheduler.runner.background_compiler.wait()
+        counts.append(engine.get_server_info()["torch_compile_graphs"])
+        if counts[-1] == before:
+            break
+    return counts
+
+
 def load_hf(model_dir: str, dtype: str):
     """-> (transformers model, pad id)."""
     import transformers

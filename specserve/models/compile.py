@@ -118,8 +118,8 @@ class CompiledForward:
                  background: BackgroundCompiler | None = None) -> None:
         self.eager, self.max_bs, self.stats, self.modes = eager, max_bs, stats, modes
         twin = _with_own_code(eager)
-        self.compiled = torch.compile(twin, dynamic=None, **({} if background is None else
-                                                              {"backend": _flagged_inductor}))
+        self.compiled = torch.compile(twin, dynamic=None,
+                                      backend="inductor" if background is None else _flagged_inductor)
         self.background = background
         # dynamo's run-only mode on the same code object: the graphs compiled above whose guards pass, else eager
         self.run_only = torch._dynamo.run(twin) if background is not None else None
@@ -212,24 +212,19 @@ def detached_inputs(fb: ForwardBatch, args: tuple, kwargs: dict) -> tuple[Forwar
     if dataclasses.is_dataclass(attn):
         attn = dataclasses.replace(attn, **{f.name: copy(getattr(attn, f.name)) for f in dataclasses.fields(attn)
                                             if f.init and isinstance(getattr(attn, f.name), torch.Tensor)})
-    fb = dataclasses.replace(fb, input_ids=fb.input_ids.clone(), positions=fb.positions.clone(),
-                             out_cache_loc=_same_strides(fb.out_cache_loc).zero_(), attn=attn,
+    fb = dataclasses.replace(fb, input_ids=copy(fb.input_ids), positions=copy(fb.positions),
+                             out_cache_loc=copy(fb.out_cache_loc).zero_(), attn=attn,
                              logits_indices=copy(fb.logits_indices), input_embeds=copy(fb.input_embeds),
                              rope_rows={})
     return fb, tuple(copy(t) for t in args), {k: copy(v) for k, v in kwargs.items()}
 
 
-def _same_strides(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor with t's sizes and strides: dynamo's guards check strides (a request's KV slots are
-    a view into the slot table, whose rows are longer), so a contiguous clone would build a graph its calls miss."""
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-
-
 def _strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t with its sizes and strides (``_same_strides``); one whose elements share memory (an expanded
-    tensor: a stride of 0) is a view of a copy of its whole storage."""
+    """A copy of t with its sizes and strides: dynamo's guards check strides (a request's KV slots are a view into
+    the slot table, whose rows are longer), so a contiguous clone would build a graph its calls miss. A tensor whose
+    elements share memory (expanded: a stride of 0) is copied as a view of a copy of its whole storage."""
     if all(st != 0 or n <= 1 for n, st in zip(t.size(), t.stride(), strict=True)):
-        return _same_strides(t).copy_(t)
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
     storage = t.untyped_storage().clone()
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
 

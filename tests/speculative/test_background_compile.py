@@ -29,11 +29,6 @@ def plain(target):
 
 
 @pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-
-
-@pytest.fixture
 def handed_over(monkeypatch):
     """The inputs of every call the engine hands to its compile thread (their copies)."""
     seen = []
@@ -53,16 +48,24 @@ def _outputs(engine, prompts, batched: bool) -> list[list[int]]:
     return [engine.generate(p, greedy(24))["output_ids"] for p in prompts]
 
 
+def _until_built(engine, run_pass) -> tuple[list, list[dict]]:
+    """run_pass() over and over, waiting for the compile thread after each, until a pass builds no new graph (its
+    calls all met built graphs; at most PASSES). -> (each pass's result, the server info after each pass)."""
+    passes, infos = [], []
+    for _ in range(PASSES):  # the first pass meets no graph; each later one the graphs the ones before asked for
+        passes.append(run_pass())
+        assert engine.scheduler.runner.background_compiler.wait(WAIT_S), "the compile thread did not finish"
+        infos.append(engine.get_server_info())
+        if len(infos) > 1 and infos[-1]["torch_compile_graphs"] == infos[-2]["torch_compile_graphs"]:
+            break
+    return passes, infos
+
+
 def test_serves_at_once_then_runs_the_built_graphs(target, plain, fresh_dynamo, handed_over):
     with Engine(model_path=target, max_total_tokens=4096, torch_compile_in_background=True) as e:
         start = e.get_server_info()
-        passes, infos = [], []
-        for _ in range(PASSES):  # the first pass meets no graph; each later one the graphs the ones before asked for
-            passes.append(_outputs(e, PROMPTS[:2], batched=False) + _outputs(e, PROMPTS, batched=True))
-            assert e.scheduler.runner.background_compiler.wait(WAIT_S), "the compile thread did not finish"
-            infos.append(e.get_server_info())
-            if len(infos) > 1 and infos[-1]["torch_compile_graphs"] == infos[-2]["torch_compile_graphs"]:
-                break
+        passes, infos = _until_built(e, lambda: _outputs(e, PROMPTS[:2], batched=False)
+                                     + _outputs(e, PROMPTS, batched=True))
         assert_no_kv_leak(e)
     assert start["torch_compile_graphs"] == 0 and start["generated_tokens"] == 0  # no warm-up requests
     assert passes == [plain[:2] + plain] * len(passes)
@@ -84,13 +87,7 @@ def test_eagle_outputs_equal_plain_before_and_after_the_graphs(target, self_head
     kw = spec_kwargs("EAGLE", self_head, 3, 2, 5)
     with Engine(model_path=target, max_total_tokens=4096, torch_compile_in_background=True,
                 disable_speculative_auto_off=True, **kw) as e:
-        passes, infos = [], []
-        for _ in range(PASSES):  # until a pass builds no new graph: its calls all met built graphs
-            passes.append(e.generate(PROMPTS, greedy(24)))
-            assert e.scheduler.runner.background_compiler.wait(WAIT_S), "the compile thread did not finish"
-            infos.append(e.get_server_info())
-            if len(infos) > 1 and infos[-1]["torch_compile_graphs"] == infos[-2]["torch_compile_graphs"]:
-                break
+        passes, infos = _until_built(e, lambda: e.generate(PROMPTS, greedy(24)))
         stats = e.scheduler.runner.compile_stats
         assert_no_kv_leak(e)
     for outs in passes:

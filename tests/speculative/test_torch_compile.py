@@ -150,11 +150,6 @@ def test_each_module_keeps_its_own_graphs(fresh_dynamo):
     assert nets[0].forward.compiled is not nets[1].forward.compiled
 
 # ---------------------------------------------------------------- warm-up at start-up
-@pytest.fixture
-def fresh_dynamo():
-    """Dynamo's state as a new process has it: no graphs, counters or dynamic-shape decisions left by the tests
-    before these."""
-    torch._dynamo.reset()
 
 
 def test_graphs_are_built_at_start_up_and_decode_as_eager(target, plain, fresh_dynamo):

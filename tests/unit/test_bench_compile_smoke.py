@@ -3,15 +3,7 @@ compiled engine's graphs built while it serves before anything is timed."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import bench_compile
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
 
 
 def test_background_graphs_are_built_before_the_timed_rounds(llama_dir, fresh_dynamo, capsys):
