@@ -148,6 +148,10 @@ class ServerArgs:
     torch_compile_in_background: bool = field(default=False, metadata={
         "help": "With --enable-torch-compile (which it turns on): ready at once, no warm-up requests; each kind of "
                 "forward runs eager until a background thread has built its graph from its first call."})
+    disable_torch_compile_warmer: bool = field(default=False, metadata={
+        "help": "With --torch-compile-in-background on CPU: build the graphs in the server process from the start, "
+                "instead of first leaving them to a low-priority child process that fills torch.compile's cache "
+                "(the server decodes eager meanwhile, on one thread fewer)."})
     torch_compile_max_bs: int = field(
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={

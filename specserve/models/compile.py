@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from specserve.attention import ForwardBatch, ForwardMode
+from specserve.models.compile_warm import CacheWarmer
 from specserve.models.one_row import one_row_forward, onednn_off
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class BackgroundCompiler:
     def __init__(self, stats: CompileStats) -> None:
         self.stats = stats
         stats.background = True
+        self.warmer: CacheWarmer | None = None  # the child filling the cache: builds wait until it has exited
         self._built: set = set()
         self._pending: set = set()  # kinds claimed and not built or failed yet
         self._attempts: Counter = Counter()  # kind -> builds tried
@@ -284,6 +286,10 @@ class BackgroundCompiler:
         """Nothing handed over is still being built."""
         return self.stats.kinds_pending == 0
 
+    def warming(self) -> bool:
+        """A child process is still filling the cache (``compile_warm``)."""
+        return self.warmer is not None and not self.warmer.done.is_set()
+
     def wait(self, timeout: float = 3600.0) -> bool:
         """Block until everything claimed so far is built or has failed, or `timeout` seconds pass (tests,
         benchmarks). -> idle()."""
@@ -298,7 +304,10 @@ class BackgroundCompiler:
         return self.idle()
 
     def close(self) -> None:
-        """Build nothing more; a graph being built finishes on the (daemon) thread."""
+        """Build nothing more (the cache-filling child is stopped); a graph being built finishes on the (daemon)
+        thread."""
+        if self.warmer is not None:
+            self.warmer.close()
         with self._lock:
             self._closed = True
             while not self._todo.empty():
@@ -306,19 +315,23 @@ class BackgroundCompiler:
                 self.stats.kinds_pending -= 1
 
     def fit_threads(self) -> bool:
-        """On the scheduler's thread, before a forward: one OpenMP thread fewer while a graph is being built, all of
-        them again after. The compile thread keeps a core busy, and an OpenMP team with a thread on every core
-        waits at each barrier for the one the compile holds (the demo's eager decoding on 2 cores: 11-37 tok/s
-        during a compile with both threads, 110-118 with one). -> whether the thread count is the engine's own,
-        the one the graphs were built for (dynamo guards on it: with one fewer, every graph misses)."""
+        """On the scheduler's thread, before a forward: one OpenMP thread fewer while a graph is being built or a
+        child process fills the cache (``compile_warm``), all of them again after. The compile thread keeps a core
+        busy, and an OpenMP team with a thread on every core waits at each barrier for the one the compile holds
+        (the demo's eager decoding on 2 cores: 11-37 tok/s during a compile with both threads, 110-118 with one).
+        -> whether the thread count is the engine's own, the one the graphs were built for (dynamo guards on it:
+        with one fewer, every graph misses)."""
         if self.threads is None:
             self.threads = torch.get_num_threads()  # the count the engine runs with (the generated kernels' too)
-        want = self.threads if self.idle() else max(1, self.threads - 1)
+        busy = not self.idle() or self.warming()  # a build, or a child filling the cache, needs a core
+        want = max(1, self.threads - 1) if busy else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)  # the calling thread's OpenMP count
         return want == self.threads
 
     def _run(self) -> None:
+        while self.warming() and not self._closed:  # the child's graphs, from the cache, are built in seconds
+            self.warmer.done.wait(1.0)
         with torch.inference_mode():  # the scheduler's tensors are inference tensors: the same kind of input
             while True:
                 with self._lock:

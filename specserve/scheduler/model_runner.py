@@ -18,6 +18,7 @@ from specserve.attention.backend import ATTENTION_BACKENDS
 from specserve.cache.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from specserve.config import ConfigError, ServerArgs
 from specserve.models.compile import BackgroundCompiler, CompileStats, compile_forward
+from specserve.models.compile_warm import start_cache_warmer
 from specserve.models.cuda_graph import CudaGraphs, graph_backend
 from specserve.models.gguf import source_file
 from specserve.models.gguf_quant import apply_gguf_quantization
@@ -81,6 +82,7 @@ class ModelRunner:
         self.model.set_max_positions(self.context_len + self.lookahead + 8)
         self.draft_memory = draft_memory(args, self.spec, self.dtype, self.platform)
         self.max_total_tokens = self._kv_capacity()
+        self._start_cache_warmer()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(self.spec.num_layers, self.max_total_tokens, self.kv_heads, self.spec.head_dim,
                               self.dtype, self.device)
@@ -144,6 +146,13 @@ class ModelRunner:
             return None
         return BackgroundCompiler(self.compile_stats)
 
+    def _start_cache_warmer(self) -> None:
+        """Background compile on CPU: a niced child process fills torch.compile's cache before this process builds
+        anything (``models/compile_warm.py``), unless a child did so already for these settings."""
+        if (self.background_compiler is not None and self.device.type == "cpu"
+                and not self.args.disable_torch_compile_warmer):
+            self.background_compiler.warmer = start_cache_warmer(self.args, self.max_total_tokens)
+
     def _cuda_graphs(self) -> CudaGraphs | None:
         if self.tp_leader is not None:
             return None  # the followers replay nothing: they run each forward eagerly
@@ -176,7 +185,8 @@ class ModelRunner:
                         torch_compile_calls=cs.compiled_calls)
             if cs.background:
                 info.update(torch_compile_eager_calls=cs.eager_calls, torch_compile_kinds_built=cs.kinds_built,
-                            torch_compile_kinds_pending=cs.kinds_pending, torch_compile_kinds_failed=cs.kinds_failed)
+                            torch_compile_kinds_pending=cs.kinds_pending, torch_compile_kinds_failed=cs.kinds_failed,
+                            torch_compile_warming_cache=self.background_compiler.warming())
         if self.gguf_linears is not None:
             info.update(gguf_linears=self.gguf_linears)
         graphs = self.cuda_graphs
