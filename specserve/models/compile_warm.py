@@ -12,7 +12,7 @@ seconds, so on a cold cache the server first leaves the building to a child proc
 - meanwhile the server decodes eager on one OpenMP thread fewer, leaving the child a core, and builds nothing
   (``BackgroundCompiler`` holds its builds back). The child runs at a low priority (``CHILD_NICE``), so the
   server's threads come first;
-- when the child exits the server builds its graphs from the cache, and writes nothing: the child left a marker
+- when the child exits the server builds its graphs from the cache. The child leaves a marker
   (``specserve-warm/<key>.done`` in inductor's cache folder) keyed by the settings, torch's version and specserve's,
   so a later start with the same settings skips the child. If the child fails, the server builds from scratch.
 """
@@ -37,11 +37,12 @@ logger = logging.getLogger(__name__)
 MARKER_DIR = "specserve-warm"
 #: the child's CPU priority. The server leaves it a core (one OpenMP thread fewer), where its code generation runs;
 #: but a compiled graph of its own runs on the server's thread count, and the thread on the server's core then gets
-#: the share this sets: at 19 (1.5% of a busy core) a pass over the warm-up requests took the child minutes, at 10
-#: (about 10%) much less, for a tenth of a core taken from the server only while such a graph runs
+#: the share this sets: at 19 (about 1.5% of a busy core) the child's last pass over the warm-up requests, running its
+#: graphs and building none, had not ended after 4 minutes beside a busy server; 10 gives it about a tenth of the
+#: server's core, taken only while such a graph runs
 CHILD_NICE = 10
-#: warm-up passes of the child: it stops after the first that builds no new graph, or after the third (on SmolLM2
-#: with its EAGLE-3 head: 14, 2-3, 0-1 and 0 new graphs); what a later pass would have built, the server builds
+#: warm-up passes of the child: it stops after the first that builds no new graph, or after the third (SmolLM2 with
+#: its EAGLE-3 head, three runs: 14, 2-3 and 0-1 new graphs); what a later pass would have built, the server builds
 MAX_PASSES = 3
 #: settings that do not change a graph (where the server listens, what it logs, what it calls the model)
 NOT_IN_KEY = frozenset({"host", "port", "api_key", "served_model_name", "log_level", "enable_metrics",
