@@ -45,8 +45,8 @@ CHILD_NICE = 10
 #: its EAGLE-3 head, three runs: 14, 2-3 and 0-1 new graphs); what a later pass would have built, the server builds
 MAX_PASSES = 3
 #: settings that do not change a graph (where the server listens, what it logs, what it calls the model)
-NOT_IN_KEY = frozenset({"host", "port", "api_key", "served_model_name", "log_level", "enable_metrics",
-                        "stream_interval", "log_requests", "dp_size", "disable_torch_compile_warmer"})
+NOT_IN_KEY = frozenset({"host", "port", "api_key", "admin_api_key", "served_model_name", "log_level",
+                        "enable_metrics", "stream_interval", "log_requests", "dp_size", "disable_torch_compile_warmer"})
 
 
 def warm_key(settings: dict) -> str:
@@ -69,11 +69,13 @@ def marker_path(settings: dict) -> str:
 
 
 def child_settings(args, max_total_tokens: int) -> dict:
-    """The child's ServerArgs fields: the server's, background compile without a warmer of its own, one replica, and
-    the server's KV capacity (the K/V pool is a graph input: its size is in a graph's cache key)."""
+    """The child's ServerArgs fields: the server's, background compile without a warmer of its own, one replica, the
+    server's KV capacity (the K/V pool is a graph input: its size is in a graph's cache key), and no API keys (the
+    child serves nobody, and its command line is visible to every user of the machine)."""
     settings = dataclasses.asdict(args)
     settings.update(torch_compile_in_background=True, enable_torch_compile=True, disable_torch_compile_warmer=True,
-                    dp_size=1, max_total_tokens=max_total_tokens, skip_server_warmup=True)
+                    dp_size=1, max_total_tokens=max_total_tokens, skip_server_warmup=True, api_key=None,
+                    admin_api_key=None)
     return settings
 
 

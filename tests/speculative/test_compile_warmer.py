@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from specserve import Engine
+from specserve.config import ServerArgs
 from specserve.models import compile_warm
 from specserve.models.compile import BackgroundCompiler, CompileStats
 from tests.engine.helpers import PROMPTS, greedy
@@ -111,6 +112,14 @@ def test_the_marker_key_follows_the_settings_that_shape_graphs():
     assert compile_warm.warm_key({**base, "port": 8000, "host": "0.0.0.0"}) == key  # where it listens: no matter
     assert compile_warm.warm_key({**base, "num_threads": 1}) != key  # dynamo guards on the thread count
     assert compile_warm.warm_key({**base, "dtype": "float32"}) != key
+
+
+def test_the_child_gets_no_api_key():
+    args = ServerArgs(model_path="m", api_key="secret", admin_api_key="admin-secret", dp_size=2)
+    settings = compile_warm.child_settings(args, 4096)
+    assert "secret" not in str(settings)
+    assert settings["dp_size"] == 1 and settings["max_total_tokens"] == 4096
+    assert settings["torch_compile_in_background"] and settings["disable_torch_compile_warmer"]
 
 
 def test_the_scheduler_leaves_the_child_a_core():
