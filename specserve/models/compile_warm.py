@@ -6,9 +6,9 @@ fell from about 48 to 2 tok/s for a minute and a half. A graph whose compiled co
 cache (``TORCHINDUCTOR_CACHE_DIR``, by default a folder in the system's temporary directory) is rebuilt from it in
 seconds, so on a cold cache the server first leaves the building to a child process:
 
-- the child (``python -m specserve.models.compile_warm``) loads the same model with the same settings and runs the
-  warm-up requests through a background-compiling engine of its own, pass after pass until one builds no new graph,
-  so its graphs are the ones the server will ask for;
+- the child (``python -m specserve.warm_compile``, a module above the engine) loads the same model with the same
+  settings and runs the warm-up requests through a background-compiling engine of its own, pass after pass until
+  one builds no new graph, so its graphs are the ones the server will ask for;
 - meanwhile the server decodes eager on one OpenMP thread fewer, leaving the child a core, and builds nothing
   (``BackgroundCompiler`` holds its builds back). The child runs at a low priority (``CHILD_NICE``), so the
   server's threads come first;
@@ -41,9 +41,6 @@ MARKER_DIR = "specserve-warm"
 #: graphs and building none, had not ended after 4 minutes beside a busy server; 10 gives it about a tenth of the
 #: server's core, taken only while such a graph runs
 CHILD_NICE = 10
-#: warm-up passes of the child: it stops after the first that builds no new graph, or after the third (SmolLM2 with
-#: its EAGLE-3 head, three runs: 14, 2-3 and 0-1 new graphs); what a later pass would have built, the server builds
-MAX_PASSES = 3
 #: settings that do not change a graph (where the server listens, what it logs, what it calls the model)
 NOT_IN_KEY = frozenset({"host", "port", "api_key", "admin_api_key", "served_model_name", "log_level",
                         "enable_metrics", "stream_interval", "log_requests", "dp_size", "disable_torch_compile_warmer"})
@@ -121,7 +118,7 @@ def start_cache_warmer(args, max_total_tokens: int) -> CacheWarmer | None:
     fd, log_path = tempfile.mkstemp(prefix="specserve-compile-warm-", suffix=".log")
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specserve.models.compile_warm", json.dumps(settings), marker],
+            [sys.executable, "-m", "specserve.warm_compile", json.dumps(settings), marker],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child_setup)
     logger.info("torch.compile: a child process (pid %d, niced) fills the cache first; until it is done every forward "
                 "runs eager", proc.pid)
@@ -129,39 +126,7 @@ def start_cache_warmer(args, max_total_tokens: int) -> CacheWarmer | None:
 
 
 def _child_setup() -> None:
-    """In the child before it runs Python: the lowest CPU priority, and (Linux) killed when the server process dies,
-    so a killed server leaves no child compiling."""
+    """In the child before it runs Python: a low CPU priority (``CHILD_NICE``), and (Linux) killed when the server
+    process dies, so a killed server leaves no child compiling."""
     os.nice(CHILD_NICE)
     die_with_parent()
-
-
-def warm(settings: dict, marker: str) -> int:
-    """The child's work: a background-compiling engine runs the warm-up requests until a pass builds no new graph;
-    then the marker. -> graphs built."""
-    from specserve.engine import Engine
-
-    with Engine(**settings) as engine:
-        compiler = engine.scheduler.runner.background_compiler
-        graphs = 0
-        for n in range(MAX_PASSES):
-            before = engine.get_server_info()["torch_compile_graphs"]
-            engine.loop.call(lambda s: s.warm_up())
-            compiler.wait()
-            graphs = engine.get_server_info()["torch_compile_graphs"]
-            print(f"pass {n}: {graphs - before} new graphs", flush=True)
-            if n and graphs == before:
-                break
-    with open(marker + ".tmp", "w") as f:
-        f.write(f"{graphs} graphs\n")
-    os.replace(marker + ".tmp", marker)  # whole or absent
-    return graphs
-
-
-def main(argv: list[str] | None = None) -> int:
-    settings_json, marker = (argv or sys.argv[1:])[:2]
-    warm(json.loads(settings_json), marker)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
