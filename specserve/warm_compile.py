@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from specserve.bench.harness import build_background_graphs
 from specserve.engine import Engine
 
 #: warm-up passes of the child: it stops after the first that builds no new graph, or after the third (SmolLM2 with
@@ -21,23 +22,14 @@ MAX_PASSES = 3
 
 def warm(settings: dict, marker: str) -> int:
     """The child's work: a background-compiling engine runs the warm-up requests until a pass builds no new graph
-    (at most MAX_PASSES);
-    then the marker. -> graphs built."""
+    (at most MAX_PASSES), then the marker. -> graphs built."""
     with Engine(**settings) as engine:
-        compiler = engine.scheduler.runner.background_compiler
-        graphs = 0
-        for n in range(MAX_PASSES):
-            before = engine.get_server_info()["torch_compile_graphs"]
-            engine.loop.call(lambda s: s.warm_up())
-            compiler.wait()
-            graphs = engine.get_server_info()["torch_compile_graphs"]
-            print(f"pass {n}: {graphs - before} new graphs", flush=True)
-            if n and graphs == before:
-                break
+        counts = build_background_graphs(engine, lambda: engine.loop.call(lambda s: s.warm_up()), MAX_PASSES)
+    print("graphs after each pass:", counts, flush=True)
     with open(marker + ".tmp", "w") as f:
-        f.write(f"{graphs} graphs\n")
+        f.write(f"{counts[-1]} graphs\n")
     os.replace(marker + ".tmp", marker)  # whole or absent
-    return graphs
+    return counts[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

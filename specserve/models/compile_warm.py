@@ -30,7 +30,10 @@ import tempfile
 import threading
 import time
 
+import torch
+
 from specserve.utils import die_with_parent
+from specserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,6 @@ NOT_IN_KEY = frozenset({"host", "port", "api_key", "admin_api_key", "served_mode
 
 def warm_key(settings: dict) -> str:
     """The marker's name for these settings (``dataclasses.asdict`` of the ServerArgs) -> hex digest."""
-    import torch
-
-    from specserve.version import __version__
-
     kept = {k: v for k, v in sorted(settings.items()) if k not in NOT_IN_KEY}
     text = json.dumps([torch.__version__, __version__, kept], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
