@@ -158,11 +158,19 @@ class SchedulerLoop:
         sched, stats = self.scheduler, self.scheduler.stats
         self.platform.apply_threads()
         prefills, decodes, batch = stats.num_prefill_steps, stats.num_decode_steps, len(sched.running)
+        compiling = self._compile_busy()
         start = time.perf_counter()
         outputs = sched.step()
-        if stats.num_prefill_steps == prefills and stats.num_decode_steps == decodes + 1:
+        if (stats.num_prefill_steps == prefills and stats.num_decode_steps == decodes + 1
+                and not (compiling or self._compile_busy())):
             self.platform.time_step(batch, time.perf_counter() - start)
         return outputs
+
+    def _compile_busy(self) -> bool:
+        """A background compile holds a core (and the forwards run a thread short of the platform's count): such a
+        step says nothing about the count the platform chose."""
+        compiler = self.scheduler.runner.background_compiler
+        return compiler is not None and compiler.busy()
 
     def _drain(self, block: bool) -> None:
         try:

@@ -21,11 +21,17 @@ MAX_PASSES = 3
 
 
 def warm(settings: dict, marker: str) -> int:
-    """The child's work: a background-compiling engine runs the warm-up requests until a pass builds no new graph
-    (at most MAX_PASSES), then the marker. -> graphs built."""
+    """The child's work: a background-compiling engine runs the warm-up requests at each thread count the server may
+    run with (highest first), until a pass builds no new graph (at most MAX_PASSES per count), then the marker.
+    -> graphs built."""
     with Engine(**settings) as engine:
-        counts = build_background_graphs(engine, lambda: engine.loop.call(lambda s: s.warm_up()), MAX_PASSES)
-    print("graphs after each pass:", counts, flush=True)
+        compiler = engine.scheduler.runner.background_compiler
+        compiler.yield_core = False  # every forward at the count being warmed, building or not
+        counts = []
+        for threads in sorted(compiler.counts, reverse=True):
+            engine.loop.call(lambda s, n=threads: s.runner.platform.fix_threads(n))
+            counts += build_background_graphs(engine, lambda: engine.loop.call(lambda s: s.warm_up()), MAX_PASSES)
+            print(f"graphs after each pass at {threads} threads:", counts, flush=True)
     with open(marker + ".tmp", "w") as f:
         f.write(f"{counts[-1]} graphs\n")
     os.replace(marker + ".tmp", marker)  # whole or absent

@@ -146,9 +146,9 @@ class CompiledForward:
 
     def _call_built(self, fb: ForwardBatch, args: tuple, kwargs: dict):
         """Background compiling: a built graph that takes this call, else eager, handing the compile thread a copy
-        of the inputs when its kind has no graph for them (``BackgroundCompiler.claim``)."""
-        key = variant_key(fb, args)
-        own_threads = self.background.fit_threads()
+        of the inputs when its kind has no graph for them (``BackgroundCompiler.claim``). A kind is keyed by the
+        thread count too: dynamo guards a graph on the count it was built at."""
+        key = (self.background.fit_threads(),) + variant_key(fb, args)
         if not self.background.built(key):
             self.stats.eager_calls += 1
             copy = self.background.claim(key, fb, args, kwargs)
@@ -156,9 +156,6 @@ class CompiledForward:
             if copy is not None:  # handed over after the eager call: state it builds lazily (RoPE tables) exists
                 self.background.submit(key, self, copy)
             return out
-        if not own_threads:  # the graphs are guarded on the thread count, one fewer while a build runs
-            self.stats.eager_calls += 1
-            return self.eager(fb, *args, **kwargs)
         _ran.graph = False
         out = self._run(self.run_only, fb, args, kwargs)
         if _ran.graph:
@@ -233,10 +230,19 @@ def _strided_copy(t: torch.Tensor) -> torch.Tensor:
 class BackgroundCompiler:
     """Builds graphs on a thread of its own from the inputs ``CompiledForward`` hands it, one kind of call at a
     time, so the scheduler's thread never waits for torch.compile. The thread ends when nothing is left to build
-    (its OpenMP workers go with it) and starts again on the next kind."""
+    (its OpenMP workers go with it) and starts again on the next kind.
 
-    def __init__(self, stats: CompileStats) -> None:
+    Graphs are built per OpenMP thread count (dynamo guards a graph on the count it was built at): for each count in
+    ``counts`` (the platform's ``thread_counts``: the governor's levels, so compiled decoding follows contention as
+    eager decoding does), as calls at that count meet a kind without one. ``target`` gives the count the next
+    forward should run with (the platform's ``thread_target``)."""
+
+    def __init__(self, stats: CompileStats, target=torch.get_num_threads, counts: tuple[int, ...] | None = None
+                 ) -> None:
         self.stats = stats
+        self.target = target
+        self.counts = frozenset(counts if counts is not None else (target(),))
+        self.yield_core = True  # one thread fewer for the forwards while a build or a child needs a core
         stats.background = True
         self.warmer: CacheWarmer | None = None  # the child filling the cache: builds wait until it has exited
         self._built: set = set()
@@ -247,16 +253,21 @@ class BackgroundCompiler:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.threads: int | None = None  # the scheduler's OpenMP thread count, read on its first forward
 
     def built(self, key: tuple) -> bool:
         return key in self._built
 
-    def claim(self, key: tuple, fb: ForwardBatch, args: tuple, kwargs: dict) -> tuple | None:
-        """A call of kind `key` that found no graph for it, while none is being built for that kind and it has had
-        fewer than BUILDS_PER_KIND builds and FAILED_TRIES failures: a copy of its inputs to ``submit``; else None."""
+    def kinds_by_threads(self) -> dict[int, int]:
+        """Thread count -> kinds of call with a graph built at that count."""
         with self._lock:
-            if (self._closed or key in self._pending or self._attempts[key] >= BUILDS_PER_KIND
+            return dict(sorted(Counter(key[0] for key in self._built).items(), reverse=True))
+
+    def claim(self, key: tuple, fb: ForwardBatch, args: tuple, kwargs: dict) -> tuple | None:
+        """A call of kind `key` (its thread count first) that found no graph for it, at one of ``counts``, while none
+        is being built for that kind and it has had fewer than BUILDS_PER_KIND builds and FAILED_TRIES failures: a
+        copy of its inputs to ``submit``; else None."""
+        with self._lock:
+            if (self._closed or key[0] not in self.counts or key in self._pending or self._attempts[key] >= BUILDS_PER_KIND
                     or self._failures[key] >= FAILED_TRIES):
                 return None
             self._attempts[key] += 1
@@ -314,20 +325,20 @@ class BackgroundCompiler:
                 self._pending.discard(self._todo.get_nowait()[0])
                 self.stats.kinds_pending -= 1
 
-    def fit_threads(self) -> bool:
-        """On the scheduler's thread, before a forward: one OpenMP thread fewer while a graph is being built or a
-        child process fills the cache (``compile_warm``), all of them again after. The compile thread keeps a core
-        busy, and an OpenMP team with a thread on every core waits at each barrier for the one the compile holds
-        (the demo's eager decoding on 2 cores: 11-37 tok/s during a compile with both threads, 110-118 with one).
-        -> whether the thread count is the engine's own, the one the graphs were built for (dynamo guards on it:
-        with one fewer, every graph misses)."""
-        if self.threads is None:
-            self.threads = torch.get_num_threads()  # the count the engine runs with (the generated kernels' too)
-        busy = not self.idle() or self.warming()  # a build, or a child filling the cache, needs a core
-        want = max(1, self.threads - 1) if busy else self.threads
+    def busy(self) -> bool:
+        """A graph is being built, or a child process fills the cache: either needs a core."""
+        return not self.idle() or self.warming()
+
+    def fit_threads(self) -> int:
+        """On the scheduler's thread, before a forward: the platform's count (``target``), one OpenMP thread fewer
+        while ``busy``. The compile thread keeps a core busy, and an OpenMP team with a thread on every core waits at
+        each barrier for the one the compile holds (the demo's eager decoding on 2 cores: 11-37 tok/s during a
+        compile with both threads, 110-118 with one). -> the count set, which the call's kind is keyed by."""
+        target = self.target()
+        want = max(1, target - 1) if self.yield_core and self.busy() else target
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)  # the calling thread's OpenMP count
-        return want == self.threads
+        return want
 
     def _run(self) -> None:
         while self.warming() and not self._closed:  # the child's graphs, from the cache, are built in seconds
@@ -342,11 +353,11 @@ class BackgroundCompiler:
                 self._build(key, forward, fb, args, kwargs)
 
     def _build(self, key: tuple, forward: CompiledForward, fb: ForwardBatch, args: tuple, kwargs: dict) -> None:
-        # this thread's OpenMP count, which inductor sizes its kernels' teams from and dynamo guards the graph on.
-        # Read first: a thread's first read sets its count from the process-wide one, which the scheduler's thread
-        # last set (one fewer, while this builds)
+        # this thread's OpenMP count, the kind's, which inductor sizes its kernels' teams from and dynamo guards the
+        # graph on. Read first: a thread's first read sets its count from the process-wide one, which the
+        # scheduler's thread last set
         torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(key[0])
         before, start = _graph_count(), time.perf_counter()
         try:
             _configure_dynamo()

@@ -8,7 +8,8 @@ seconds, so on a cold cache the server first leaves the building to a child proc
 
 - the child (``python -m specserve.warm_compile``, a module above the engine) loads the same model with the same
   settings and runs the warm-up requests through a background-compiling engine of its own, pass after pass until
-  one builds no new graph, so its graphs are the ones the server will ask for;
+  one builds no new graph, at each thread count the server's governor may pick (a graph is built per count), so
+  its graphs are the ones the server will ask for;
 - meanwhile the server decodes eager on one OpenMP thread fewer, leaving the child a core, and builds nothing
   (``BackgroundCompiler`` holds its builds back). The child runs at a low priority (``CHILD_NICE``), so the
   server's threads come first;
@@ -49,10 +50,15 @@ NOT_IN_KEY = frozenset({"host", "port", "api_key", "admin_api_key", "served_mode
                         "enable_metrics", "stream_interval", "log_requests", "dp_size", "disable_torch_compile_warmer"})
 
 
+#: what a marker promises about the cache; a change of it makes earlier markers stale (graphs per thread count: the
+#: child builds every count the server's governor may pick)
+CACHE_LAYOUT = "a graph per kind and thread count"
+
+
 def warm_key(settings: dict) -> str:
     """The marker's name for these settings (``dataclasses.asdict`` of the ServerArgs) -> hex digest."""
     kept = {k: v for k, v in sorted(settings.items()) if k not in NOT_IN_KEY}
-    text = json.dumps([torch.__version__, __version__, kept], sort_keys=True, default=str)
+    text = json.dumps([torch.__version__, __version__, CACHE_LAYOUT, kept], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -39,6 +39,21 @@ class PlatformPolicy:
     def apply_threads(self) -> None:
         """Give the calling thread, about to run forwards, the thread count in force; called before each step."""
 
+    def thread_target(self) -> int:
+        """The OpenMP thread count the next forward should run with (torch.compile's background builds key their
+        graphs by it: dynamo guards on the count)."""
+        return torch.get_num_threads()
+
+    def thread_counts(self) -> tuple[int, ...]:
+        """Every count ``thread_target`` may return while serving (the background compiler builds graphs for these
+        only)."""
+        return (self.thread_target(),)
+
+    def fix_threads(self, threads: int) -> None:
+        """Run every later step at ``threads`` (the cache-filling child, building one count's graphs at a time); on
+        the thread that runs the forwards."""
+        torch.set_num_threads(threads)
+
     def time_step(self, batch_size: int, seconds: float) -> None:
         """A decode step of ``batch_size`` requests took ``seconds`` (wall): what the thread count adapts to."""
 

@@ -144,7 +144,7 @@ class ModelRunner:
         if self.cuda_graphs is not None:  # a graph captured around an eager forward would never see the compiled one
             logger.info("--torch-compile-in-background ignored with CUDA graphs: the graphs are built at start-up")
             return None
-        return BackgroundCompiler(self.compile_stats)
+        return BackgroundCompiler(self.compile_stats, self.platform.thread_target, self.platform.thread_counts())
 
     def _start_cache_warmer(self) -> None:
         """Background compile on CPU: a niced child process fills torch.compile's cache before this process builds
@@ -186,7 +186,8 @@ class ModelRunner:
             if cs.background:
                 info.update(torch_compile_eager_calls=cs.eager_calls, torch_compile_kinds_built=cs.kinds_built,
                             torch_compile_kinds_pending=cs.kinds_pending, torch_compile_kinds_failed=cs.kinds_failed,
-                            torch_compile_warming_cache=self.background_compiler.warming())
+                            torch_compile_warming_cache=self.background_compiler.warming(),
+                            torch_compile_kinds_by_threads=self.background_compiler.kinds_by_threads())
         if self.gguf_linears is not None:
             info.update(gguf_linears=self.gguf_linears)
         graphs = self.cuda_graphs

@@ -15,6 +15,7 @@ from specserve.attention import ForwardMode
 from specserve.config import ServerArgs
 from specserve.models import compile as compile_mod
 from specserve.models.compile import BackgroundCompiler, CompileStats, variant_key
+from specserve.platform.cpu import policy as cpu_policy
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
@@ -102,6 +103,31 @@ def test_eagle_outputs_equal_plain_before_and_after_the_graphs(target, self_head
     assert last["torch_compile_eager_calls"] == built["torch_compile_eager_calls"]
 
 
+def test_graphs_for_each_thread_count_the_governor_picks(target, plain, fresh_dynamo, monkeypatch):
+    """Without --num-threads the thread count follows contention under background compiling too: the engine builds
+    each kind's graph at each count it runs with (dynamo guards on the count), and at either count the calls run
+    compiled with outputs equal to eager decoding's."""
+    monkeypatch.setattr(cpu_policy, "usable_cpus", lambda: 2)  # the governor's counts: 2 and 1
+    with Engine(model_path=target, max_total_tokens=4096, torch_compile_in_background=True,
+                disable_torch_compile_warmer=True) as e:
+        assert e.scheduler.runner.background_compiler.counts == {2, 1}
+        assert e.get_server_info()["cpu_threads_adaptive"]
+        runs = {}
+        for threads in (2, 1):  # each count in turn, held (the governor's probes would make the test a race)
+            e.loop.call(lambda s, n=threads: s.runner.platform.fix_threads(n))
+            runs[threads] = _until_built(e, lambda: _outputs(e, PROMPTS[:3], batched=True)
+                                         + _outputs(e, PROMPTS[3:4], batched=False))
+    for passes, _ in runs.values():
+        assert passes == [plain[:4]] * len(passes)
+    for threads, (_, infos) in runs.items():
+        built, last = infos[-2], infos[-1]
+        assert last["torch_compile_graphs"] == built["torch_compile_graphs"], f"still building at {threads}"
+        assert last["torch_compile_calls"] > built["torch_compile_calls"]  # ran built graphs at this count
+        assert last["torch_compile_eager_calls"] == built["torch_compile_eager_calls"]
+    kinds = runs[1][1][-1]["torch_compile_kinds_by_threads"]
+    assert set(kinds) == {2, 1} and kinds[1] >= 2  # batch 1 and more, at one thread too
+
+
 def test_a_failed_compile_leaves_its_kind_eager(target, plain, fresh_dynamo, monkeypatch):
     def broken(fn, **_):
         def run(*args, **kwargs):
@@ -139,19 +165,30 @@ def test_variant_key_tells_graphs_apart():
 
 
 def test_the_scheduler_gives_the_compile_a_core():
-    """While a graph is being built the scheduler's forwards run on one OpenMP thread fewer; all of them after."""
+    """While a graph is being built the scheduler's forwards run on one OpenMP thread fewer than the platform's
+    count; all of them after."""
     was = torch.get_num_threads()
-    bc = BackgroundCompiler(CompileStats())
-    bc.threads = 2
+    bc = BackgroundCompiler(CompileStats(), target=lambda: 2, counts=(2,))
     try:
         bc.stats.kinds_pending = 1
-        bc.fit_threads()
-        assert torch.get_num_threads() == 1
+        assert bc.fit_threads() == 1 and torch.get_num_threads() == 1
         bc.stats.kinds_pending = 0
-        bc.fit_threads()
-        assert torch.get_num_threads() == 2
+        assert bc.fit_threads() == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(was)
+
+
+def test_kinds_are_built_only_at_the_platforms_counts(monkeypatch):
+    """A call at a thread count the platform never runs at (one fewer while a build runs, under a fixed count) is not
+    handed over; at one of its counts it is, once per kind and count."""
+    monkeypatch.setattr(compile_mod, "detached_inputs", lambda fb, args, kwargs: (fb, args, kwargs))
+    fb, key = _fb(ForwardMode.DECODE, 2, 2), variant_key(_fb(ForwardMode.DECODE, 2, 2), ())
+    fixed = BackgroundCompiler(CompileStats(), target=lambda: 2, counts=(2,))
+    assert fixed.claim((1,) + key, fb, (), {}) is None
+    adaptive = BackgroundCompiler(CompileStats(), target=lambda: 2, counts=(2, 1))
+    assert adaptive.claim((1,) + key, fb, (), {}) is not None
+    assert adaptive.claim((1,) + key, fb, (), {}) is None  # being built
+    assert adaptive.claim((2,) + key, fb, (), {}) is not None
 
 
 def test_the_flag_turns_torch_compile_on():

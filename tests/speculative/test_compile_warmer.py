@@ -126,8 +126,7 @@ def test_the_scheduler_leaves_the_child_a_core():
     """While the child fills the cache the scheduler's forwards run on one OpenMP thread fewer, and the compile
     thread builds nothing; all threads once the child is done."""
     was = torch.get_num_threads()
-    bc = BackgroundCompiler(CompileStats())
-    bc.threads = 2
+    bc = BackgroundCompiler(CompileStats(), target=lambda: 2, counts=(2,))
     bc.warmer = SimpleNamespace(done=threading.Event(), close=lambda: None)
     try:
         assert bc.warming() and bc.idle()

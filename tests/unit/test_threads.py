@@ -181,10 +181,25 @@ def test_num_threads_forces_the_count_and_turns_adaptation_off(keep_threads):
     assert policy.info() == {"cpu_threads_adaptive": False, "cpu_threads": 1}
 
 
-def test_torch_compile_turns_adaptation_off(keep_threads):
+def test_torch_compile_up_front_turns_adaptation_off(keep_threads):
     policy = platform_policy(ServerArgs(enable_torch_compile=True), torch.device("cpu"))
     policy.configure_threads()
     assert policy.governor is None and torch.get_num_threads() == usable_cpus()
+    assert policy.thread_counts() == (usable_cpus(),) == (policy.thread_target(),)
+
+
+def test_background_compile_keeps_adapting_with_a_graph_per_count(keep_threads, monkeypatch):
+    """--torch-compile-in-background builds a graph per thread count, so the count may still follow contention:
+    the compiler is told every count the governor can pick, and the one in force."""
+    monkeypatch.setattr("specserve.platform.cpu.policy.usable_cpus", lambda: 4)
+    policy = platform_policy(ServerArgs(enable_torch_compile=True, torch_compile_in_background=True),
+                             torch.device("cpu"))
+    policy.configure_threads()
+    assert policy.thread_counts() == (4, 2, 1) and policy.thread_target() == 4
+    policy.governor.level = 2
+    assert policy.thread_target() == 1
+    policy.fix_threads(2)  # the cache-filling child, one count at a time
+    assert policy.governor is None and policy.thread_target() == 2 and torch.get_num_threads() == 2
 
 
 def test_default_adapts_from_the_usable_cpus(keep_threads, monkeypatch):

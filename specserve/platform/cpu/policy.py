@@ -64,6 +64,7 @@ class CpuPolicy(PlatformPolicy):
     def __init__(self, args, device: torch.device) -> None:
         super().__init__(args, device)
         self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
+        self.threads = 1  # the count configure_threads set (the governor's highest when it adapts)
         self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
         self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
@@ -89,16 +90,28 @@ class CpuPolicy(PlatformPolicy):
     @property
     def adapts_threads(self) -> bool:
         """Whether the thread count follows contention (``governor.py``): not when ``--num-threads`` forces a
-        count, nor under ``--enable-torch-compile``, whose generated kernels fix their thread count when built, nor
-        under tensor parallelism, whose ranks each keep their own share of the cores."""
-        return not self.args.num_threads and not self.args.enable_torch_compile and self.args.tp_size == 1
+        count; not under ``--enable-torch-compile`` with graphs built up front, whose generated kernels fix their
+        thread count when built (``--torch-compile-in-background`` builds a graph per count, as its calls meet
+        them); not under tensor parallelism, whose ranks each keep their own share of the cores."""
+        compiled_up_front = self.args.enable_torch_compile and not self.args.torch_compile_in_background
+        return not self.args.num_threads and not compiled_up_front and self.args.tp_size == 1
 
     def configure_threads(self) -> None:
         """``--num-threads``, else the CPUs this process may use (``cpus.py``: affinity and cgroup quota), which the
         governor then lowers while other processes keep cores busy."""
-        threads = self.args.num_threads or usable_cpus()
+        self.threads = self.args.num_threads or usable_cpus()
+        torch.set_num_threads(self.threads)
+        self.governor = ThreadGovernor(self.threads) if self.adapts_threads else None
+
+    def thread_target(self) -> int:
+        return self.governor.threads if self.governor is not None else self.threads
+
+    def thread_counts(self) -> tuple[int, ...]:
+        return self.governor.levels if self.governor is not None else (self.threads,)
+
+    def fix_threads(self, threads: int) -> None:
+        self.governor, self.threads = None, threads
         torch.set_num_threads(threads)
-        self.governor = ThreadGovernor(threads) if self.adapts_threads else None
 
     def apply_threads(self) -> None:
         # torch.set_num_threads sets the calling thread's OpenMP count: the scheduler thread and the overlap
