@@ -267,8 +267,8 @@ class BackgroundCompiler:
         is being built for that kind and it has had fewer than BUILDS_PER_KIND builds and FAILED_TRIES failures: a
         copy of its inputs to ``submit``; else None."""
         with self._lock:
-            if (self._closed or key[0] not in self.counts or key in self._pending or self._attempts[key] >= BUILDS_PER_KIND
-                    or self._failures[key] >= FAILED_TRIES):
+            if (self._closed or key[0] not in self.counts or key in self._pending
+                    or self._attempts[key] >= BUILDS_PER_KIND or self._failures[key] >= FAILED_TRIES):
                 return None
             self._attempts[key] += 1
             self._pending.add(key)
