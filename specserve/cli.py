@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from specserve.args import add_server_args, server_args_from, use_demo
+from specserve.args import add_server_args, serve_demo, server_args_from, use_demo
 from specserve.config import ConfigError
 from specserve.train.cli import COMMANDS as TRAIN_COMMANDS
 
@@ -100,7 +100,7 @@ def cmd_serve(argv: list[str]) -> int:
     """``specserve serve``: ``python -m specserve.launch_server``, serving the demo model without --model-path."""
     from specserve.launch_server import main as launch_main
 
-    return launch_main(argv, prog="specserve serve", default_model=use_demo)
+    return launch_main(argv, prog="specserve serve", default_model=serve_demo)
 
 
 def cmd_eval_acceptance(argv: list[str]) -> int:

@@ -152,6 +152,10 @@ class ServerArgs:
         "help": "With --torch-compile-in-background on CPU: build the graphs in the server process from the start, "
                 "instead of first leaving them to a low-priority child process that fills torch.compile's cache "
                 "(the server decodes eager meanwhile, on one thread fewer)."})
+    disable_torch_compile: bool = field(default=False, metadata={
+        "help": "No torch.compile: the default model (`specserve serve` without --model-path, on CPU) otherwise "
+                "compiles in the background. Cannot be combined with --enable-torch-compile or "
+                "--torch-compile-in-background."})
     torch_compile_max_bs: int = field(
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
@@ -270,6 +274,9 @@ class ServerArgs:
         require_positive(self, "max_queued_requests", allow_none=True)
         require_positive(self, "max_prefill_tokens")
         require_positive(self, "torch_compile_max_bs")
+        if self.disable_torch_compile and (self.enable_torch_compile or self.torch_compile_in_background):
+            flag = "--torch-compile-in-background" if self.torch_compile_in_background else "--enable-torch-compile"
+            raise ConfigError(f"--disable-torch-compile contradicts {flag}: give one of them")
         if self.torch_compile_in_background:
             self.enable_torch_compile = True
         require_positive(self, "cuda_graph_max_bs", allow_none=True)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from specserve import Engine
-from specserve.args import add_server_args, use_demo
+from specserve.args import add_server_args, serve_demo, use_demo
 from specserve.cli import main as cli_main
 from specserve.demo_models import (
     SMOLLM2_DRAFT,
@@ -45,6 +45,33 @@ def test_the_default_is_smollm2_in_bf16_with_its_eagle3_head():
     ns = _defaults(["--dtype", "float32", "--speculative-algorithm", "NGRAM", "--served-model-name", "chat"])
     assert (ns.dtype, ns.speculative_algorithm, ns.served_model_name) == ("float32", "NGRAM", "chat")
     assert ns.speculative_draft_model_path is None
+
+
+def _served(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    ns = p.parse_args(argv)
+    serve_demo(ns)
+    return ns
+
+
+def test_serving_the_default_on_cpu_compiles_in_the_background(monkeypatch):
+    """`specserve serve` without --model-path: SmolLM2's forwards compiled in the background on CPU, unless the user
+    chose about torch.compile or the run is one the background compile does not serve (CUDA, several ranks or
+    replicas); `generate` and the benchmarks keep eager forwards."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert _served([]).torch_compile_in_background
+    assert not _defaults([]).torch_compile_in_background  # use_demo alone: generate, bench-speculative
+    for argv in (["--disable-torch-compile"], ["--enable-torch-compile"], ["--device", "cuda"], ["--tp-size", "2"],
+                 ["--dp-size", "2"]):
+        assert not _served(argv).torch_compile_in_background, argv
+    ns = _served(["--enable-torch-compile"])
+    assert ns.enable_torch_compile and not ns.torch_compile_in_background  # the user's up-front compile stays
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert not _served([]).torch_compile_in_background  # auto picks CUDA: its graphs are CUDA graphs' business
+    monkeypatch.setattr("specserve.demo_models.smollm2_gguf", lambda: None)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert not _served([]).torch_compile_in_background  # the code family: not measured to win
 
 
 def test_without_the_package_the_default_is_the_code_family(monkeypatch):
@@ -97,8 +124,8 @@ def test_generate_without_model_path_answers_a_chat_question(capsys):
 
 
 def test_serve_without_model_path_serves_smollm2_with_eagle3(tmp_path):
-    """The README's main command (`make serve` = `specserve serve`): SmolLM2 with EAGLE-3, a chat over HTTP whose
-    greedy answer names capitals."""
+    """The README's main command (`make serve` = `specserve serve`): SmolLM2 with EAGLE-3, compiling in the
+    background (on a cold cache a child fills it first), a chat over HTTP whose greedy answer names capitals."""
     import subprocess
     import sys
 
@@ -111,7 +138,8 @@ def test_serve_without_model_path_serves_smollm2_with_eagle3(tmp_path):
     port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes it for its whole life
     proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=server_env())
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**server_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_server(url, timeout=300, process=proc)
@@ -139,6 +167,7 @@ def test_serve_without_model_path_serves_smollm2_with_eagle3(tmp_path):
         info = requests.get(url + "/get_server_info", timeout=10).json()
         assert info["speculative_algorithm"] == "EAGLE3"
         assert info["avg_spec_accept_length"] > 1.0
+        assert info["cpu_threads_adaptive"] and info["torch_compile_warming_cache"]  # an empty cache: the child
     finally:
         terminate_process(proc)
         log.close()

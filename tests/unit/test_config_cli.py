@@ -51,6 +51,7 @@ def test_sglang_aliases_and_types():
     (["--tool-call-parser", "qwen9"], "--tool-call-parser"),
     (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm"),
     (["--enable-torch-compile", "--torch-compile-max-bs", "0"], "--torch-compile-max-bs"),
+    (["--disable-torch-compile", "--torch-compile-in-background"], "--disable-torch-compile"),
 ])
 def test_bad_values_name_the_flag(argv, flag):
     with pytest.raises(ConfigError, match=f"^{flag}"):
