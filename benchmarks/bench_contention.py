@@ -1,5 +1,6 @@
 """Plain greedy decoding while other processes keep CPU cores busy: specserve (its defaults) against transformers
-``generate`` (its defaults), on the same model and prompts.
+``generate`` (its defaults), on the same model and prompts; or (``--against eager``) specserve compiling its forwards
+in the background (``--specserve-compile``) against its own eager decoding.
 
 Each engine runs in its own worker process, loaded once and warmed up; the neighbours are separate processes
 started for one condition and stopped after it. Within a condition the engines take turns, rep by rep (the first
@@ -15,14 +16,17 @@ none). Conditions, in the order given (``--conditions``):
 
 Reported per condition: specserve's tokens/s in the condition's first run, during which its thread count adapts
 (that run is not counted: ``--warmup-runs``); tokens/s of each engine (median and min-max over reps); specserve /
-transformers (median and min-max of the per-rep ratios); busy / quiet of each engine (its median against its
+the other engine (median and min-max of the per-rep ratios); busy / quiet of each engine (its median against its
 median in the first quiet condition); specserve's thread count at the end of the condition and its switches so
 far; the machine's load average as the condition started; whether specserve's greedy ids equal its first quiet
 rep's.
 
     python benchmarks/bench_contention.py [--conditions quiet,python,python:2,torch-mt,quiet] [--reps 3]
         [--num-prompts 2] [--max-new-tokens 64] [--model-path demo] [--dtype bfloat16] [--specserve-threads N]
-        [--json PATH]
+        [--specserve-compile] [--against transformers|eager] [--json PATH]
+
+With ``--specserve-compile`` the warm-up runs until every graph is built (on a cold torch.compile cache its
+child process fills the cache first: minutes).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 
 from specserve.bench.report import format_table
 
-ENGINES = ("specserve", "transformers")
+BASELINES = ("transformers", "eager")  # the engine specserve is compared with: transformers, or specserve eager
 WARMUP_TEXT = "def warm_up(x):\n    return x + 1\n\ndef warm_up(x):"
 # what each kind of neighbour runs until it is killed (python -c)
 NEIGHBOURS = {
@@ -106,19 +110,24 @@ def neighbours(cond: Condition, settle_s: float) -> Iterator[list[subprocess.Pop
 
 # ---------------------------------------------------------------------------------------------- engine workers
 def _worker(conn, engine: str, model_dir: str, dtype: str, prompts: list[list[int]], warmup: list[int],
-            max_new_tokens: int, threads: int | None) -> None:
-    """Load one engine with its defaults (specserve: ``threads`` fixes its count), warm it up, then decode every
-    prompt on each "run" message."""
+            max_new_tokens: int, threads: int | None, compile_: bool = False) -> None:
+    """Load one engine with its defaults (specserve: ``threads`` fixes its count; ``compile_``: background compile,
+    every graph built during the warm-up; eager: specserve without it), warm it up, then decode every prompt on
+    each "run" message."""
     from specserve.bench.bench_ngram import hf_runner, ours_prepare, ours_runner
 
     prepare, info = (lambda: None), dict
-    if engine == "specserve":
+    if engine in ("specserve", "eager"):
         from specserve import Engine
+        from specserve.bench.harness import build_background_graphs
 
         kv_tokens = max(len(p) for p in [*prompts, warmup]) + max_new_tokens + 64
+        compiled = compile_ and engine == "specserve"
         eng = Engine(model_path=model_dir, dtype=dtype, max_total_tokens=kv_tokens, log_level="warning",
-                     num_threads=threads)
+                     num_threads=threads, torch_compile_in_background=compiled)
         run, prepare = ours_runner(eng, max_new_tokens), ours_prepare(eng)
+        if compiled:
+            build_background_graphs(eng, lambda: [run(p) for p in (warmup, *prompts[:1])], passes=6)
         fields = ("cpu_threads", "cpu_thread_switches", "cpu_thread_probes")
 
         def info() -> dict:
@@ -145,11 +154,11 @@ def _worker(conn, engine: str, model_dir: str, dtype: str, prompts: list[list[in
 
 class Worker:
     def __init__(self, engine: str, model_dir: str, dtype: str, prompts, warmup, max_new_tokens: int,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, compile_: bool = False) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state (threads, OpenMP pools) shared
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, engine, model_dir, dtype, prompts, warmup,
-                                                      max_new_tokens, threads), daemon=True)
+                                                      max_new_tokens, threads, compile_), daemon=True)
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError(f"{engine} worker did not start")
@@ -169,29 +178,30 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(samples: list[dict]) -> list[dict]:
+def summarize(samples: list[dict], baseline: str = "transformers") -> list[dict]:
     """samples: {"condition", "rep", "engine", "tokens", "seconds", "ids", ...} -> one row per condition, in order.
     A condition given twice (quiet at the start and the end) keeps its rows apart by its position ("index")."""
+    engines = ("specserve", baseline)
     rows, quiet, quiet_ids = [], {}, None
     for index in dict.fromkeys(s["index"] for s in samples):
         first = next((s for s in samples if s["index"] == index and s["engine"] == "specserve"), None)
         cs = [s for s in samples if s["index"] == index and s["rep"] >= 0]
-        tps = {e: [s["tokens"] / s["seconds"] for s in cs if s["engine"] == e] for e in ENGINES}
+        tps = {e: [s["tokens"] / s["seconds"] for s in cs if s["engine"] == e] for e in engines}
         pairs = {}  # rep -> engine -> tok/s
         for s in cs:
             pairs.setdefault(s["rep"], {})[s["engine"]] = s["tokens"] / s["seconds"]
-        ratios = [p["specserve"] / p["transformers"] for p in pairs.values() if len(p) == 2]
+        ratios = [p["specserve"] / p[baseline] for p in pairs.values() if len(p) == 2]
         ours = [s for s in cs if s["engine"] == "specserve"]
         row = {"condition": cs[0]["condition"], "index": index, "load": cs[0].get("load"),
                "specserve_first_run": first["tokens"] / first["seconds"] if first is not None else None,
                **{e: _spread(v) for e, v in tps.items() if v},
-               "ours_over_hf": _spread(ratios) if ratios else None,
+               "ours_over_baseline": _spread(ratios) if ratios else None,
                "cpu_threads": ours[-1].get("cpu_threads") if ours else None,
                "cpu_thread_switches": ours[-1].get("cpu_thread_switches") if ours else None}
         if row["condition"] == "quiet" and not quiet:
-            quiet = {e: row[e]["median"] for e in ENGINES if e in row}
+            quiet = {e: row[e]["median"] for e in engines if e in row}
             quiet_ids = ours[0]["ids"] if ours else None
-        row["busy_over_quiet"] = {e: row[e]["median"] / quiet[e] for e in ENGINES if e in row and e in quiet}
+        row["busy_over_quiet"] = {e: row[e]["median"] / quiet[e] for e in engines if e in row and e in quiet}
         row["ids_equal_quiet"] = all(s["ids"] == quiet_ids for s in ours) if quiet_ids is not None else None
         rows.append(row)
     return rows
@@ -203,21 +213,21 @@ def _fmt(spread: dict | None, digits: int) -> str:
     return f"{spread['median']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
 
 
-def render(rows: list[dict]) -> str:
+def render(rows: list[dict], baseline: str = "transformers") -> str:
     shown = [{"condition": r["condition"], "load": "-" if r["load"] is None else f"{r['load']:.2f}",
-              "ours": _fmt(r.get("specserve"), 1), "hf": _fmt(r.get("transformers"), 1),
+              "ours": _fmt(r.get("specserve"), 1), "hf": _fmt(r.get(baseline), 1),
               "first": "-" if r["specserve_first_run"] is None else f"{r['specserve_first_run']:.1f}",
-              "ratio": _fmt(r["ours_over_hf"], 2),
+              "ratio": _fmt(r["ours_over_baseline"], 2),
               "ours_bq": _ratio(r["busy_over_quiet"].get("specserve")),
-              "hf_bq": _ratio(r["busy_over_quiet"].get("transformers")),
+              "hf_bq": _ratio(r["busy_over_quiet"].get(baseline)),
               "threads": f"{r['cpu_threads']} ({r['cpu_thread_switches']})",
               "ids": "-" if r["ids_equal_quiet"] is None else ("yes" if r["ids_equal_quiet"] else "NO")}
              for r in rows]
     return format_table(shown, [("condition", "neighbours", None), ("load", "load 1m", None),
                                 ("first", "specserve first run", None),
-                                ("ours", "specserve tok/s", None), ("hf", "transformers tok/s", None),
-                                ("ratio", "specserve / transformers", None), ("ours_bq", "specserve busy/quiet", None),
-                                ("hf_bq", "transformers busy/quiet", None),
+                                ("ours", "specserve tok/s", None), ("hf", f"{baseline} tok/s", None),
+                                ("ratio", f"specserve / {baseline}", None), ("ours_bq", "specserve busy/quiet", None),
+                                ("hf_bq", f"{baseline} busy/quiet", None),
                                 ("threads", "specserve threads (switches)", None), ("ids", "ids = quiet", None)])
 
 
@@ -252,6 +262,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "its thread count adapts to the new condition, is shown as 'first run')")
     p.add_argument("--specserve-threads", type=int, default=None,
                    help="--num-threads for specserve (a fixed count, no adaptation); default: its own choice")
+    p.add_argument("--specserve-compile", action="store_true",
+                   help="specserve compiles its forwards in the background (--torch-compile-in-background); the "
+                        "warm-up waits for the graphs")
+    p.add_argument("--against", default="transformers", choices=BASELINES,
+                   help="the other engine: transformers generate, or specserve's eager decoding (with its defaults)")
     p.add_argument("--json", default=None, help="also write the rows (and the samples) here")
     args = p.parse_args(argv)
     try:
@@ -267,7 +282,8 @@ def measure(args: argparse.Namespace, workers: dict[str, Worker]) -> list[dict]:
         with neighbours(cond, args.settle):
             load = os.getloadavg()[0]
             for rep in range(-args.warmup_runs, args.reps):  # negative reps: the condition's untimed first runs
-                order = ENGINES if rep % 2 == 0 else ENGINES[::-1]
+                engines = ("specserve", args.against)
+                order = engines if rep % 2 == 0 else engines[::-1]
                 for engine in order:
                     s = workers[engine].run()
                     samples.append({"condition": cond.label, "index": index, "rep": rep, "engine": engine,
@@ -283,27 +299,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import transformers
 
     from specserve.bench.bench_compare import resolve_path
+    from specserve.bench.eval_acceptance import held_out_prompts_for
     from specserve.bench.harness import write_json
-    from specserve.train.corpus import held_out_prompts
 
     model_dir = resolve_path(args.model_path)
     encode = transformers.AutoTokenizer.from_pretrained(model_dir).encode
-    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts(args.num_prompts)]
+    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(args.model_path, args.num_prompts)]
     warmup = encode(WARMUP_TEXT, add_special_tokens=True)
     print(machine_line())
     workers = {}
     try:
-        for engine in ENGINES:
+        for engine in ("specserve", args.against):
             workers[engine] = Worker(engine, model_dir, args.dtype, prompts, warmup, args.max_new_tokens,
-                                     args.specserve_threads)
+                                     args.specserve_threads, args.specserve_compile)
         samples = measure(args, workers)
     finally:
         for w in workers.values():
             w.stop()
-    rows = summarize(samples)
+    rows = summarize(samples, args.against)
+    compiled = ", specserve compiled in the background" if args.specserve_compile else ""
     print(f"{args.model_path} {args.dtype}, greedy, {len(prompts)} prompts x {args.max_new_tokens} new tokens per "
-          f"run, {args.reps} reps per condition, engines alternating; median (min-max)")
-    print(render(rows))
+          f"run, {args.reps} reps per condition, engines alternating{compiled}; median (min-max)")
+    print(render(rows, args.against))
     if args.json:
         write_json({"machine": machine_line(), "rows": rows,
                     "samples": [{k: v for k, v in s.items() if k != "ids"} for s in samples]}, args.json)

@@ -26,7 +26,7 @@ def warm(settings: dict, marker: str) -> int:
     -> graphs built."""
     with Engine(**settings) as engine:
         compiler = engine.scheduler.runner.background_compiler
-        compiler.yield_core = False  # every forward at the count being warmed, building or not
+        compiler.build_at_target = True  # graphs for the count being warmed, while forwards yield a core to builds
         counts = []
         for threads in sorted(compiler.counts, reverse=True):
             engine.loop.call(lambda s, n=threads: s.runner.platform.fix_threads(n))

@@ -31,7 +31,9 @@ call of each kind (``variant_key``) runs eager and hands a copy of its inputs to
 graph from them; calls of a kind whose graph is built run it through dynamo's run-only mode (``torch._dynamo.run``:
 cached graphs whose guards pass, eager otherwise, never a compile on the scheduler's thread). The copy writes its
 K/V to the pool's padding slot 0, so the compile thread never touches a request's cache. A server is ready at once
-and decodes eager until its graphs are built, with the compile sharing the CPU meanwhile.
+and decodes eager until its graphs are built, with the compile sharing the CPU meanwhile. Kinds are keyed by the
+OpenMP thread count as well (dynamo guards a graph on it): each count the platform may run at (the CPU governor's
+levels) gets its own graphs, so compiled decoding follows contention as eager decoding does.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import threading
 import time
 import types
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -148,7 +151,8 @@ class CompiledForward:
         """Background compiling: a built graph that takes this call, else eager, handing the compile thread a copy
         of the inputs when its kind has no graph for them (``BackgroundCompiler.claim``). A kind is keyed by the
         thread count too: dynamo guards a graph on the count it was built at."""
-        key = (self.background.fit_threads(),) + variant_key(fb, args)
+        threads = self.background.fit_threads()
+        key = (self.background.build_count(threads),) + variant_key(fb, args)
         if not self.background.built(key):
             self.stats.eager_calls += 1
             copy = self.background.claim(key, fb, args, kwargs)
@@ -156,6 +160,9 @@ class CompiledForward:
             if copy is not None:  # handed over after the eager call: state it builds lazily (RoPE tables) exists
                 self.background.submit(key, self, copy)
             return out
+        if key[0] != threads:  # a graph for another count: its guards would refuse this call
+            self.stats.eager_calls += 1
+            return self.eager(fb, *args, **kwargs)
         _ran.graph = False
         out = self._run(self.run_only, fb, args, kwargs)
         if _ran.graph:
@@ -237,12 +244,13 @@ class BackgroundCompiler:
     eager decoding does), as calls at that count meet a kind without one. ``target`` gives the count the next
     forward should run with (the platform's ``thread_target``)."""
 
-    def __init__(self, stats: CompileStats, target=torch.get_num_threads, counts: tuple[int, ...] | None = None
-                 ) -> None:
+    def __init__(self, stats: CompileStats, target: Callable[[], int], counts: tuple[int, ...]) -> None:
         self.stats = stats
         self.target = target
-        self.counts = frozenset(counts if counts is not None else (target(),))
-        self.yield_core = True  # one thread fewer for the forwards while a build or a child needs a core
+        self.counts = frozenset(counts)
+        # build for the platform's count even while the forwards run one thread short (the cache-filling child, which
+        # warms one count at a time); else for the count a call runs at
+        self.build_at_target = False
         stats.background = True
         self.warmer: CacheWarmer | None = None  # the child filling the cache: builds wait until it has exited
         self._built: set = set()
@@ -325,6 +333,10 @@ class BackgroundCompiler:
                 self._pending.discard(self._todo.get_nowait()[0])
                 self.stats.kinds_pending -= 1
 
+    def build_count(self, threads: int) -> int:
+        """The thread count a call running at ``threads`` (``fit_threads``) asks graphs for."""
+        return self.target() if self.build_at_target else threads
+
     def busy(self) -> bool:
         """A graph is being built, or a child process fills the cache: either needs a core."""
         return not self.idle() or self.warming()
@@ -335,7 +347,7 @@ class BackgroundCompiler:
         each barrier for the one the compile holds (the demo's eager decoding on 2 cores: 11-37 tok/s during a
         compile with both threads, 110-118 with one). -> the count set, which the call's kind is keyed by."""
         target = self.target()
-        want = max(1, target - 1) if self.yield_core and self.busy() else target
+        want = max(1, target - 1) if self.busy() else target
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)  # the calling thread's OpenMP count
         return want

@@ -19,6 +19,7 @@ class PlatformPolicy:
     def __init__(self, args, device: torch.device) -> None:
         self.args = args  # ServerArgs: the flags that switch tweaks off or size them
         self.device = device
+        self._threads: int | None = None  # thread_target's count, read once (the forwards' thread lowers its own)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
@@ -41,8 +42,10 @@ class PlatformPolicy:
 
     def thread_target(self) -> int:
         """The OpenMP thread count the next forward should run with (torch.compile's background builds key their
-        graphs by it: dynamo guards on the count)."""
-        return torch.get_num_threads()
+        graphs by it: dynamo guards on the count): here the count the first caller had."""
+        if self._threads is None:
+            self._threads = torch.get_num_threads()
+        return self._threads
 
     def thread_counts(self) -> tuple[int, ...]:
         """Every count ``thread_target`` may return while serving (the background compiler builds graphs for these
@@ -52,6 +55,7 @@ class PlatformPolicy:
     def fix_threads(self, threads: int) -> None:
         """Run every later step at ``threads`` (the cache-filling child, building one count's graphs at a time); on
         the thread that runs the forwards."""
+        self._threads = threads
         torch.set_num_threads(threads)
 
     def time_step(self, batch_size: int, seconds: float) -> None:

@@ -189,6 +189,9 @@ def test_kinds_are_built_only_at_the_platforms_counts(monkeypatch):
     assert adaptive.claim((1,) + key, fb, (), {}) is not None
     assert adaptive.claim((1,) + key, fb, (), {}) is None  # being built
     assert adaptive.claim((2,) + key, fb, (), {}) is not None
+    assert adaptive.build_count(1) == 1
+    adaptive.build_at_target = True  # the cache-filling child: graphs for the count it warms, not the yielded one
+    assert adaptive.build_count(1) == 2
 
 
 def test_the_flag_turns_torch_compile_on():

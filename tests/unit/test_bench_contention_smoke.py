@@ -50,12 +50,12 @@ def test_summary_ratios():
     ]
     quiet, busy = summarize(samples)
     assert quiet["specserve"] == {"median": 180, "min": 160, "max": 200}
-    assert quiet["ours_over_hf"]["median"] == pytest.approx((1.6 + 2.5) / 2)
+    assert quiet["ours_over_baseline"]["median"] == pytest.approx((1.6 + 2.5) / 2)
     assert quiet["busy_over_quiet"] == {"specserve": 1.0, "transformers": 1.0} and quiet["ids_equal_quiet"]
     assert busy["specserve_first_run"] == 60 and busy["cpu_threads"] == 1 and busy["cpu_thread_switches"] == 1
     assert busy["busy_over_quiet"]["specserve"] == pytest.approx(160 / 180)
     assert busy["busy_over_quiet"]["transformers"] == pytest.approx(40 / 90)
-    assert busy["ours_over_hf"] == {"median": pytest.approx(4.2), "min": pytest.approx(3.4), "max": 5.0}
+    assert busy["ours_over_baseline"] == {"median": pytest.approx(4.2), "min": pytest.approx(3.4), "max": 5.0}
     assert busy["ids_equal_quiet"] is False  # rep 1 decoded other ids
     table = render([quiet, busy])
     assert "1 x python" in table and "0.89" in table and "NO" in table
