@@ -27,11 +27,13 @@ from specserve.speculative.eagle3 import SMOLLM2_EAGLE3_TREE
 QUESTION = "List 3 countries and their capitals."
 
 
-def _defaults(argv: list[str]) -> argparse.Namespace:
+def _defaults(argv: list[str], default_model=use_demo) -> argparse.Namespace:
+    """The flags parsed, then the default model applied as `generate` does (``use_demo``) or `serve`
+    (``serve_demo``)."""
     p = argparse.ArgumentParser()
     add_server_args(p)
     ns = p.parse_args(argv)
-    use_demo(ns)
+    default_model(ns)
     return ns
 
 
@@ -48,11 +50,7 @@ def test_the_default_is_smollm2_in_bf16_with_its_eagle3_head():
 
 
 def _served(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_server_args(p)
-    ns = p.parse_args(argv)
-    serve_demo(ns)
-    return ns
+    return _defaults(argv, serve_demo)
 
 
 def test_serving_the_default_on_cpu_compiles_in_the_background(monkeypatch):
