@@ -16,10 +16,13 @@ from specserve.config import ServerArgs
 from specserve.models import compile as compile_mod
 from specserve.models.compile import BackgroundCompiler, CompileStats, variant_key
 from specserve.platform.cpu import policy as cpu_policy
+from specserve.platform.cpu.cpus import usable_cpus
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 WAIT_S = 600  # the compile thread's limit in a test: far above a tiny model's graphs (seconds each)
+# a fixed thread count: the governor's probes (timing-driven) would add graphs for another count at any pass
+PINNED = {"num_threads": usable_cpus()}
 PASSES = 6  # passes over the prompts at most before every call meets a built graph
 
 
@@ -64,7 +67,7 @@ def _until_built(engine, run_pass) -> tuple[list, list[dict]]:
 
 def test_serves_at_once_then_runs_the_built_graphs(target, plain, fresh_dynamo, handed_over):
     with Engine(model_path=target, max_total_tokens=4096, torch_compile_in_background=True,
-                disable_torch_compile_warmer=True) as e:
+                disable_torch_compile_warmer=True, **PINNED) as e:
         start = e.get_server_info()
         passes, infos = _until_built(e, lambda: _outputs(e, PROMPTS[:2], batched=False)
                                      + _outputs(e, PROMPTS, batched=True))
@@ -88,7 +91,7 @@ def test_serves_at_once_then_runs_the_built_graphs(target, plain, fresh_dynamo, 
 def test_eagle_outputs_equal_plain_before_and_after_the_graphs(target, self_head, plain, fresh_dynamo):
     kw = spec_kwargs("EAGLE", self_head, 3, 2, 5)
     with Engine(model_path=target, max_total_tokens=4096, torch_compile_in_background=True,
-                disable_torch_compile_warmer=True, disable_speculative_auto_off=True, **kw) as e:
+                disable_torch_compile_warmer=True, **PINNED, disable_speculative_auto_off=True, **kw) as e:
         passes, infos = _until_built(e, lambda: e.generate(PROMPTS, greedy(24)))
         stats = e.scheduler.runner.compile_stats
         assert_no_kv_leak(e)
@@ -136,7 +139,7 @@ def test_a_failed_compile_leaves_its_kind_eager(target, plain, fresh_dynamo, mon
 
     monkeypatch.setattr(compile_mod.torch, "compile", broken)
     with Engine(model_path=target, max_total_tokens=4096, torch_compile_in_background=True,
-                disable_torch_compile_warmer=True) as e:
+                disable_torch_compile_warmer=True, **PINNED) as e:
         first = _outputs(e, PROMPTS[:3], batched=True)
         assert e.scheduler.runner.background_compiler.wait(WAIT_S)
         second = _outputs(e, PROMPTS[:3], batched=True)
