@@ -334,8 +334,10 @@ class BackgroundCompiler:
                 self.stats.kinds_pending -= 1
 
     def build_count(self, threads: int) -> int:
-        """The thread count a call running at ``threads`` (``fit_threads``) asks graphs for."""
-        return self.target() if self.build_at_target else threads
+        """The thread count a call running at ``threads`` (``fit_threads``) asks graphs for: its own when the platform
+        runs at that count, else (one thread short while a build runs, under a fixed count) the platform's, so a
+        call made while a build runs still hands its kind over."""
+        return self.target() if self.build_at_target or threads not in self.counts else threads
 
     def busy(self) -> bool:
         """A graph is being built, or a child process fills the cache: either needs a core."""

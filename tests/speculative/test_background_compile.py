@@ -184,12 +184,14 @@ def test_the_scheduler_gives_the_compile_a_core():
 
 
 def test_kinds_are_built_only_at_the_platforms_counts(monkeypatch):
-    """A call at a thread count the platform never runs at (one fewer while a build runs, under a fixed count) is not
-    handed over; at one of its counts it is, once per kind and count."""
+    """No graph is built for a thread count the platform never runs at (one fewer while a build runs, under a fixed
+    count): such a call asks for the platform's count instead. At one of its counts a kind is handed over once per
+    kind and count."""
     monkeypatch.setattr(compile_mod, "detached_inputs", lambda fb, args, kwargs: (fb, args, kwargs))
     fb, key = _fb(ForwardMode.DECODE, 2, 2), variant_key(_fb(ForwardMode.DECODE, 2, 2), ())
     fixed = BackgroundCompiler(CompileStats(), target=lambda: 2, counts=(2,))
     assert fixed.claim((1,) + key, fb, (), {}) is None
+    assert fixed.build_count(1) == 2  # a call one thread short asks for the fixed count's graph
     adaptive = BackgroundCompiler(CompileStats(), target=lambda: 2, counts=(2, 1))
     assert adaptive.claim((1,) + key, fb, (), {}) is not None
     assert adaptive.claim((1,) + key, fb, (), {}) is None  # being built
