@@ -64,7 +64,6 @@ class CpuPolicy(PlatformPolicy):
     def __init__(self, args, device: torch.device) -> None:
         super().__init__(args, device)
         self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
-        self.threads = 1  # the count configure_threads set (the governor's highest when it adapts)
         self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
         self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
@@ -99,19 +98,19 @@ class CpuPolicy(PlatformPolicy):
     def configure_threads(self) -> None:
         """``--num-threads``, else the CPUs this process may use (``cpus.py``: affinity and cgroup quota), which the
         governor then lowers while other processes keep cores busy."""
-        self.threads = self.args.num_threads or usable_cpus()
-        torch.set_num_threads(self.threads)
-        self.governor = ThreadGovernor(self.threads) if self.adapts_threads else None
+        threads = self.args.num_threads or usable_cpus()
+        self.fix_threads(threads)
+        self.governor = ThreadGovernor(threads) if self.adapts_threads else None
 
     def thread_target(self) -> int:
-        return self.governor.threads if self.governor is not None else self.threads
+        return self.governor.threads if self.governor is not None else super().thread_target()
 
     def thread_counts(self) -> tuple[int, ...]:
-        return self.governor.levels if self.governor is not None else (self.threads,)
+        return self.governor.levels if self.governor is not None else super().thread_counts()
 
     def fix_threads(self, threads: int) -> None:
-        self.governor, self.threads = None, threads
-        torch.set_num_threads(threads)
+        self.governor = None
+        super().fix_threads(threads)
 
     def apply_threads(self) -> None:
         # torch.set_num_threads sets the calling thread's OpenMP count: the scheduler thread and the overlap
