@@ -18,6 +18,9 @@ os.environ.setdefault("SPECSERVE_ONE_ROW_KERNEL", "gemv")
 # Likewise one float32 / bf16 crossover for float32 drafts' linears (the default's), instead of each engine's probe
 # (tests/speculative/test_draft_dtype.py sets the variable itself).
 os.environ.setdefault("SPECSERVE_DRAFT_FP32_MAX_ROWS", "8")
+# Likewise no timing probe for specserve's few-row bf16 kernel: off, except in its own tests
+# (tests/model/test_small_gemm.py), which turn it on.
+os.environ.setdefault("SPECSERVE_SMALL_GEMM", "off")
 
 
 @pytest.fixture(scope="session")

@@ -50,11 +50,13 @@ def pick_kernel(gemv_seconds: list[float], packed_seconds: list[float], min_gain
     return "gemv" if faster else "packed"
 
 
-def probed_linears(linears: list, max_bytes: int = PROBE_MAX_BYTES) -> list:
-    """The first linears (model order) whose plain weights add up to at most max_bytes (at least one)."""
+def probed_linears(linears: list, max_bytes: int = PROBE_MAX_BYTES, weight=lambda lin: lin.plain) -> list:
+    """The first linears (model order) whose weights (``weight(lin)``, default the plain copy) add up to at most
+    max_bytes (at least one)."""
     chosen, total = [], 0
     for lin in linears:
-        total += lin.plain.numel() * lin.plain.element_size()
+        w = weight(lin)
+        total += w.numel() * w.element_size()
         if chosen and total > max_bytes:
             break
         chosen.append(lin)

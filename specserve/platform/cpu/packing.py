@@ -33,6 +33,7 @@ from torch import nn
 
 from specserve.models.direct_call import DirectCall
 from specserve.models.one_row import GEMV_MAX_ROWS, onednn_off
+from specserve.platform.cpu import small_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -70,20 +71,35 @@ def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 class PackedLinear(DirectCall):
     """A Linear whose weight lives in oneDNN's packed layout; with keep_plain its plain weight is kept too
-    (``plain``) for calls of at most GEMV_MAX_ROWS rows (``cpu_gemv``), else it is not kept."""
+    (``plain``) for calls of at most GEMV_MAX_ROWS rows (``cpu_gemv``), else it is not kept. With keep_small, a copy in
+    the layout of specserve's few-row kernel (``small_gemm.py``) is kept too (``small``), for calls of at most
+    ``small_max_rows`` rows (set by ``small_gemm.choose_small_rows``; 0 until then)."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = False,
+                 keep_small: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = packed
         self.bias = linear.bias
         self.plain = linear.weight.detach() if keep_plain else None  # [out, in]
+        self.small = small_gemm.pack(linear.weight) if keep_small else None  # [out / 64, in / 2, 64, 2]
+        self.small_bias = None if linear.bias is None or not keep_small else linear.bias.detach().float()  # [out]
+        self.small_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        gemv = self.plain is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+        rows = x.shape[0] if x.dim() == 2 else None
+        if self.small is not None and rows is not None and rows <= self.small_max_rows:
+            if torch.compiler.is_compiling():
+                return small_gemm.small_gemm(x, self.small, self.small_bias)
+            return small_gemm.small_mm(x, self.small, self.small_bias)
+        gemv = self.plain is not None and rows is not None and rows <= GEMV_MAX_ROWS
         if torch.compiler.is_compiling():  # a one-row forward's graph runs under onednn_off (one_row_forward)
             return F.linear(x, self.plain, self.bias) if gemv else packed_linear(x, self.packed, self.bias)
         return cpu_gemv(x, self.plain, self.bias) if gemv else _packed_matmul(x, self.packed, self.bias)
+
+    def packed_call(self, x: torch.Tensor) -> torch.Tensor:
+        """The oneDNN packed kernel, whatever the row count (the few-row kernel's probe times it)."""
+        return _packed_matmul(x, self.packed, self.bias)
 
 
 #: MixedLinear's float32 / packed-bf16 crossover in rows per call where none was measured, and the most rows the
@@ -99,12 +115,16 @@ class MixedLinear(DirectCall):
     / AVX512-BF16, far more multiply-adds per second) and casts the result back to float32. ``fp32_max_rows`` is
     FP32_MAX_ROWS until the policy sets the crossover measured on this machine (``mixed_probe.py``)."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_small: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias, self.packed = linear.weight, linear.bias, packed
         self.bias_bf16 = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         self.fp32_max_rows = FP32_MAX_ROWS
+        # the bf16 path's few-row calls on specserve's kernel (as PackedLinear's), up to small_max_rows rows
+        self.small = small_gemm.pack(linear.weight.detach().to(torch.bfloat16)) if keep_small else None
+        self.small_bias = None if linear.bias is None or not keep_small else linear.bias.detach().float()
+        self.small_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
         return self.fp32(x) if x.shape[0] <= self.fp32_max_rows else self.bf16(x)
@@ -114,11 +134,21 @@ class MixedLinear(DirectCall):
         return F.linear(x, self.weight, self.bias)
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed bf16 path with its casts, whatever the row count (the crossover probe times it)."""
+        """The bf16 path with its casts, whatever the row count (the crossover probe times it): specserve's few-row
+        kernel up to small_max_rows rows, the packed one above."""
         low = x.to(torch.bfloat16)
+        small = self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_max_rows
         if torch.compiler.is_compiling():
-            return packed_linear(low, self.packed, self.bias_bf16).to(x.dtype)
-        return _packed_matmul(low, self.packed, self.bias_bf16).to(x.dtype)
+            out = small_gemm.small_gemm(low, self.small, self.small_bias) if small else \
+                packed_linear(low, self.packed, self.bias_bf16)
+        else:
+            out = small_gemm.small_mm(low, self.small, self.small_bias) if small else \
+                _packed_matmul(low, self.packed, self.bias_bf16)
+        return out.to(x.dtype)
+
+    def packed_call(self, x: torch.Tensor) -> torch.Tensor:
+        """The oneDNN packed kernel on a bf16 input, whatever the row count (the few-row kernel's probe times it)."""
+        return _packed_matmul(x, self.packed, self.bias_bf16)
 
 
 def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -169,14 +199,16 @@ def _replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], make) ->
     return count
 
 
-def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
+def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False, keep_small: bool = False) -> int:
     """Replace every bf16/fp16 nn.Linear of a CPU model by a PackedLinear (keeping each plain weight for one-row
-    calls when keep_plain); returns how many were packed."""
+    calls when keep_plain, and a copy for the few-row kernel where keep_small and its shape rules allow); returns how
+    many were packed."""
     def make(linear):
         packed = _pack(linear)
-        # a linear whose one-row calls go elsewhere (a quantized linear's dense copy) keeps no plain copy for them
-        keep = keep_plain and getattr(linear, "one_row_calls", True)
-        return None if packed is None else PackedLinear(linear, packed, keep)
+        # a linear whose few-row calls go elsewhere (a quantized linear's dense copy) keeps no copy for them
+        few_rows = getattr(linear, "one_row_calls", True)
+        small = keep_small and few_rows and small_gemm.packable(linear.weight)
+        return None if packed is None else PackedLinear(linear, packed, keep_plain and few_rows, small)
 
     count = _replace_linears(model, PACKABLE_DTYPES, make)
     if count:
@@ -184,12 +216,14 @@ def pack_linears_for_cpu(model: nn.Module, keep_plain: bool = False) -> int:
     return count
 
 
-def mix_linears_for_cpu(model: nn.Module) -> int:
+def mix_linears_for_cpu(model: nn.Module, keep_small: bool = False) -> int:
     """Replace every float32 nn.Linear of a small CPU model by a MixedLinear (float32 for small calls, packed
-    bf16 for large ones); returns how many. Only worth it where bf16 matmuls are native (AVX512-BF16 / AMX)."""
+    bf16 for large ones; with keep_small a copy for the few-row kernel where its shape rules allow); returns how
+    many. Only worth it where bf16 matmuls are native (AVX512-BF16 / AMX)."""
     def make(linear):
         packed = _pack(linear, torch.bfloat16)
-        return None if packed is None else MixedLinear(linear, packed)
+        small = keep_small and small_gemm.packable(linear.weight.detach().to(torch.bfloat16))
+        return None if packed is None else MixedLinear(linear, packed, small)
 
     count = _replace_linears(model, (torch.float32,), make)
     if count:

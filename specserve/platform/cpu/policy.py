@@ -11,6 +11,7 @@ import os
 import torch
 from torch import nn
 
+from specserve.platform.cpu import small_gemm
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -66,6 +67,7 @@ class CpuPolicy(PlatformPolicy):
         self.governor: ThreadGovernor | None = None  # set by configure_threads when the count adapts
         self.trimmer: HeapTrimmer | None = None  # set by tune_allocator when the heap is kept
         self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
+        self.small_rows: dict[str, dict] = {}  # packed module's class name -> the few-row kernel's verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
         self.huge_page_bytes = 0  # weights moved onto huge pages (hugepages.py), all models together
 
@@ -126,6 +128,8 @@ class CpuPolicy(PlatformPolicy):
         extra = {"cpu_heap_trims": self.trimmer.trims} if self.trimmer is not None else {}
         if self.one_row:
             extra["cpu_one_row_kernel"] = self.one_row
+        if self.small_rows:
+            extra["cpu_small_gemm"] = self.small_rows
         if self.mixed is not None:
             extra["cpu_draft_fp32_rows"] = self.mixed
         if self.huge_page_bytes:
@@ -139,10 +143,15 @@ class CpuPolicy(PlatformPolicy):
         """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``), keeping their plain weights for
         one-row calls where that copy is small enough (``keeps_plain_weights``) and gemv is the faster one-row kernel
         for them on this machine (``one_row_probe.py``); then the weights move onto huge pages (``place_weights``)."""
-        packed = pack_linears_for_cpu(module, keep_plain=self.keeps_plain_weights(module)) if self.packs_weights else 0
+        keep = self.keeps_plain_weights(module)
+        small = self.packs_weights and keep and small_gemm.available()
+        packed = pack_linears_for_cpu(module, keep_plain=keep, keep_small=small) if self.packs_weights else 0
         kept = [m for m in module.modules() if isinstance(m, PackedLinear) and m.plain is not None]
         if kept:  # gemv or the packed kernel for one row: whichever is faster here (one_row_probe.py)
             self.one_row[type(module).__name__] = choose_one_row_kernel(kept)
+        with_small = [m for m in module.modules() if isinstance(m, PackedLinear) and m.small is not None]
+        if with_small:  # up to how many rows specserve's own kernel beats those (small_gemm.py)
+            self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
         return packed
 
@@ -172,8 +181,11 @@ class CpuPolicy(PlatformPolicy):
     def mix_linears(self, module: nn.Module) -> int:
         """float32 linears -> ``MixedLinear`` (``packing.py``), float32 up to the crossover the first mixed module
         measured on this machine (``mixed_probe.py``), packed bf16 above it."""
-        count = mix_linears_for_cpu(module)
+        count = mix_linears_for_cpu(module, keep_small=small_gemm.available())
         mixed = [m for m in module.modules() if isinstance(m, MixedLinear)]
+        with_small = [m for m in mixed if m.small is not None]
+        if with_small:  # the bf16 path's few-row calls: specserve's kernel where it beats the packed one
+            self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
         if mixed and self.mixed is None:
             self.mixed = choose_crossover(mixed)
         for m in mixed:

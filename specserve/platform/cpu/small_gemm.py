@@ -1,0 +1,210 @@
+"""A bf16 matmul for a few rows on CPUs with AVX512-BF16: specserve's own kernel (``small_gemm.cpp``).
+
+On such a CPU without AMX (a 2-core AMD EPYC), oneDNN's packed bf16 kernel costs about 16-20 us a call whatever the
+size and streams a weight at 12-19 GB/s; a verify tree of 8 rows through SmolLM2-135M's linears took 13.3 ms packed
+against 7-10 ms for one row through PyTorch's gemv, so every verified node cost a speculative step dearly. This kernel
+reads each weight once for up to 4 rows and re-reads it from the core's L2 for more: over SmolLM2's linears on that
+machine it took 9.2 ms for 1 row, 8.8 for 4, 10.3 for 8 and 15.2 for 16 (docs/benchmarks.md, "Weight packing").
+
+It is C++ compiled once per machine with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
+(``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``), linked to PyTorch's own OpenMP runtime so
+that its threads are PyTorch's, and called through ctypes (an opaque custom op inside compiled graphs). Where the CPU
+lacks AVX512-BF16, no compiler is found or the build fails, nothing changes: the other kernels run.
+
+``SPECSERVE_SMALL_GEMM=auto`` (default) times the kernel against the one each row count would use otherwise, on the
+model's own linears at load (``choose_small_rows``); ``on`` uses it up to SMALL_MAX_ROWS rows without timing; ``off``
+never builds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "SPECSERVE_SMALL_GEMM"
+MODES = ("auto", "on", "off")
+SOURCE = Path(__file__).with_name("small_gemm.cpp")
+COLS = 64  # output columns per packed group (the kernel's COLS)
+SMALL_MAX_ROWS = 16  # the most rows a call may have (4 row tiles)
+PROBE_ROWS = (1, 4, 8, 16)  # the row counts the probe times
+PROBE_REPS = 5
+MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than the other kernel
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def mode() -> str:
+    """SPECSERVE_SMALL_GEMM's value (auto, on or off); ValueError naming it for anything else."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def cpu_supports(cpuinfo: str | None = None) -> bool:
+    """The CPU has the instructions the kernel uses (Linux's /proc/cpuinfo flags; False where it cannot tell)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return all(f in flags for f in CPU_FLAGS)
+
+
+def torch_openmp() -> str | None:
+    """PyTorch's own OpenMP runtime (the libgomp its wheel ships), which the kernel links so that its threads are
+    PyTorch's; None where there is none (a build with another threading runtime)."""
+    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    return found[0] if found else None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
+    return Path(root) / "kernels"
+
+
+def build(compiler: str, openmp: str, out_dir: Path) -> Path:
+    """Compile the kernel (once: the file is named by a hash of the source, flags, compiler and runtime) -> its path.
+    Written to a temporary name and renamed, so processes building at once each see a whole file."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, openmp, *FLAGS]).encode()).hexdigest()[:16]
+    target = out_dir / f"small_gemm-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        obj, lib = Path(tmp) / "small_gemm.o", Path(tmp) / "small_gemm.so"
+        subprocess.run([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
+        # linked to PyTorch's libgomp by path (not -fopenmp's system one): the same runtime, the same thread pool
+        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), openmp,
+                        f"-Wl,-rpath,{os.path.dirname(openmp)}"], check=True, capture_output=True)
+        os.replace(lib, target)
+    return target
+
+
+def available() -> bool:
+    """The kernel is wanted (SPECSERVE_SMALL_GEMM is not off) and runs here."""
+    return mode() != "off" and kernel() is not None
+
+
+@functools.cache
+def kernel():
+    """The compiled kernel as a ctypes function (built on the first call), or None (with the reason logged) where it
+    cannot run here."""
+    if not cpu_supports():
+        logger.info("small-gemm kernel: the CPU lacks AVX512-BF16")
+        return None
+    compiler, openmp = shutil.which(os.environ.get("CXX", "g++")), torch_openmp()
+    if compiler is None or openmp is None:
+        logger.info("small-gemm kernel: no %s", "C++ compiler" if compiler is None else "libgomp beside PyTorch")
+        return None
+    try:
+        fn = ctypes.CDLL(str(build(compiler, openmp, _cache_dir()))).small_gemm_bf16
+    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("small-gemm kernel not built: %s %s", e, detail.decode(errors="replace")[-500:])
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return fn
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """The kernel's rules: a bf16 CPU weight [N, K] with N a multiple of COLS and K even."""
+    n, k = weight.shape
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % COLS == 0 and k % 2 == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> the kernel's layout [N / 64, K / 2, 64, 2]: per group of 64 output columns, K / 2 steps of their
+    (k, k + 1) weight pairs."""
+    n, k = weight.shape
+    return weight.detach().view(n // COLS, COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed weight (+ a float32 bias [N]) -> [M, N] bf16."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * COLS
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    kernel()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+             y.data_ptr(), n, torch.get_num_threads())
+    return y
+
+
+@torch.library.custom_op("specserve::small_gemm", mutates_args=())
+def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """small_mm as an op that compiled graphs call as is."""
+    return small_mm(x, packed, bias)
+
+
+@small_gemm.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * COLS)
+
+
+def largest_winning_rows(wins: dict[int, bool]) -> int:
+    """{rows: the kernel won there} -> the most rows up to which it won at every probed count (0: not at 1 row)."""
+    best = 0
+    for rows in sorted(wins):
+        if not wins[rows]:
+            break
+        best = rows
+    return best
+
+
+def choose_small_rows(linears: list) -> dict:
+    """For PackedLinears or MixedLinears holding the kernel's layout (``small``): up to how many rows a call takes the
+    kernel. ``on``:
+    SMALL_MAX_ROWS; ``auto``: timed at PROBE_ROWS on the model's first linears (``one_row_probe.probed_linears``)
+    against the kernel each count uses otherwise (gemv or packed for one row, packed above). Sets each linear's
+    ``small_max_rows``, drops the layout where the kernel lost at one row, and the plain copies where it won there
+    (gemv is then not used) -> the verdict (server info)."""
+    from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
+    from specserve.platform.cpu.packing import cpu_gemv
+
+    if mode() == "on":
+        verdict = {"max_rows": SMALL_MAX_ROWS, "source": ENV}
+    else:
+        chosen = probed_linears(linears, weight=lambda lin: lin.small)
+        gen = torch.Generator().manual_seed(0)
+        wins, ms = {}, {}
+        for rows in PROBE_ROWS:
+            x = {n: torch.randn(rows, n, generator=gen).to(torch.bfloat16) for n in {m.in_features for m in chosen}}
+
+            def other(rows=rows, x=x):
+                return [cpu_gemv(x[m.in_features], m.plain, m.bias) if rows == 1 and getattr(m, "plain", None)
+                        is not None else m.packed_call(x[m.in_features]) for m in chosen]
+
+            passes = {"small": lambda x=x: [small_mm(x[m.in_features], m.small, m.small_bias) for m in chosen],
+                      "other": other}
+            with torch.inference_mode():
+                times = interleaved_times(passes, PROBE_REPS)
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            wins[rows] = med["small"] < (1.0 - MIN_GAIN) * med["other"]
+            ms[rows] = (round(med["small"] * 1e3, 3), round(med["other"] * 1e3, 3))
+        verdict = {"max_rows": largest_winning_rows(wins), "source": "probe", "small_other_ms": ms}
+    for lin in linears:
+        lin.small_max_rows = verdict["max_rows"]
+        if verdict["max_rows"] == 0:
+            lin.small = lin.small_bias = None
+        elif hasattr(lin, "plain"):  # a PackedLinear's one-row calls now take the kernel
+            lin.plain = None
+    logger.info("small-gemm kernel: %s", verdict)
+    return verdict

@@ -1,0 +1,176 @@
+"""specserve's few-row bf16 kernel (platform/cpu/small_gemm.py): its layout, its results against float32 matmuls,
+where PackedLinear sends calls to it, compiled graphs, the load-time probe and the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve import Engine
+from specserve.platform.cpu import small_gemm
+from specserve.platform.cpu.packing import MixedLinear, PackedLinear, mix_linears_for_cpu, pack_linears_for_cpu
+from tests.engine.helpers import PROMPTS, greedy
+
+needs_kernel = pytest.mark.skipif(small_gemm.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
+
+
+def test_cpu_supports_reads_the_flags():
+    line = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512vl"
+    assert not small_gemm.cpu_supports(f"processor: 0\n{line}\n")
+    assert small_gemm.cpu_supports(f"processor: 0\n{line} avx512_bf16 amx_tile\n")
+    assert not small_gemm.cpu_supports("processor: 0\n")
+
+
+def test_largest_winning_rows_by_hand():
+    assert small_gemm.largest_winning_rows({1: True, 4: True, 8: False, 16: True}) == 4
+    assert small_gemm.largest_winning_rows({16: True, 1: True, 8: True, 4: True}) == 16
+    assert small_gemm.largest_winning_rows({1: False, 4: True}) == 0
+
+
+def test_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv(small_gemm.ENV, "fastest")
+    with pytest.raises(ValueError, match=small_gemm.ENV):
+        small_gemm.mode()
+    monkeypatch.setenv(small_gemm.ENV, "off")
+    assert not small_gemm.available()
+
+
+def test_packed_layout_by_hand():
+    """[N, K] -> [N / 64, K / 2, 64, 2]: entry (g, j, c, t) is w[64 g + c, 2 j + t]."""
+    w = torch.arange(128 * 6, dtype=torch.float32).view(128, 6).to(torch.bfloat16)  # exact integers
+    p = small_gemm.pack(w)
+    assert p.shape == (2, 3, 64, 2) and p.is_contiguous()
+    assert p[1, 2, 5, 1] == w[64 + 5, 2 * 2 + 1] and p[0, 1, 63, 0] == w[63, 2]
+    assert small_gemm.packable(w) and not small_gemm.packable(w[:, :5]) and not small_gemm.packable(w[:96])
+    assert not small_gemm.packable(w.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_a_float32_matmul(bias):
+    """1-16 rows (every row-tile remainder), a strided input, with and without bias: within bf16 rounding of the
+    float32 result of the same bf16 numbers."""
+    torch.manual_seed(0)
+    w = torch.randn(192, 96, dtype=torch.bfloat16)
+    b = torch.randn(192) if bias else None
+    packed = small_gemm.pack(w)
+    for rows in range(1, small_gemm.SMALL_MAX_ROWS + 1):
+        wide = torch.randn(rows, 128, dtype=torch.bfloat16)
+        x = wide[:, 16:112]  # a row stride of 128
+        got = small_gemm.small_mm(x, packed, b)
+        want = F.linear(x.float(), w.float(), b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_call():
+    """Each row's sums run in the same order whatever the call's row count, so a token's linear outputs in a verify
+    tree equal those of a one-row decode call bit for bit (no rounding difference from the kernel)."""
+    torch.manual_seed(1)
+    w = torch.randn(256, 64, dtype=torch.bfloat16)
+    packed = small_gemm.pack(w)
+    x = torch.randn(13, 64, dtype=torch.bfloat16)
+    together = small_gemm.small_mm(x, packed, None)
+    for i in range(13):
+        assert torch.equal(small_gemm.small_mm(x[i : i + 1], packed, None)[0], together[i])
+
+
+def _two_linears() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128, bias=True), nn.SiLU(), nn.Linear(128, 64, bias=False)).to(torch.bfloat16)
+
+
+@needs_kernel
+def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
+    """small_max_rows rows and fewer: the kernel; more: the packed oneDNN kernel; both agree with nn.Linear, eager
+    and compiled (the specserve::small_gemm op)."""
+    model = _two_linears()
+    ref = _two_linears()
+    assert pack_linears_for_cpu(model, keep_small=True) == 2
+    for m in (model[0], model[2]):
+        assert m.small is not None and m.small_max_rows == 0  # until the policy sets it
+        m.small_max_rows = 8
+    calls = []
+    real = small_gemm.small_mm
+    monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    with torch.inference_mode():
+        for rows in (1, 8, 9):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            torch.testing.assert_close(model(x).float(), ref(x).float(), atol=3e-2, rtol=3e-2)
+        assert calls == [1, 1, 8, 8]
+        x = torch.randn(5, 64, dtype=torch.bfloat16)
+        assert torch.equal(torch.compile(model)(x), model(x))  # the same kernel inside the graph
+
+
+@needs_kernel
+def test_a_float32_drafts_bf16_path_takes_the_kernel_for_few_rows(monkeypatch):
+    """MixedLinear (a float32 draft's linear): its bf16 path runs the kernel up to small_max_rows rows (float32 in and
+    out, bf16 rounding), the packed kernel above; the float32 path is untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128))
+    ref = nn.Linear(64, 128)
+    ref.load_state_dict(model[0].state_dict())
+    assert mix_linears_for_cpu(model, keep_small=True) == 1
+    mixed = model[0]
+    assert isinstance(mixed, MixedLinear) and mixed.small is not None
+    mixed.small_max_rows = 4
+    calls = []
+    real = small_gemm.small_mm
+    monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    with torch.inference_mode():
+        for rows in (3, 5):
+            x = torch.randn(rows, 64)
+            got = mixed.bf16(x)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, ref(x), atol=3e-2, rtol=3e-2)
+        assert torch.equal(mixed.fp32(x), ref(x))
+    assert calls == [3]
+
+
+@needs_kernel
+def test_the_probe_times_both_kernels_and_sets_the_rows(monkeypatch):
+    """auto: every probed row count timed against the kernel it would use otherwise; the linears take the kernel up
+    to the verdict's rows and give up their plain copies where it won at one row. on: all rows, no timing."""
+    model = _two_linears()
+    pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
+    linears = [model[0], model[2]]
+    monkeypatch.setenv(small_gemm.ENV, "auto")
+    verdict = small_gemm.choose_small_rows(linears)
+    assert verdict["source"] == "probe" and set(verdict["small_other_ms"]) == set(small_gemm.PROBE_ROWS)
+    assert all(s > 0 and o > 0 for s, o in verdict["small_other_ms"].values())
+    for m in linears:
+        assert m.small_max_rows == verdict["max_rows"]
+        assert (m.small is None) == (verdict["max_rows"] == 0) and (m.plain is None) == (verdict["max_rows"] > 0)
+    model = _two_linears()
+    pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
+    monkeypatch.setenv(small_gemm.ENV, "on")
+    assert small_gemm.choose_small_rows([model[0]]) == {"max_rows": small_gemm.SMALL_MAX_ROWS, "source": small_gemm.ENV}
+    assert model[0].plain is None and model[0].small_max_rows == small_gemm.SMALL_MAX_ROWS
+
+
+@needs_kernel
+def test_engine_runs_the_kernel_when_on(model_factory, monkeypatch):
+    """A bf16 engine with SPECSERVE_SMALL_GEMM=on: its linears hold the kernel's layout, the server info gives the
+    verdict, decode calls run the kernel, and greedy outputs agree with the kernel off (a small random model's logits
+    are far apart next to bf16 rounding)."""
+    path = model_factory("qwen2", dtype=torch.bfloat16)
+    calls = []
+    real = small_gemm.small_mm
+    monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    outs = []
+    for mode in ("on", "off"):
+        monkeypatch.setenv(small_gemm.ENV, mode)
+        with Engine(model_path=path, max_total_tokens=2048) as e:
+            packed = [m for m in e.scheduler.runner.model.modules() if isinstance(m, PackedLinear)]
+            info = e.get_server_info().get("cpu_small_gemm")
+            outs.append([e.generate(p, greedy(12))["output_ids"] for p in PROMPTS[:2]])
+        if mode == "on":
+            assert info == {"Qwen2ForCausalLM": {"max_rows": small_gemm.SMALL_MAX_ROWS, "source": small_gemm.ENV}}
+            assert packed and all(m.small is not None for m in packed if m.out_features % small_gemm.COLS == 0)
+            assert 1 in calls  # batch-1 decode rows
+        else:
+            assert info is None and all(m.small is None for m in packed)
+    assert outs[0] == outs[1]
