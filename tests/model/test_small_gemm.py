@@ -23,10 +23,12 @@ def test_cpu_supports_reads_the_flags():
     assert not small_gemm.cpu_supports("processor: 0\n")
 
 
-def test_largest_winning_rows_by_hand():
-    assert small_gemm.largest_winning_rows({1: True, 4: True, 8: False, 16: True}) == 4
-    assert small_gemm.largest_winning_rows({16: True, 1: True, 8: True, 4: True}) == 16
-    assert small_gemm.largest_winning_rows({1: False, 4: True}) == 0
+def test_winning_rows_by_hand():
+    assert small_gemm.winning_rows({1: True, 4: True, 8: False, 16: True}) == (1, 4)
+    assert small_gemm.winning_rows({16: True, 1: True, 8: True, 4: True}) == (1, 16)
+    assert small_gemm.winning_rows({1: False, 4: True, 8: True, 16: False}) == (2, 8)  # one row keeps its kernel
+    assert small_gemm.winning_rows({1: False, 4: False, 8: True}) == (0, 0)
+    assert small_gemm.winning_rows({1: True, 4: False}) == (1, 1)
 
 
 def test_mode_names_the_variable(monkeypatch):
@@ -85,8 +87,8 @@ def _two_linears() -> nn.Sequential:
 
 @needs_kernel
 def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
-    """small_max_rows rows and fewer: the kernel; more: the packed oneDNN kernel; both agree with nn.Linear, eager
-    and compiled (the specserve::small_gemm op)."""
+    """small_min_rows to small_max_rows rows: the kernel; other calls: the packed oneDNN kernel (or gemv); both agree
+    with nn.Linear, eager and compiled (the specserve::small_gemm op)."""
     model = _two_linears()
     ref = _two_linears()
     assert pack_linears_for_cpu(model, keep_small=True) == 2
@@ -103,6 +105,12 @@ def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
         assert calls == [1, 1, 8, 8]
         x = torch.randn(5, 64, dtype=torch.bfloat16)
         assert torch.equal(torch.compile(model)(x), model(x))  # the same kernel inside the graph
+        calls.clear()
+        for m in (model[0], model[2]):
+            m.small_min_rows = 2  # one-row calls keep their own kernel (the probe's verdict where it lost there)
+        model(torch.randn(1, 64, dtype=torch.bfloat16))
+        model(torch.randn(2, 64, dtype=torch.bfloat16))
+        assert calls == [2, 2]
 
 
 @needs_kernel
@@ -142,12 +150,14 @@ def test_the_probe_times_both_kernels_and_sets_the_rows(monkeypatch):
     assert verdict["source"] == "probe" and set(verdict["small_other_ms"]) == set(small_gemm.PROBE_ROWS)
     assert all(s > 0 and o > 0 for s, o in verdict["small_other_ms"].values())
     for m in linears:
-        assert m.small_max_rows == verdict["max_rows"]
-        assert (m.small is None) == (verdict["max_rows"] == 0) and (m.plain is None) == (verdict["max_rows"] > 0)
+        assert (m.small_min_rows, m.small_max_rows) == (verdict["min_rows"], verdict["max_rows"])
+        assert (m.small is None) == (verdict["max_rows"] == 0)
+        assert (m.plain is None) == (verdict["max_rows"] > 0 and verdict["min_rows"] == 1)
     model = _two_linears()
     pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
     monkeypatch.setenv(small_gemm.ENV, "on")
-    assert small_gemm.choose_small_rows([model[0]]) == {"max_rows": small_gemm.SMALL_MAX_ROWS, "source": small_gemm.ENV}
+    assert small_gemm.choose_small_rows([model[0]]) == {"min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS,
+                                                        "source": small_gemm.ENV}
     assert model[0].plain is None and model[0].small_max_rows == small_gemm.SMALL_MAX_ROWS
 
 
@@ -168,7 +178,8 @@ def test_engine_runs_the_kernel_when_on(model_factory, monkeypatch):
             info = e.get_server_info().get("cpu_small_gemm")
             outs.append([e.generate(p, greedy(12))["output_ids"] for p in PROMPTS[:2]])
         if mode == "on":
-            assert info == {"Qwen2ForCausalLM": {"max_rows": small_gemm.SMALL_MAX_ROWS, "source": small_gemm.ENV}}
+            assert info == {"Qwen2ForCausalLM": {"min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS,
+                                                 "source": small_gemm.ENV}}
             assert packed and all(m.small is not None for m in packed if m.out_features % small_gemm.COLS == 0)
             assert 1 in calls  # batch-1 decode rows
         else:

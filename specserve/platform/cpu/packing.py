@@ -72,8 +72,8 @@ def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 class PackedLinear(DirectCall):
     """A Linear whose weight lives in oneDNN's packed layout; with keep_plain its plain weight is kept too
     (``plain``) for calls of at most GEMV_MAX_ROWS rows (``cpu_gemv``), else it is not kept. With keep_small, a copy in
-    the layout of specserve's few-row kernel (``small_gemm.py``) is kept too (``small``), for calls of at most
-    ``small_max_rows`` rows (set by ``small_gemm.choose_small_rows``; 0 until then)."""
+    the layout of specserve's few-row kernel (``small_gemm.py``) is kept too (``small``), for calls of
+    ``small_min_rows`` to ``small_max_rows`` rows (set by ``small_gemm.choose_small_rows``; none until then)."""
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = False,
                  keep_small: bool = False) -> None:
@@ -84,11 +84,11 @@ class PackedLinear(DirectCall):
         self.plain = linear.weight.detach() if keep_plain else None  # [out, in]
         self.small = small_gemm.pack(linear.weight) if keep_small else None  # [out / 64, in / 2, 64, 2]
         self.small_bias = None if linear.bias is None or not keep_small else linear.bias.detach().float()  # [out]
-        self.small_max_rows = 0
+        self.small_min_rows, self.small_max_rows = 1, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         rows = x.shape[0] if x.dim() == 2 else None
-        if self.small is not None and rows is not None and rows <= self.small_max_rows:
+        if self.small is not None and rows is not None and self.small_min_rows <= rows <= self.small_max_rows:
             if torch.compiler.is_compiling():
                 return small_gemm.small_gemm(x, self.small, self.small_bias)
             return small_gemm.small_mm(x, self.small, self.small_bias)
@@ -124,7 +124,7 @@ class MixedLinear(DirectCall):
         # the bf16 path's few-row calls on specserve's kernel (as PackedLinear's), up to small_max_rows rows
         self.small = small_gemm.pack(linear.weight.detach().to(torch.bfloat16)) if keep_small else None
         self.small_bias = None if linear.bias is None or not keep_small else linear.bias.detach().float()
-        self.small_max_rows = 0
+        self.small_min_rows, self.small_max_rows = 1, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
         return self.fp32(x) if x.shape[0] <= self.fp32_max_rows else self.bf16(x)
@@ -137,7 +137,7 @@ class MixedLinear(DirectCall):
         """The bf16 path with its casts, whatever the row count (the crossover probe times it): specserve's few-row
         kernel up to small_max_rows rows, the packed one above."""
         low = x.to(torch.bfloat16)
-        small = self.small is not None and x.dim() == 2 and x.shape[0] <= self.small_max_rows
+        small = self.small is not None and x.dim() == 2 and self.small_min_rows <= x.shape[0] <= self.small_max_rows
         if torch.compiler.is_compiling():
             out = small_gemm.small_gemm(low, self.small, self.small_bias) if small else \
                 packed_linear(low, self.packed, self.bias_bf16)

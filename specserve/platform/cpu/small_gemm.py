@@ -159,28 +159,34 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], packed.shape[0] * COLS)
 
 
-def largest_winning_rows(wins: dict[int, bool]) -> int:
-    """{rows: the kernel won there} -> the most rows up to which it won at every probed count (0: not at 1 row)."""
+def winning_rows(wins: dict[int, bool]) -> tuple[int, int]:
+    """{probed rows: the kernel won there} -> (min_rows, max_rows), the calls that take the kernel: from 1 row where it
+    won at one row, else from 2 (one-row calls keep their own kernel), up to the most rows it won at every probed count
+    from there; (0, 0) where it won nowhere from the start."""
+    counts = sorted(wins)
+    lo = 1 if wins[counts[0]] else 2
     best = 0
-    for rows in sorted(wins):
+    for rows in counts:
+        if rows < lo:
+            continue
         if not wins[rows]:
             break
         best = rows
-    return best
+    return (lo, best) if best else (0, 0)
 
 
 def choose_small_rows(linears: list) -> dict:
     """For PackedLinears or MixedLinears holding the kernel's layout (``small``): up to how many rows a call takes the
     kernel. ``on``:
-    SMALL_MAX_ROWS; ``auto``: timed at PROBE_ROWS on the model's first linears (``one_row_probe.probed_linears``)
-    against the kernel each count uses otherwise (gemv or packed for one row, packed above). Sets each linear's
-    ``small_max_rows``, drops the layout where the kernel lost at one row, and the plain copies where it won there
-    (gemv is then not used) -> the verdict (server info)."""
+    1 to SMALL_MAX_ROWS; ``auto``: timed at PROBE_ROWS on the model's first linears (``one_row_probe.probed_linears``)
+    against the kernel each count uses otherwise (gemv or packed for one row, packed above), the rows then from
+    ``winning_rows``. Sets each linear's ``small_min_rows`` / ``small_max_rows``, drops the layout where the kernel
+    won nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server info)."""
     from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
     from specserve.platform.cpu.packing import cpu_gemv
 
     if mode() == "on":
-        verdict = {"max_rows": SMALL_MAX_ROWS, "source": ENV}
+        verdict = {"min_rows": 1, "max_rows": SMALL_MAX_ROWS, "source": ENV}
     else:
         chosen = probed_linears(linears, weight=lambda lin: lin.small)
         gen = torch.Generator().manual_seed(0)
@@ -199,12 +205,13 @@ def choose_small_rows(linears: list) -> dict:
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             wins[rows] = med["small"] < (1.0 - MIN_GAIN) * med["other"]
             ms[rows] = (round(med["small"] * 1e3, 3), round(med["other"] * 1e3, 3))
-        verdict = {"max_rows": largest_winning_rows(wins), "source": "probe", "small_other_ms": ms}
+        lo, hi = winning_rows(wins)
+        verdict = {"min_rows": lo, "max_rows": hi, "source": "probe", "small_other_ms": ms}
     for lin in linears:
-        lin.small_max_rows = verdict["max_rows"]
+        lin.small_min_rows, lin.small_max_rows = verdict["min_rows"], verdict["max_rows"]
         if verdict["max_rows"] == 0:
             lin.small = lin.small_bias = None
-        elif hasattr(lin, "plain"):  # a PackedLinear's one-row calls now take the kernel
+        elif verdict["min_rows"] == 1 and hasattr(lin, "plain"):  # a PackedLinear's one-row calls take the kernel
             lin.plain = None
     logger.info("small-gemm kernel: %s", verdict)
     return verdict
