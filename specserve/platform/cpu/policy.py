@@ -142,7 +142,9 @@ class CpuPolicy(PlatformPolicy):
     def pack_weights(self, module: nn.Module) -> int:
         """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``), keeping their plain weights for
         one-row calls where that copy is small enough (``keeps_plain_weights``) and gemv is the faster one-row kernel
-        for them on this machine (``one_row_probe.py``); then the weights move onto huge pages (``place_weights``)."""
+        for them on this machine (``one_row_probe.py``), and a copy for specserve's few-row kernel for the row counts
+        where it is faster still (``small_gemm.py``; same size rule); then the weights move onto huge pages
+        (``place_weights``)."""
         keep = self.keeps_plain_weights(module)
         small = self.packs_weights and keep and small_gemm.available()
         packed = pack_linears_for_cpu(module, keep_plain=keep, keep_small=small) if self.packs_weights else 0
