@@ -87,14 +87,14 @@ def _two_linears() -> nn.Sequential:
 
 @needs_kernel
 def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
-    """small_min_rows to small_max_rows rows: the kernel; other calls: the packed oneDNN kernel (or gemv); both agree
-    with nn.Linear, eager and compiled (the specserve::small_gemm op)."""
+    """The row counts the copy takes (min_rows to max_rows): the kernel; other calls: the packed oneDNN kernel (or
+    gemv); both agree with nn.Linear, eager and compiled (the specserve::small_gemm op)."""
     model = _two_linears()
     ref = _two_linears()
     assert pack_linears_for_cpu(model, keep_small=True) == 2
     for m in (model[0], model[2]):
-        assert m.small is not None and m.small_max_rows == 0  # until the policy sets it
-        m.small_max_rows = 8
+        assert m.small is not None and m.small.max_rows == 0  # until the policy sets it
+        m.small.max_rows = 8
     calls = []
     real = small_gemm.small_mm
     monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
@@ -107,7 +107,7 @@ def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
         assert torch.equal(torch.compile(model)(x), model(x))  # the same kernel inside the graph
         calls.clear()
         for m in (model[0], model[2]):
-            m.small_min_rows = 2  # one-row calls keep their own kernel (the probe's verdict where it lost there)
+            m.small.min_rows = 2  # one-row calls keep their own kernel (the probe's verdict where it lost there)
         model(torch.randn(1, 64, dtype=torch.bfloat16))
         model(torch.randn(2, 64, dtype=torch.bfloat16))
         assert calls == [2, 2]
@@ -115,8 +115,8 @@ def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
 
 @needs_kernel
 def test_a_float32_drafts_bf16_path_takes_the_kernel_for_few_rows(monkeypatch):
-    """MixedLinear (a float32 draft's linear): its bf16 path runs the kernel up to small_max_rows rows (float32 in and
-    out, bf16 rounding), the packed kernel above; the float32 path is untouched."""
+    """MixedLinear (a float32 draft's linear): its bf16 path runs the kernel up to the copy's max_rows rows (float32
+    in and out, bf16 rounding), the packed kernel above; the float32 path is untouched."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128))
     ref = nn.Linear(64, 128)
@@ -124,7 +124,7 @@ def test_a_float32_drafts_bf16_path_takes_the_kernel_for_few_rows(monkeypatch):
     assert mix_linears_for_cpu(model, keep_small=True) == 1
     mixed = model[0]
     assert isinstance(mixed, MixedLinear) and mixed.small is not None
-    mixed.small_max_rows = 4
+    mixed.small.max_rows = 4
     calls = []
     real = small_gemm.small_mm
     monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
@@ -150,15 +150,15 @@ def test_the_probe_times_both_kernels_and_sets_the_rows(monkeypatch):
     assert verdict["source"] == "probe" and set(verdict["small_other_ms"]) == set(small_gemm.PROBE_ROWS)
     assert all(s > 0 and o > 0 for s, o in verdict["small_other_ms"].values())
     for m in linears:
-        assert (m.small_min_rows, m.small_max_rows) == (verdict["min_rows"], verdict["max_rows"])
         assert (m.small is None) == (verdict["max_rows"] == 0)
+        assert m.small is None or (m.small.min_rows, m.small.max_rows) == (verdict["min_rows"], verdict["max_rows"])
         assert (m.plain is None) == (verdict["max_rows"] > 0 and verdict["min_rows"] == 1)
     model = _two_linears()
     pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
     monkeypatch.setenv(small_gemm.ENV, "on")
     assert small_gemm.choose_small_rows([model[0]]) == {"min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS,
                                                         "source": small_gemm.ENV}
-    assert model[0].plain is None and model[0].small_max_rows == small_gemm.SMALL_MAX_ROWS
+    assert model[0].plain is None and model[0].small.max_rows == small_gemm.SMALL_MAX_ROWS
 
 
 @needs_kernel

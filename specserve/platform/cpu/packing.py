@@ -72,8 +72,8 @@ def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 class PackedLinear(DirectCall):
     """A Linear whose weight lives in oneDNN's packed layout; with keep_plain its plain weight is kept too
     (``plain``) for calls of at most GEMV_MAX_ROWS rows (``cpu_gemv``), else it is not kept. With keep_small, a copy in
-    the layout of specserve's few-row kernel (``small_gemm.py``) is kept too (``small``), for calls of
-    ``small_min_rows`` to ``small_max_rows`` rows (set by ``small_gemm.choose_small_rows``; none until then)."""
+    the layout of specserve's few-row kernel is kept too (``small``, a ``small_gemm.SmallCopy``), for the calls whose
+    row count it takes (set by ``small_gemm.choose_small_rows``; none until then)."""
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_plain: bool = False,
                  keep_small: bool = False) -> None:
@@ -82,17 +82,12 @@ class PackedLinear(DirectCall):
         self.packed = packed
         self.bias = linear.bias
         self.plain = linear.weight.detach() if keep_plain else None  # [out, in]
-        self.small = small_gemm.pack(linear.weight) if keep_small else None  # [out / 64, in / 2, 64, 2]
-        self.small_bias = None if linear.bias is None or not keep_small else linear.bias.detach().float()  # [out]
-        self.small_min_rows, self.small_max_rows = 1, 0
+        self.small = small_gemm.SmallCopy(linear.weight, linear.bias) if keep_small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        rows = x.shape[0] if x.dim() == 2 else None
-        if self.small is not None and rows is not None and self.small_min_rows <= rows <= self.small_max_rows:
-            if torch.compiler.is_compiling():
-                return small_gemm.small_gemm(x, self.small, self.small_bias)
-            return small_gemm.small_mm(x, self.small, self.small_bias)
-        gemv = self.plain is not None and rows is not None and rows <= GEMV_MAX_ROWS
+        if self.small is not None and self.small.takes(x):
+            return self.small.run(x)
+        gemv = self.plain is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
         if torch.compiler.is_compiling():  # a one-row forward's graph runs under onednn_off (one_row_forward)
             return F.linear(x, self.plain, self.bias) if gemv else packed_linear(x, self.packed, self.bias)
         return cpu_gemv(x, self.plain, self.bias) if gemv else _packed_matmul(x, self.packed, self.bias)
@@ -121,10 +116,8 @@ class MixedLinear(DirectCall):
         self.weight, self.bias, self.packed = linear.weight, linear.bias, packed
         self.bias_bf16 = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         self.fp32_max_rows = FP32_MAX_ROWS
-        # the bf16 path's few-row calls on specserve's kernel (as PackedLinear's), up to small_max_rows rows
-        self.small = small_gemm.pack(linear.weight.detach().to(torch.bfloat16)) if keep_small else None
-        self.small_bias = None if linear.bias is None or not keep_small else linear.bias.detach().float()
-        self.small_min_rows, self.small_max_rows = 1, 0
+        # the bf16 path's few-row calls on specserve's kernel, as PackedLinear's
+        self.small = small_gemm.SmallCopy(linear.weight, linear.bias) if keep_small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
         return self.fp32(x) if x.shape[0] <= self.fp32_max_rows else self.bf16(x)
@@ -135,15 +128,14 @@ class MixedLinear(DirectCall):
 
     def bf16(self, x: torch.Tensor) -> torch.Tensor:
         """The bf16 path with its casts, whatever the row count (the crossover probe times it): specserve's few-row
-        kernel up to small_max_rows rows, the packed one above."""
+        kernel for the row counts it takes, the packed one otherwise."""
         low = x.to(torch.bfloat16)
-        small = self.small is not None and x.dim() == 2 and self.small_min_rows <= x.shape[0] <= self.small_max_rows
-        if torch.compiler.is_compiling():
-            out = small_gemm.small_gemm(low, self.small, self.small_bias) if small else \
-                packed_linear(low, self.packed, self.bias_bf16)
+        if self.small is not None and self.small.takes(low):
+            out = self.small.run(low)
+        elif torch.compiler.is_compiling():
+            out = packed_linear(low, self.packed, self.bias_bf16)
         else:
-            out = small_gemm.small_mm(low, self.small, self.small_bias) if small else \
-                _packed_matmul(low, self.packed, self.bias_bf16)
+            out = _packed_matmul(low, self.packed, self.bias_bf16)
         return out.to(x.dtype)
 
     def packed_call(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +214,7 @@ def mix_linears_for_cpu(model: nn.Module, keep_small: bool = False) -> int:
     many. Only worth it where bf16 matmuls are native (AVX512-BF16 / AMX)."""
     def make(linear):
         packed = _pack(linear, torch.bfloat16)
-        small = keep_small and small_gemm.packable(linear.weight.detach().to(torch.bfloat16))
+        small = keep_small and small_gemm.fits(linear.weight)  # cast to bf16 by the copy
         return None if packed is None else MixedLinear(linear, packed, small)
 
     count = _replace_linears(model, (torch.float32,), make)

@@ -25,11 +25,15 @@ import hashlib
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from specserve.models.gguf import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +75,6 @@ def torch_openmp() -> str | None:
     return found[0] if found else None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specserve")
-    return Path(root) / "kernels"
-
-
 def build(compiler: str, openmp: str, out_dir: Path) -> Path:
     """Compile the kernel (once: the file is named by a hash of the source, flags, compiler and runtime) -> its path.
     Written to a temporary name and renamed, so processes building at once each see a whole file."""
@@ -112,7 +111,7 @@ def kernel():
         logger.info("small-gemm kernel: no %s", "C++ compiler" if compiler is None else "libgomp beside PyTorch")
         return None
     try:
-        fn = ctypes.CDLL(str(build(compiler, openmp, _cache_dir()))).small_gemm_bf16
+        fn = ctypes.CDLL(str(build(compiler, openmp, Path(cache_root()) / "kernels"))).small_gemm_bf16
     except (OSError, AttributeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("small-gemm kernel not built: %s %s", e, detail.decode(errors="replace")[-500:])
@@ -123,10 +122,15 @@ def kernel():
     return fn
 
 
-def packable(weight: torch.Tensor) -> bool:
-    """The kernel's rules: a bf16 CPU weight [N, K] with N a multiple of COLS and K even."""
+def fits(weight: torch.Tensor) -> bool:
+    """The kernel's shape rules: a CPU weight [N, K] with N a multiple of COLS and K even."""
     n, k = weight.shape
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % COLS == 0 and k % 2 == 0
+    return weight.device.type == "cpu" and n % COLS == 0 and k % 2 == 0
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """A bf16 weight the kernel takes as it is (``fits``)."""
+    return weight.dtype == torch.bfloat16 and fits(weight)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -159,6 +163,27 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], packed.shape[0] * COLS)
 
 
+class SmallCopy(nn.Module):
+    """A linear's weight in the kernel's layout (``packed``, cast to bf16), its bias in float32, and the row counts
+    whose calls take the kernel (``min_rows`` to ``max_rows``: none until ``choose_small_rows`` sets them). A module,
+    so that the weights move onto huge pages with the rest (``hugepages.module_tensors``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.packed = pack(weight.detach().to(torch.bfloat16))  # [out / 64, in / 2, 64, 2]
+        self.bias = None if bias is None else bias.detach().float()  # [out]
+        self.min_rows, self.max_rows = 1, 0
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and self.min_rows <= x.shape[0] <= self.max_rows
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] bf16 -> [T, out] bf16; inside a compiled graph, through the custom op."""
+        if torch.compiler.is_compiling():
+            return small_gemm(x, self.packed, self.bias)
+        return small_mm(x, self.packed, self.bias)
+
+
 def winning_rows(wins: dict[int, bool]) -> tuple[int, int]:
     """{probed rows: the kernel won there} -> (min_rows, max_rows), the calls that take the kernel: from 1 row where it
     won at one row, else from 2 (one-row calls keep their own kernel), up to the most rows it won at every probed count
@@ -180,7 +205,7 @@ def choose_small_rows(linears: list) -> dict:
     kernel. ``on``:
     1 to SMALL_MAX_ROWS; ``auto``: timed at PROBE_ROWS on the model's first linears (``one_row_probe.probed_linears``)
     against the kernel each count uses otherwise (gemv or packed for one row, packed above), the rows then from
-    ``winning_rows``. Sets each linear's ``small_min_rows`` / ``small_max_rows``, drops the layout where the kernel
+    ``winning_rows``. Sets each linear's ``small.min_rows`` / ``small.max_rows``, drops the layout where the kernel
     won nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server info)."""
     from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
     from specserve.platform.cpu.packing import cpu_gemv
@@ -188,7 +213,7 @@ def choose_small_rows(linears: list) -> dict:
     if mode() == "on":
         verdict = {"min_rows": 1, "max_rows": SMALL_MAX_ROWS, "source": ENV}
     else:
-        chosen = probed_linears(linears, weight=lambda lin: lin.small)
+        chosen = probed_linears(linears, weight=lambda lin: lin.small.packed)
         gen = torch.Generator().manual_seed(0)
         wins, ms = {}, {}
         for rows in PROBE_ROWS:
@@ -198,19 +223,18 @@ def choose_small_rows(linears: list) -> dict:
                 return [cpu_gemv(x[m.in_features], m.plain, m.bias) if rows == 1 and getattr(m, "plain", None)
                         is not None else m.packed_call(x[m.in_features]) for m in chosen]
 
-            passes = {"small": lambda x=x: [small_mm(x[m.in_features], m.small, m.small_bias) for m in chosen],
-                      "other": other}
+            passes = {"small": lambda x=x: [m.small.run(x[m.in_features]) for m in chosen], "other": other}
             with torch.inference_mode():
                 times = interleaved_times(passes, PROBE_REPS)
-            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            med = {k: statistics.median(v) for k, v in times.items()}
             wins[rows] = med["small"] < (1.0 - MIN_GAIN) * med["other"]
             ms[rows] = (round(med["small"] * 1e3, 3), round(med["other"] * 1e3, 3))
         lo, hi = winning_rows(wins)
         verdict = {"min_rows": lo, "max_rows": hi, "source": "probe", "small_other_ms": ms}
     for lin in linears:
-        lin.small_min_rows, lin.small_max_rows = verdict["min_rows"], verdict["max_rows"]
+        lin.small.min_rows, lin.small.max_rows = verdict["min_rows"], verdict["max_rows"]
         if verdict["max_rows"] == 0:
-            lin.small = lin.small_bias = None
+            lin.small = None
         elif verdict["min_rows"] == 1 and hasattr(lin, "plain"):  # a PackedLinear's one-row calls take the kernel
             lin.plain = None
     logger.info("small-gemm kernel: %s", verdict)
