@@ -270,15 +270,19 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
     bsz = md.kv_slots.shape[0]
     if md.one_query and q.is_cpu and torch.compiler.is_compiling():
         return _attend_one_query_by_slot(q, k_buf, v_buf, md, scale)
+    if md.q_index is None:
+        qb = q.view(bsz, -1, n_heads, head_dim)  # [B, Qmax, H, D]
+    else:
+        qb = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[md.q_index]  # [B, Qmax, H, D]
+    kernel = None if platform is None or md.is_causal else platform.few_query_attention(qb, k_buf)
+    if kernel is not None:  # the host's own: keys and values read by slot, no gathered copies
+        out = kernel(qb, k_buf, v_buf, md.kv_slots, md.mask, scale)  # [B*Qmax, H*D]
+        return out if md.out_index is None else out.index_select(0, md.out_index)
     flat = md.kv_slots.reshape(-1)
     kb = k_buf.index_select(0, flat).view(bsz, -1, k_buf.shape[1], head_dim)  # [B, Kmax, Hkv, D]
     vb = v_buf.index_select(0, flat).view(bsz, -1, v_buf.shape[1], head_dim)
     if md.one_query:
         return _attend_one_query(q, kb, vb, md, scale)
-    if md.q_index is None:
-        qb = q.view(bsz, -1, n_heads, head_dim)  # [B, Qmax, H, D]
-    else:
-        qb = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[md.q_index]  # [B, Qmax, H, D]
     masked = md.mask is not None and not md.is_causal
     if platform is not None and platform.folds_query_heads(qb, kb.shape[2], masked):
         out = _attend_folded(qb, kb, vb, md.mask, scale)

@@ -109,3 +109,9 @@ class PlatformPolicy:
         """Whether padded queries qb [B, Qmax, H, D] over ``n_kv`` KV heads, with a mask other than plain causal
         (``masked``), are attended as G = H / n_kv rows per KV head (attention's ``_attend_folded``)."""
         return False
+
+    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor):
+        """The host's own kernel for padded queries qb [B, Qmax, H, D] over the pool k_buf [S, Hkv, D] (decode rows,
+        verify trees, draft levels), called as f(qb, k_buf, v_buf, kv_slots, mask, scale) -> [B * Qmax, H * D];
+        None: attention runs SDPA."""
+        return None

@@ -60,7 +60,7 @@ def test_every_stage_writes_its_output(built):
     build = ChatBuild(out, work, "cpu", False, 0.004, False)
     cache = load_features(build, answers_only=True)
     open_ids, close_id = assistant_markers(AutoTokenizer.from_pretrained(build.target))
-    assert 0.2 < cache.mask.float().mean().item() < 0.98
+    assert 0.1 < cache.mask.float().mean().item() < 0.98  # answers: their share follows what the target wrote
     first = int(cache.mask.int().argmax())
     assert cache.tokens[first - len(open_ids) + 1 : first + 1].tolist() == open_ids
     # a second run skips every finished stage

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import Engine
-from specserve.platform.cpu import small_gemm
+from specserve.platform.cpu import native, small_gemm
 from specserve.platform.cpu.packing import MixedLinear, PackedLinear, mix_linears_for_cpu, pack_linears_for_cpu
 from tests.engine.helpers import PROMPTS, greedy
 
@@ -18,9 +18,9 @@ needs_kernel = pytest.mark.skipif(small_gemm.kernel() is None, reason="no AVX512
 
 def test_cpu_supports_reads_the_flags():
     line = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512vl"
-    assert not small_gemm.cpu_supports(f"processor: 0\n{line}\n")
-    assert small_gemm.cpu_supports(f"processor: 0\n{line} avx512_bf16 amx_tile\n")
-    assert not small_gemm.cpu_supports("processor: 0\n")
+    assert not native.cpu_supports(f"processor: 0\n{line}\n")
+    assert native.cpu_supports(f"processor: 0\n{line} avx512_bf16 amx_tile\n")
+    assert not native.cpu_supports("processor: 0\n")
 
 
 def test_winning_rows_by_hand():

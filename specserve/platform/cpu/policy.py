@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from specserve.platform.cpu import small_gemm
+from specserve.platform.cpu import small_gemm, tree_attention
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -70,6 +70,8 @@ class CpuPolicy(PlatformPolicy):
         self.small_rows: dict[str, dict] = {}  # packed module's class name -> the few-row kernel's verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
         self.huge_page_bytes = 0  # weights moved onto huge pages (hugepages.py), all models together
+        # specserve's few-query attention kernel (tree_attention.py), unless SPECSERVE_CPU_ATTENTION=off
+        self.tree_attention = device.type == "cpu" and tree_attention.available()
 
     @property
     def packs_weights(self) -> bool:
@@ -132,6 +134,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_small_gemm"] = self.small_rows
         if self.mixed is not None:
             extra["cpu_draft_fp32_rows"] = self.mixed
+        if self.tree_attention:
+            extra["cpu_tree_attention"] = True
         if self.huge_page_bytes:
             extra["cpu_weights_on_huge_pages_mib"] = round(self.huge_page_bytes / 2**20, 1)
         if self.governor is not None:
@@ -216,3 +220,11 @@ class CpuPolicy(PlatformPolicy):
         bsz, max_q, n_heads, _ = qb.shape
         return (qb.device.type == "cpu" and qb.dtype in HALF_DTYPES and n_heads > n_kv and masked
                 and bsz >= FOLD_MIN_BATCH and max_q <= FOLD_MAX_Q)
+
+    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor):
+        """specserve's kernel (``tree_attention.py``) for bf16 queries, up to its MAX_QUERIES per request; inside a
+        compiled graph through its custom op. A compiled graph's decode rows keep their fused loops
+        (``_attend_one_query_by_slot``, chosen before this is asked)."""
+        if not self.tree_attention or not tree_attention.takes(qb, k_buf):
+            return None
+        return tree_attention.tree_attention_op if torch.compiler.is_compiling() else tree_attention.tree_attention

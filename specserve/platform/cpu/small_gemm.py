@@ -6,10 +6,8 @@ against 7-10 ms for one row through PyTorch's gemv, so every verified node cost 
 reads each weight once for up to 4 rows and re-reads it from the core's L2 for more: over SmolLM2's linears on that
 machine it took 9.2 ms for 1 row, 8.8 for 4, 10.3 for 8 and 15.2 for 16 (docs/benchmarks.md, "Weight packing").
 
-It is C++ compiled once per machine with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
-(``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``), linked to PyTorch's own OpenMP runtime so
-that its threads are PyTorch's, and called through ctypes (an opaque custom op inside compiled graphs). Where the CPU
-lacks AVX512-BF16, no compiler is found or the build fails, nothing changes: the other kernels run.
+It is built once per machine (``native``) and called through ctypes (an opaque custom op inside compiled graphs).
+Where the CPU lacks AVX512-BF16, no compiler is found or the build fails, nothing changes: the other kernels run.
 
 ``SPECSERVE_SMALL_GEMM=auto`` (default) times the kernel against the one each row count would use otherwise, on the
 model's own linears at load (``choose_small_rows``); ``on`` uses it up to SMALL_MAX_ROWS rows without timing; ``off``
@@ -19,34 +17,26 @@ never builds it.
 from __future__ import annotations
 
 import ctypes
-import functools
-import glob
-import hashlib
 import logging
 import os
-import shutil
 import statistics
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from specserve.models.gguf import cache_root
+from specserve.platform.cpu import native
 
 logger = logging.getLogger(__name__)
 
 ENV = "SPECSERVE_SMALL_GEMM"
 MODES = ("auto", "on", "off")
-SOURCE = Path(__file__).with_name("small_gemm.cpp")
 COLS = 64  # output columns per packed group (the kernel's COLS)
 SMALL_MAX_ROWS = 16  # the most rows a call may have (4 row tiles)
 PROBE_ROWS = (1, 4, 8, 16)  # the row counts the probe times
 PROBE_REPS = 5
 MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than the other kernel
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
 
 
 def mode() -> str:
@@ -57,69 +47,14 @@ def mode() -> str:
     return value
 
 
-def cpu_supports(cpuinfo: str | None = None) -> bool:
-    """The CPU has the instructions the kernel uses (Linux's /proc/cpuinfo flags; False where it cannot tell)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in CPU_FLAGS)
-
-
-def torch_openmp() -> str | None:
-    """PyTorch's own OpenMP runtime (the libgomp its wheel ships), which the kernel links so that its threads are
-    PyTorch's; None where there is none (a build with another threading runtime)."""
-    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
-    return found[0] if found else None
-
-
-def build(compiler: str, openmp: str, out_dir: Path) -> Path:
-    """Compile the kernel (once: the file is named by a hash of the source, flags, compiler and runtime) -> its path.
-    Written to a temporary name and renamed, so processes building at once each see a whole file."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, openmp, *FLAGS]).encode()).hexdigest()[:16]
-    target = out_dir / f"small_gemm-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        obj, lib = Path(tmp) / "small_gemm.o", Path(tmp) / "small_gemm.so"
-        subprocess.run([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
-        # linked to PyTorch's libgomp by path (not -fopenmp's system one): the same runtime, the same thread pool
-        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), openmp,
-                        f"-Wl,-rpath,{os.path.dirname(openmp)}"], check=True, capture_output=True)
-        os.replace(lib, target)
-    return target
-
-
 def available() -> bool:
     """The kernel is wanted (SPECSERVE_SMALL_GEMM is not off) and runs here."""
     return mode() != "off" and kernel() is not None
 
 
-@functools.cache
 def kernel():
-    """The compiled kernel as a ctypes function (built on the first call), or None (with the reason logged) where it
-    cannot run here."""
-    if not cpu_supports():
-        logger.info("small-gemm kernel: the CPU lacks AVX512-BF16")
-        return None
-    compiler, openmp = shutil.which(os.environ.get("CXX", "g++")), torch_openmp()
-    if compiler is None or openmp is None:
-        logger.info("small-gemm kernel: no %s", "C++ compiler" if compiler is None else "libgomp beside PyTorch")
-        return None
-    try:
-        fn = ctypes.CDLL(str(build(compiler, openmp, Path(cache_root()) / "kernels"))).small_gemm_bf16
-    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("small-gemm kernel not built: %s %s", e, detail.decode(errors="replace")[-500:])
-        return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    return fn
+    """The compiled kernel as a ctypes function (built on the first call), or None where it cannot run here."""
+    return native.function("small_gemm.cpp", "small_gemm_bf16", ARGTYPES)
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -1,0 +1,97 @@
+"""Attention of a few queries per request (decode rows, verify trees, draft levels) on CPUs with AVX512-BF16:
+specserve's own kernel (``tree_attention.cpp``).
+
+PyTorch's SDPA on CPU costs about 60-110 us a call at the demo's sizes (4 heads of 64 over a few hundred keys,
+1-12 queries), whatever the work, and its eager gather of each request's keys from the pool adds two copies a layer;
+at 12 layers plus a draft level per tree depth that was a sixth of a speculative step. The kernel reads each key and
+value straight from its pool slot, once for a KV head's G query heads, and works in float32 throughout. A row's result
+depends only on the keys it may see, taken in column order, so a verify tree's node gets bit for bit what a one-row
+decode of the same token gets (``tree_attention.cpp``).
+
+It takes bf16 queries and pools, head dimensions of 32, 64, 128 or 256 and up to MAX_QUERIES queries per request
+(longer ones, prefill chunks, stay on SDPA's flash kernel, which is built for them). ``SPECSERVE_CPU_ATTENTION=off``
+keeps SDPA everywhere; where the kernel cannot be built (no AVX512-BF16, no compiler) SDPA runs as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from specserve.platform.cpu import native
+
+ENV = "SPECSERVE_CPU_ATTENTION"
+MODES = ("on", "off")
+MAX_QUERIES = 16  # the most queries per request a call takes
+HEAD_DIMS = (32, 64, 128, 256)  # the head dimensions the kernel is built for
+MAX_GROUP = 64  # query heads per KV head
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+ARGTYPES = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+            ctypes.c_float, _PTR, ctypes.c_int)
+
+
+def mode() -> str:
+    """SPECSERVE_CPU_ATTENTION's value (on or off); ValueError naming it for anything else."""
+    value = os.environ.get(ENV, "on").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def kernel():
+    """The compiled kernel as a ctypes function (built on the first call), or None where it cannot run here."""
+    return native.function("tree_attention.cpp", "tree_attention_bf16", ARGTYPES)
+
+
+def available() -> bool:
+    """The kernel is wanted (SPECSERVE_CPU_ATTENTION is not off) and runs here."""
+    return mode() != "off" and kernel() is not None
+
+
+def takes(qb: torch.Tensor, k_buf: torch.Tensor) -> bool:
+    """Padded queries qb [B, Qmax, H, D] over a pool k_buf [S, Hkv, D] fit the kernel's rules."""
+    _, max_q, n_heads, head_dim = qb.shape
+    return (qb.device.type == "cpu" and qb.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
+            and max_q <= MAX_QUERIES and head_dim in HEAD_DIMS and n_heads % k_buf.shape[1] == 0
+            and n_heads // k_buf.shape[1] <= MAX_GROUP
+            and k_buf.is_contiguous())
+
+
+def tree_attention(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """qb [B, Qmax, H, D] bf16; k_buf/v_buf [S, Hkv, D] the layer's pool; kv_slots [B, Kmax] int64 the slot of each
+    key column; mask [B, 1, Qmax, Kmax] bool (or broadcastable to it: [B, 1, 1, Kmax]), True = may attend, None =
+    every column visible -> [B * Qmax, H * D] bf16. Rows that see no key (padding) come out zero. The pool must be
+    contiguous (``takes``)."""
+    bsz, max_q, n_heads, head_dim = qb.shape
+    if qb.stride(-1) != 1:
+        qb = qb.contiguous()
+    if kv_slots.dtype != torch.int64 or not kv_slots.is_contiguous():
+        kv_slots = kv_slots.to(torch.int64).contiguous()
+    out = torch.empty(bsz * max_q, n_heads * head_dim, dtype=torch.bfloat16)
+    mask_ptr, stride_b, stride_q = None, 0, 0
+    if mask is not None:
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mask_ptr = mask.data_ptr()  # bool: one byte each
+        stride_b = mask.stride(0) if mask.shape[0] > 1 else 0
+        stride_q = mask.stride(2) if mask.shape[2] > 1 else 0
+    q_sb, q_sq, q_sh, _ = qb.stride()
+    kernel()(qb.data_ptr(), q_sb, q_sq, q_sh, k_buf.data_ptr(), v_buf.data_ptr(), kv_slots.data_ptr(), mask_ptr,
+             stride_b, stride_q, bsz, max_q, n_heads, k_buf.shape[1], head_dim, kv_slots.shape[1], scale,
+             out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@torch.library.custom_op("specserve::tree_attention", mutates_args=())
+def tree_attention_op(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """tree_attention as an op that compiled graphs call as is."""
+    return tree_attention(qb, k_buf, v_buf, kv_slots, mask, scale)
+
+
+@tree_attention_op.register_fake
+def _(qb, k_buf, v_buf, kv_slots, mask, scale):
+    return qb.new_empty(qb.shape[0] * qb.shape[1], qb.shape[2] * qb.shape[3])
