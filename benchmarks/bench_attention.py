@@ -1,11 +1,13 @@
 """Few-query attention on CPU: specserve's kernel against the SDPA path it replaces, one layer's call at a time.
 
 For each shape (heads / KV heads / head dim of a model, queries per request, keys per request), both paths attend
-bf16 queries over keys and values read from a pool of POOL_SLOTS slots (each request's keys in consecutive slots),
-as the engine's attention layer calls them: the SDPA path gathers each request's keys and values from the pool and calls
-``F.scaled_dot_product_attention`` with the mask (GQA by ``enable_gqa``); the kernel reads them by slot
-(``specserve.platform.cpu.tree_attention``). A verify tree's mask is its ancestors' (a chain) over the prefix; a
-decode row sees every key. The two alternate call by call, ``--reps`` rounds of ``--calls`` calls each; the script
+bf16 queries over keys and values read from a pool of POOL_SLOTS slots (each request's keys in consecutive slots)
+through the SDPA backend's own ``_attend``, as an eager attention layer calls it: once with the CPU policy's rules
+but the kernel off (each request's keys and values gathered from the pool, then SDPA: decode rows with a KV head's
+query heads folded into one block, ``_attend_one_query``; trees of 4 or more requests folded likewise,
+``_attend_folded``; else SDPA with ``enable_gqa``), once with the kernel (``specserve.platform.cpu.tree_attention``,
+reading them by slot). A verify tree's mask is a chain of its drafted tokens over the prefix; a decode row sees
+every key. The two alternate call by call, ``--reps`` rounds of ``--calls`` calls each; the script
 prints each path's median per call and the ratio, with the rounds' spread, and the largest difference of outputs.
 
     python benchmarks/bench_attention.py --reps 5
@@ -18,9 +20,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
+from specserve.attention.sdpa import AttnMetadata, _attend
 from specserve.platform.cpu import tree_attention
+from specserve.platform.cpu.policy import CpuPolicy
 
 POOL_SLOTS = 32768
 MODELS = {"demo": (4, 2, 64), "smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}
@@ -28,14 +31,15 @@ SHAPES = [(1, 1, 128), (1, 1, 512), (1, 1, 2048), (1, 3, 200), (1, 8, 300), (1, 
           (16, 1, 300), (16, 4, 300)]  # (requests, queries per request, keys per request)
 
 
-def sdpa_path(qb, k_buf, v_buf, slots, mask, scale):
-    bsz, _, n_heads, head_dim = qb.shape
-    flat = slots.reshape(-1)
-    kb = k_buf.index_select(0, flat).view(bsz, -1, k_buf.shape[1], head_dim)
-    vb = v_buf.index_select(0, flat).view(bsz, -1, v_buf.shape[1], head_dim)
-    return F.scaled_dot_product_attention(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=mask,
-                                          scale=scale, enable_gqa=kb.shape[2] != n_heads
-                                          ).transpose(1, 2).reshape(-1, n_heads * head_dim)
+class Rules(CpuPolicy):
+    """The CPU policy's attention rules, with or without the kernel, without the rest of its set-up."""
+
+    def __init__(self, kernel: bool) -> None:
+        self.tree_attention = kernel
+
+
+def attend(rules: Rules, q, k_buf, v_buf, md, scale):
+    return _attend(q, k_buf, v_buf, md, scale, rules)
 
 
 def case(heads: tuple[int, int, int], bsz: int, n_q: int, keys: int, gen: torch.Generator):
@@ -45,12 +49,13 @@ def case(heads: tuple[int, int, int], bsz: int, n_q: int, keys: int, gen: torch.
     # each request's keys in consecutive slots from a random start, as a fresh pool hands them out
     starts = torch.randint(0, POOL_SLOTS - keys, (bsz, 1), generator=gen)
     slots = starts + torch.arange(keys).view(1, keys)
-    qb = torch.randn(bsz, n_q, n_heads, dim, generator=gen).bfloat16()
+    q = torch.randn(bsz * n_q, n_heads, dim, generator=gen).bfloat16()  # [T, H, D]
     mask = None
     if n_q > 1:  # a chain of n_q drafted tokens after the prefix
         mask = torch.ones(bsz, 1, n_q, keys, dtype=torch.bool)
         mask[..., keys - n_q :] = torch.tril(torch.ones(n_q, n_q, dtype=torch.bool))
-    return qb, k_buf, v_buf, slots, mask, dim**-0.5
+    md = AttnMetadata(bsz, n_q, slots, mask, False, None, None)
+    return q, k_buf, v_buf, md, dim**-0.5
 
 
 def per_call(fn, args, calls: int) -> float:
@@ -79,11 +84,12 @@ def main() -> None:
         for name in args.models.split(","):
             for bsz, n_q, keys in SHAPES:
                 inputs = case(MODELS[name], bsz, n_q, keys, gen)
-                diff = (sdpa_path(*inputs).float() - tree_attention.tree_attention(*inputs).float()).abs().max()
+                off, on = (Rules(False), *inputs), (Rules(True), *inputs)
+                diff = (attend(*off).float() - attend(*on).float()).abs().max()
                 sdpa, kernel = [], []
                 for _ in range(args.reps + 1):  # the first round warms up
-                    sdpa.append(per_call(sdpa_path, inputs, args.calls))
-                    kernel.append(per_call(tree_attention.tree_attention, inputs, args.calls))
+                    sdpa.append(per_call(attend, off, args.calls))
+                    kernel.append(per_call(attend, on, args.calls))
                 sdpa, kernel = sdpa[1:], kernel[1:]
                 ratios = sorted(s / k for s, k in zip(sdpa, kernel, strict=True))
                 print(f"| {name} ({'/'.join(map(str, MODELS[name]))}) | {bsz} | {n_q} | {keys} "

@@ -1,12 +1,14 @@
 // Attention of a few queries per request over keys read from the KV pool by slot, on CPUs with AVX512-BF16.
 //
-// q [B, Qmax, H, D] bf16 (any strides but the last: q_sb, q_sq, q_sh); the pool's K and V [S, Hkv, D] bf16; slots [B, Kmax] the pool slot of each key column;
-// mask[b * mask_sb + i * mask_sq + k] (uint8, 1 = query row i of request b may attend key column k; null = every
-// column visible) -> out [B, Qmax, H, D] bf16. Query head h reads KV head h / G (G = H / Hkv), SDPA's GQA grouping.
+// q [B, Qmax, H, D] bf16 (any strides but the last: q_sb, q_sq, q_sh); the pool's K and V [S, Hkv, D] bf16;
+// slots [B, Kmax] the pool slot of each key column; mask[b * mask_sb + i * mask_sq + k] (uint8, 1 = query row i of
+// request b may attend key column k; null = every column visible) -> out [B, Qmax, H, D] bf16. Query head h reads
+// KV head h / G (G = H / Hkv), SDPA's GQA grouping.
 //
-// One work item is a (request, KV head, query row): its G query heads read each visible key and value once. Scores,
-// the softmax and the weighted sum stay float32 (q . k by vdpbf16ps over pairs of dimensions; exp by a polynomial);
-// keys are taken in column order, so a row's result depends only on the keys it sees, never on how many other
+// One work item is a (request, KV head, query row): its G query heads' scores, key by key (blocks of 16 keys summed
+// by a fixed tree), then their weighted sums of the values, up to 4 heads per pass over the values. Scores, the
+// softmax and the weighted sums stay float32 (q . k by vdpbf16ps over pairs of dimensions; exp by a polynomial).
+// Keys are taken in column order, so a row's result depends only on the keys it sees, never on how many other
 // rows or requests share the call: a verify tree's node gets bit for bit what a one-row decode of the same token
 // gets. A row that sees no key gets zeros (padding rows; the caller drops them).
 #include <immintrin.h>

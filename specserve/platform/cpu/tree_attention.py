@@ -1,9 +1,10 @@
 """Attention of a few queries per request (decode rows, verify trees, draft levels) on CPUs with AVX512-BF16:
 specserve's own kernel (``tree_attention.cpp``).
 
-PyTorch's SDPA on CPU costs about 60-110 us a call at the demo's sizes (4 heads of 64 over a few hundred keys,
-1-12 queries), whatever the work, and its eager gather of each request's keys from the pool adds two copies a layer;
-at 12 layers plus a draft level per tree depth that was a sixth of a speculative step. The kernel reads each key and
+The eager SDPA path (each request's keys and values gathered from the pool into copies, then PyTorch's SDPA) took
+35-130 us a layer's call at the demo's sizes (4 heads of 64 over a few hundred keys, 1-12 queries) whatever the work,
+against 11-36 us here; at 12 layers plus a draft level per tree depth it had been a sixth of a speculative step
+(``benchmarks/bench_attention.py``). The kernel reads each key and
 value straight from its pool slot, once for a KV head's G query heads, and works in float32 throughout. A row's result
 depends only on the keys it may see, taken in column order, so a verify tree's node gets bit for bit what a one-row
 decode of the same token gets (``tree_attention.cpp``).
