@@ -31,14 +31,6 @@ def test_winning_rows_by_hand():
     assert small_gemm.winning_rows({1: True, 4: False}) == (1, 1)
 
 
-def test_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv(small_gemm.ENV, "fastest")
-    with pytest.raises(ValueError, match=small_gemm.ENV):
-        small_gemm.mode()
-    monkeypatch.setenv(small_gemm.ENV, "off")
-    assert not small_gemm.available()
-
-
 def test_packed_layout_by_hand():
     """[N, K] -> [N / 64, K / 2, 64, 2]: entry (g, j, c, t) is w[64 g + c, 2 j + t]."""
     w = torch.arange(128 * 6, dtype=torch.float32).view(128, 6).to(torch.bfloat16)  # exact integers

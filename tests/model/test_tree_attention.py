@@ -32,12 +32,16 @@ def pool(slots: int, n_kv: int, dim: int, seed: int = 0):
             torch.randn(slots, n_kv, dim, generator=gen).bfloat16())
 
 
-def test_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv(tree_attention.ENV, "fast")
-    with pytest.raises(ValueError, match=tree_attention.ENV):
-        tree_attention.mode()
-    monkeypatch.setenv(tree_attention.ENV, "off")
-    assert not tree_attention.available()
+@pytest.mark.parametrize("kernel", [tree_attention, small_gemm])
+def test_mode_names_the_variable(monkeypatch, kernel):
+    """Both kernels' switches: an unknown value is an error naming the variable; off turns the kernel off."""
+    monkeypatch.setenv(kernel.ENV, "fastest")
+    with pytest.raises(ValueError, match=kernel.ENV):
+        kernel.mode()
+    monkeypatch.setenv(kernel.ENV, "off")
+    assert kernel.mode() == "off" and not kernel.available()
+    monkeypatch.delenv(kernel.ENV)
+    assert kernel.mode() == kernel.MODES[0]  # the default
 
 
 def test_takes_only_what_it_is_built_for():

@@ -31,6 +31,15 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopen
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 
+def env_mode(env: str, modes: tuple[str, ...]) -> str:
+    """The value of the environment variable ``env`` (default: modes[0]), one of ``modes``; ValueError naming the
+    variable for anything else."""
+    value = os.environ.get(env, modes[0]).strip().lower()
+    if value not in modes:
+        raise ValueError(f"{env}={value!r}: expected one of {', '.join(modes)}")
+    return value
+
+
 def cpu_supports(cpuinfo: str | None = None) -> bool:
     """The CPU has the instructions the kernels use (Linux's /proc/cpuinfo flags; False where it cannot tell)."""
     if cpuinfo is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import statistics
 
 import torch
@@ -41,10 +40,7 @@ ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, cty
 
 def mode() -> str:
     """SPECSERVE_SMALL_GEMM's value (auto, on or off); ValueError naming it for anything else."""
-    value = os.environ.get(ENV, "auto").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    return native.env_mode(ENV, MODES)
 
 
 def available() -> bool:

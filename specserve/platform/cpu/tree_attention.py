@@ -17,7 +17,6 @@ keeps SDPA everywhere; where the kernel cannot be built (no AVX512-BF16, no comp
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
@@ -35,10 +34,7 @@ ARGTYPES = (_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I
 
 def mode() -> str:
     """SPECSERVE_CPU_ATTENTION's value (on or off); ValueError naming it for anything else."""
-    value = os.environ.get(ENV, "on").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    return native.env_mode(ENV, MODES)
 
 
 def kernel():
