@@ -30,9 +30,9 @@ class AttentionTuning(Protocol):
         attended as G = H / n_kv rows per KV head."""
         ...
 
-    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor):
-        """The host's own kernel for padded queries qb [B, Qmax, H, D] over the pool k_buf [S, Hkv, D], called as
-        f(qb, k_buf, v_buf, kv_slots, mask, scale) -> [B * Qmax, H * D]; None: SDPA."""
+    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor):
+        """The host's own kernel for padded queries qb [B, Qmax, H, D] over the pools k_buf / v_buf [S, Hkv, D],
+        called as f(qb, k_buf, v_buf, kv_slots, mask, scale) -> [B * Qmax, H * D]; None: SDPA."""
         ...
 
 

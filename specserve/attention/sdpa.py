@@ -274,7 +274,7 @@ def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, md: AttnM
         qb = q.view(bsz, -1, n_heads, head_dim)  # [B, Qmax, H, D]
     else:
         qb = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[md.q_index]  # [B, Qmax, H, D]
-    kernel = None if platform is None or md.is_causal else platform.few_query_attention(qb, k_buf)
+    kernel = None if platform is None or md.is_causal else platform.few_query_attention(qb, k_buf, v_buf)
     if kernel is not None:  # the host's own: keys and values read by slot, no gathered copies
         out = kernel(qb, k_buf, v_buf, md.kv_slots, md.mask, scale)  # [B*Qmax, H*D]
         return out if md.out_index is None else out.index_select(0, md.out_index)

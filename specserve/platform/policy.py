@@ -110,8 +110,8 @@ class PlatformPolicy:
         (``masked``), are attended as G = H / n_kv rows per KV head (attention's ``_attend_folded``)."""
         return False
 
-    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor):
-        """The host's own kernel for padded queries qb [B, Qmax, H, D] over the pool k_buf [S, Hkv, D] (decode rows,
-        verify trees, draft levels), called as f(qb, k_buf, v_buf, kv_slots, mask, scale) -> [B * Qmax, H * D];
-        None: attention runs SDPA."""
+    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor):
+        """The host's own kernel for padded queries qb [B, Qmax, H, D] over the pools k_buf / v_buf [S, Hkv, D]
+        (decode rows, verify trees, draft levels), called as f(qb, k_buf, v_buf, kv_slots, mask, scale)
+        -> [B * Qmax, H * D]; None: attention runs SDPA."""
         return None

@@ -47,13 +47,15 @@ def test_mode_names_the_variable(monkeypatch, kernel):
 def test_takes_only_what_it_is_built_for():
     k_buf = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
-    assert tree_attention.takes(q, k_buf)
-    assert not tree_attention.takes(q.float(), k_buf.float())  # bf16 only
-    assert not tree_attention.takes(torch.zeros(1, 17, 4, 64, dtype=torch.bfloat16), k_buf)  # a prefill chunk
-    assert not tree_attention.takes(torch.zeros(1, 4, 4, 48, dtype=torch.bfloat16),
-                                    torch.zeros(8, 2, 48, dtype=torch.bfloat16))  # head dim
-    assert not tree_attention.takes(torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16), k_buf)  # 3 heads over 2
-    assert not tree_attention.takes(q, torch.zeros(8, 4, 64, dtype=torch.bfloat16)[:, ::2])  # a strided pool
+    assert tree_attention.takes(q, k_buf, k_buf.clone())
+    assert not tree_attention.takes(q.float(), k_buf.float(), k_buf.float())  # bf16 only
+    assert not tree_attention.takes(torch.zeros(1, 17, 4, 64, dtype=torch.bfloat16), k_buf, k_buf)  # a prefill chunk
+    k48 = torch.zeros(8, 2, 48, dtype=torch.bfloat16)
+    assert not tree_attention.takes(torch.zeros(1, 4, 4, 48, dtype=torch.bfloat16), k48, k48)  # head dim
+    assert not tree_attention.takes(torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16), k_buf, k_buf)  # 3 heads over 2
+    strided = torch.zeros(8, 4, 64, dtype=torch.bfloat16)[:, ::2]
+    assert not tree_attention.takes(q, strided, k_buf) and not tree_attention.takes(q, k_buf, strided)  # pools
+    assert not tree_attention.takes(q, k_buf, torch.zeros(8, 2, 32, dtype=torch.bfloat16))  # values of another width
 
 
 @needs_kernel

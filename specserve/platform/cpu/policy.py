@@ -221,10 +221,10 @@ class CpuPolicy(PlatformPolicy):
         return (qb.device.type == "cpu" and qb.dtype in HALF_DTYPES and n_heads > n_kv and masked
                 and bsz >= FOLD_MIN_BATCH and max_q <= FOLD_MAX_Q)
 
-    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor):
+    def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor):
         """specserve's kernel (``tree_attention.py``) for bf16 queries, up to its MAX_QUERIES per request; inside a
         compiled graph through its custom op. A compiled graph's decode rows keep their fused loops
         (``_attend_one_query_by_slot``, chosen before this is asked)."""
-        if not self.tree_attention or not tree_attention.takes(qb, k_buf):
+        if not self.tree_attention or not tree_attention.takes(qb, k_buf, v_buf):
             return None
         return tree_attention.tree_attention_op if torch.compiler.is_compiling() else tree_attention.tree_attention

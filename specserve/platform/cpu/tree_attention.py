@@ -47,21 +47,23 @@ def available() -> bool:
     return mode() != "off" and kernel() is not None
 
 
-def takes(qb: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """Padded queries qb [B, Qmax, H, D] over a pool k_buf [S, Hkv, D] fit the kernel's rules."""
+def takes(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """Padded queries qb [B, Qmax, H, D] over pools k_buf / v_buf [S, Hkv, D] fit the kernel's rules: the kernel
+    reads both pools with one layout, so they must be contiguous and alike."""
     _, max_q, n_heads, head_dim = qb.shape
     return (qb.device.type == "cpu" and qb.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
             and max_q <= MAX_QUERIES and head_dim in HEAD_DIMS and n_heads % k_buf.shape[1] == 0
-            and n_heads // k_buf.shape[1] <= MAX_GROUP
-            and k_buf.is_contiguous())
+            and n_heads // k_buf.shape[1] <= MAX_GROUP and k_buf.shape[2] == head_dim
+            and v_buf.shape == k_buf.shape and v_buf.dtype == k_buf.dtype
+            and k_buf.is_contiguous() and v_buf.is_contiguous())
 
 
 def tree_attention(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """qb [B, Qmax, H, D] bf16; k_buf/v_buf [S, Hkv, D] the layer's pool; kv_slots [B, Kmax] int64 the slot of each
     key column; mask [B, 1, Qmax, Kmax] bool (or broadcastable to it: [B, 1, 1, Kmax]), True = may attend, None =
-    every column visible -> [B * Qmax, H * D] bf16. Rows that see no key (padding) come out zero. The pool must be
-    contiguous (``takes``)."""
+    every column visible -> [B * Qmax, H * D] bf16. Rows that see no key (padding) come out zero. The pools must be
+    contiguous and alike (``takes``)."""
     bsz, max_q, n_heads, head_dim = qb.shape
     if qb.stride(-1) != 1:
         qb = qb.contiguous()
