@@ -139,9 +139,21 @@ class QuantLinear(DirectCall):
             dense = dequantize_int4(q, sz[..., 0].T, sz[..., 1].T, cfg.group)
         self.dense = DenseCopy(self.in_features, self.out_features, bias=False, device="meta")
         self.dense.weight = nn.Parameter(dense.to(dtype), requires_grad=False)  # [N, K]
+        self.few_rows: nn.Module | None = None  # a platform's own kernel for the calls it takes (``use_kernel``)
+
+    def use_kernel(self, kernel: nn.Module) -> None:
+        """Hand the calls ``kernel.takes(x)`` accepts to a platform's own kernel (a module whose ``run(x)`` computes
+        this linear, bias included, from its own copy of the int8 weights: ``platform/cpu/int8_gemm.py``). It takes every call
+        PyTorch's int8 kernel would get in this linear's run dtype, so the int8 weights are dropped here: calls it
+        does not take run on the dense copy."""
+        self.few_rows = kernel
+        if self.cfg.bits == 8:
+            self.q8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if x.dim() != 2 or x.shape[0] > QUANT_MAX_ROWS:
+        if self.few_rows is not None and self.few_rows.takes(x):
+            return self.few_rows.run(x)
+        if x.dim() != 2 or x.shape[0] > QUANT_MAX_ROWS or (self.cfg.bits == 8 and self.q8 is None):
             out = self.dense(x)
         elif self.cfg.bits == 8:
             out = torch._weight_int8pack_mm(x, self.q8, self.scales)
@@ -152,7 +164,9 @@ class QuantLinear(DirectCall):
     def integer_bytes(self) -> int:
         """Bytes of the integer weights and their scales (the dense copy is a parameter and counted as one)."""
         tensors = (self.q8, self.scales) if self.cfg.bits == 8 else (self.q4, self.scales_zeros)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        if self.few_rows is not None:
+            tensors = (*tensors, *self.few_rows.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.cfg.name}"

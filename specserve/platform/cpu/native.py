@@ -1,5 +1,5 @@
-"""specserve's own C++ kernels for CPUs with AVX512-BF16 (``small_gemm.cpp``, ``tree_attention.cpp``): built once per
-machine and loaded through ctypes.
+"""specserve's own C++ kernels for CPUs with AVX512-BF16 (``small_gemm.cpp``, ``int8_gemm.cpp``,
+``tree_attention.cpp``): built once per machine and loaded through ctypes.
 
 Each source is compiled with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
 (``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``) under a name hashed from the source, the

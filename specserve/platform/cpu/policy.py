@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from specserve.platform.cpu import small_gemm, tree_attention
+from specserve.platform.cpu import int8_gemm, small_gemm, tree_attention
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -70,6 +70,7 @@ class CpuPolicy(PlatformPolicy):
         self.small_rows: dict[str, dict] = {}  # packed module's class name -> the few-row kernel's verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
         self.huge_page_bytes = 0  # weights moved onto huge pages (hugepages.py), all models together
+        self.int8_linears = 0  # int8 quantized linears on specserve's int8 kernel (int8_gemm.py), all models
         # specserve's few-query attention kernel (tree_attention.py), unless SPECSERVE_CPU_ATTENTION=off
         self.tree_attention = device.type == "cpu" and tree_attention.available()
 
@@ -136,6 +137,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_draft_fp32_rows"] = self.mixed
         if self.tree_attention:
             extra["cpu_tree_attention"] = True
+        if self.int8_linears:
+            extra["cpu_int8_gemm_linears"] = self.int8_linears
         if self.huge_page_bytes:
             extra["cpu_weights_on_huge_pages_mib"] = round(self.huge_page_bytes / 2**20, 1)
         if self.governor is not None:
@@ -148,7 +151,9 @@ class CpuPolicy(PlatformPolicy):
         one-row calls where that copy is small enough (``keeps_plain_weights``) and gemv is the faster one-row kernel
         for them on this machine (``one_row_probe.py``), and a copy for specserve's few-row kernel for the row counts
         where it is faster still (``small_gemm.py``; same size rule); then the weights move onto huge pages
-        (``place_weights``)."""
+        (``place_weights``). Before that, int8 quantized linears hand their few-row calls to specserve's int8 kernel
+        (``int8_gemm.py``)."""
+        self.int8_linears += int8_gemm.use_int8_kernel(module)
         keep = self.keeps_plain_weights(module)
         small = self.packs_weights and keep and small_gemm.available()
         packed = pack_linears_for_cpu(module, keep_plain=keep, keep_small=small) if self.packs_weights else 0

@@ -1,0 +1,114 @@
+"""Weight-only int8 matmuls for a few bf16 rows on CPUs with AVX-512: specserve's own kernel (``int8_gemm.cpp``).
+
+``--torchao-config int8wo`` keeps each linear's weight as int8 with one scale per output column
+(``models/quantize.py``). PyTorch's kernel for it (``torch._weight_int8pack_mm``) is compute-bound on a 2-core AMD
+EPYC: SmolLM2-135M decoded at 1.04-1.09x its bf16 speed there although it reads half the bytes. This kernel widens
+the int8 weights to fp32 in registers and streams them at memory speed; it takes up to SMALL_MAX_ROWS rows, so
+verify trees and draft-free batches of a few requests run on the int8 weights too instead of the dense bf16 copy.
+
+Built once per machine (``native``) and called through ctypes (an opaque custom op inside compiled graphs).
+``SPECSERVE_INT8_GEMM=on`` (default) or ``off`` (PyTorch's kernel for up to ``QUANT_MAX_ROWS`` rows, the dense copy
+above).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from specserve.models.quantize import QuantLinear
+from specserve.platform.cpu import native
+
+ENV = "SPECSERVE_INT8_GEMM"
+MODES = ("on", "off")
+COLS = 32  # output columns per packed group (the kernel's COLS)
+SMALL_MAX_ROWS = 16  # the most rows a call takes the kernel with
+ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+
+
+def available() -> bool:
+    """The kernel is wanted (SPECSERVE_INT8_GEMM is not off) and runs here."""
+    return native.env_mode(ENV, MODES) != "off" and kernel() is not None
+
+
+def kernel():
+    """The compiled kernel as a ctypes function (built on the first call), or None where it cannot run here."""
+    return native.function("int8_gemm.cpp", "int8_gemm_bf16", ARGTYPES)
+
+
+def fits(q: torch.Tensor) -> bool:
+    """The kernel's shape rules: a CPU int8 weight [N, K] with N a multiple of COLS and K even."""
+    return (q.device.type == "cpu" and q.dtype == torch.int8 and q.dim() == 2 and q.shape[0] % COLS == 0
+            and q.shape[1] % 2 == 0)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's layout [N / 32, K / 2, 2, 32]: per group of 32 output columns, K / 2 steps of
+    their weights at k = 2j, then at k = 2j + 1."""
+    n, k = q.shape
+    return q.detach().view(n // COLS, COLS, k // 2, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed int8 weight, times float32 scales [N] (+ a float32 bias [N])
+    -> [M, N] bf16."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * COLS
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    kernel()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, scales.data_ptr(),
+             None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y
+
+
+@torch.library.custom_op("specserve::int8_gemm", mutates_args=())
+def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+    """int8_mm as an op that compiled graphs call as is."""
+    return int8_mm(x, packed, scales, bias)
+
+
+@int8_gemm.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * COLS)
+
+
+class Int8Copy(nn.Module):
+    """A quantized linear's int8 weight in the kernel's layout (``packed``), its scales and bias in float32
+    (buffers, which move onto huge pages with the rest: ``hugepages.module_tensors``): the linear's calls of 1 to
+    SMALL_MAX_ROWS bf16 rows (``QuantLinear.use_kernel``)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("packed", pack(q), persistent=False)  # [out / 32, in / 2, 2, 32] int8
+        self.register_buffer("scales", scales.detach().float().contiguous(), persistent=False)  # [out]
+        bias = None if bias is None else bias.detach().float().contiguous()  # [out]
+        self.register_buffer("bias", bias, persistent=False)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= SMALL_MAX_ROWS
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] bf16 -> [T, out] bf16; inside a compiled graph, through the custom op. (Called directly, not
+        through the module's __call__, which would add 2-3 us to each of a decode step's calls.)"""
+        if torch.compiler.is_compiling():
+            return int8_gemm(x, self.packed, self.scales, self.bias)
+        return int8_mm(x, self.packed, self.scales, self.bias)
+
+
+def use_int8_kernel(module: nn.Module) -> int:
+    """Every int8 quantized linear of ``module`` (``models/quantize.QuantLinear``) whose weight the kernel fits hands
+    its bf16 calls of up to SMALL_MAX_ROWS rows to it -> how many. Only bf16 linears (in another dtype the calls keep
+    PyTorch's kernel), and only where the kernel is wanted and runs here (built on the first int8 linear)."""
+    linears = [m for m in module.modules() if isinstance(m, QuantLinear) and m.cfg.bits == 8 and m.q8 is not None
+               and fits(m.q8) and m.dense.weight.dtype == torch.bfloat16]
+    if not linears or not available():
+        return 0
+    for m in linears:
+        m.use_kernel(Int8Copy(m.q8, m.scales, m.bias))
+    return len(linears)

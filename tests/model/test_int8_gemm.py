@@ -1,0 +1,127 @@
+"""specserve's int8 weight-only kernel (platform/cpu/int8_gemm.py): its layout, its results against float32 matmuls,
+row independence, how a quantized linear hands its calls to it (eager and compiled), and engines on it: greedy
+output as with PyTorch's int8 kernel, and speculative decoding over an int8 bf16 target equal to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve import Engine
+from specserve.models import quantize as Q
+from specserve.platform.cpu import int8_gemm, small_gemm, tree_attention
+from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy
+from tests.speculative.helpers import assert_drafting_happened
+
+needs_kernel = pytest.mark.skipif(int8_gemm.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
+
+
+def test_packed_layout_by_hand():
+    """[N, K] -> [N / 32, K / 2, 2, 32]: entry (g, j, t, c) is q[32 g + c, 2 j + t]."""
+    q = (torch.arange(64 * 6) % 251 - 125).to(torch.int8).view(64, 6)
+    p = int8_gemm.pack(q)
+    assert p.shape == (2, 3, 2, 32) and p.is_contiguous()
+    assert p[1, 2, 1, 5] == q[32 + 5, 2 * 2 + 1] and p[0, 1, 0, 31] == q[31, 2]
+    assert int8_gemm.fits(q) and not int8_gemm.fits(q[:, :5]) and not int8_gemm.fits(q[:48])
+    assert not int8_gemm.fits(q.float())
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return Q.quantize_int8(torch.randn(n, k, generator=gen))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_a_float32_matmul(bias):
+    """1-16 rows (every row-tile remainder), an odd number of steps (K / 2 = 49), a strided input, with and without
+    bias: within bf16 rounding of the float32 result of the same numbers, extremes of the int8 range included."""
+    q, scales = _weights(96, 98, 0)
+    q[0, :4] = torch.tensor([127, -127, -128, 0], dtype=torch.int8)
+    b = torch.randn(96) if bias else None
+    packed = int8_gemm.pack(q)
+    for rows in range(1, int8_gemm.SMALL_MAX_ROWS + 1):
+        wide = torch.randn(rows, 128, dtype=torch.bfloat16)
+        x = wide[:, 16:114]  # a row stride of 128
+        got = int8_gemm.int8_mm(x, packed, scales, b)
+        want = F.linear(x.float(), q.float() * scales[:, None], b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_a_row_gets_the_same_bits_in_any_call():
+    """Each row's sums run in the same order whatever the call's row count, so a token's linear outputs in a verify
+    tree equal those of a one-row decode call bit for bit."""
+    q, scales = _weights(128, 64, 1)
+    packed = int8_gemm.pack(q)
+    x = torch.randn(13, 64, dtype=torch.bfloat16)
+    together = int8_gemm.int8_mm(x, packed, scales, None)
+    for i in range(13):
+        assert torch.equal(int8_gemm.int8_mm(x[i : i + 1], packed, scales, None)[0], together[i])
+
+
+def _quantized(dtype: torch.dtype) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=True), torch.nn.Linear(96, 64, bias=False)).to(dtype)
+    Q.quantize_linears(model, Q.QuantConfig(8))
+    return model
+
+
+@needs_kernel
+def test_a_quantized_linear_hands_its_few_row_calls_to_the_kernel(monkeypatch):
+    """A bf16 int8 linear: calls of up to SMALL_MAX_ROWS rows run the kernel (its int8 weights are then the kernel's
+    alone), larger ones the dense copy, both close to the dequantized weights' matmul; a compiled graph calls the same
+    kernel (specserve::int8_gemm) and gets the same bits. A float32 linear keeps PyTorch's kernel."""
+    model = _quantized(torch.bfloat16)
+    ref = [lin.dense.weight.float() for lin in model]  # the dequantized weights
+    assert int8_gemm.use_int8_kernel(model) == 2
+    assert all(lin.q8 is None and isinstance(lin.few_rows, int8_gemm.Int8Copy) for lin in model)
+    calls = []
+    real = int8_gemm.int8_mm
+    monkeypatch.setattr(int8_gemm, "int8_mm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.inference_mode():
+        for rows in (1, 16, 17):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            want = F.linear(F.linear(x.float(), ref[0], model[0].bias.float()), ref[1])
+            torch.testing.assert_close(model(x).float(), want, atol=5e-2, rtol=3e-2)
+        assert calls == [1, 1, 16, 16]
+        x = torch.randn(5, 64, dtype=torch.bfloat16)
+        assert torch.equal(torch.compile(model)(x), model(x))
+    fp32 = _quantized(torch.float32)
+    assert int8_gemm.use_int8_kernel(fp32) == 0 and all(lin.few_rows is None for lin in fp32)
+
+
+@needs_kernel
+def test_engines_on_the_kernel(model_factory, monkeypatch):
+    """A bf16 model under --torchao-config int8wo: the server info counts its linears on the kernel, decode rows run
+    it, greedy output agrees with PyTorch's int8 kernel up to bf16 ties, and with the few-query attention kernel on,
+    every row of a verify tree computes what a one-row decode computes, so NGRAM's greedy output over the int8 target
+    equals plain decoding's token for token."""
+    path = model_factory("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    calls = []
+    real = int8_gemm.int8_mm
+    monkeypatch.setattr(int8_gemm, "int8_mm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    prompts = ["a b c d e f a b c d e f a b c", "x = 1\ny = 2\nx = 1\ny = 2\nx ="] + PROMPTS[:2]
+    plain = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv(int8_gemm.ENV, mode)
+        with Engine(model_path=path, max_total_tokens=2048, torchao_config="int8wo") as e:
+            linears = e.get_server_info().get("cpu_int8_gemm_linears", 0)
+            plain[mode] = e.generate(prompts, greedy(24), return_logprob=True, top_logprobs_num=2)
+        assert (linears > 0) is (mode == "on")
+    assert_greedy_equal_up_to_ties([o["output_ids"] for o in plain["on"]], plain["off"])
+    assert len(prompts) in calls  # the batch's decode steps
+    monkeypatch.setenv(int8_gemm.ENV, "on")
+    monkeypatch.setenv(tree_attention.ENV, "on")
+    monkeypatch.setenv(small_gemm.ENV, "on")
+    calls.clear()
+    kw = dict(model_path=path, max_total_tokens=2048, torchao_config="int8wo")
+    with Engine(**kw) as e:
+        want = [o["output_ids"] for o in e.generate(prompts, greedy(24))]
+    with Engine(**kw, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8) as e:
+        outs = e.generate(prompts, greedy(24))
+    assert [o["output_ids"] for o in outs] == want
+    assert_drafting_happened(outs, min_accept_length=1.2)
+    assert max(calls) > 1  # verify trees ran on the int8 weights
