@@ -142,10 +142,10 @@ class QuantLinear(DirectCall):
         self.few_rows: nn.Module | None = None  # a platform's own kernel for the calls it takes (``use_kernel``)
 
     def use_kernel(self, kernel: nn.Module) -> None:
-        """Hand the calls ``kernel.takes(x)`` accepts to a platform's own kernel (a module whose ``run(x)`` computes
-        this linear, bias included, from its own copy of the int8 weights: ``platform/cpu/int8_gemm.py``). It takes every call
-        PyTorch's int8 kernel would get in this linear's run dtype, so the int8 weights are dropped here: calls it
-        does not take run on the dense copy."""
+        """Hand the calls ``kernel.takes(x)`` accepts to a platform's own kernel (a module whose ``run(x)``
+        computes this linear, bias included, from its own copy of the int8 weights: ``platform/cpu/int8_gemm.py``).
+        It takes every call PyTorch's int8 kernel would get in this linear's run dtype, so the int8 weights are
+        dropped here: calls it does not take run on the dense copy."""
         self.few_rows = kernel
         if self.cfg.bits == 8:
             self.q8 = None

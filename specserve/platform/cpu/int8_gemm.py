@@ -20,6 +20,7 @@ from torch import nn
 
 from specserve.models.quantize import QuantLinear
 from specserve.platform.cpu import native
+from specserve.platform.cpu.ops import cpu_op
 
 ENV = "SPECSERVE_INT8_GEMM"
 MODES = ("on", "off")
@@ -65,16 +66,9 @@ def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: t
     return y
 
 
-@torch.library.custom_op("specserve::int8_gemm", mutates_args=())
-def int8_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-              ) -> torch.Tensor:
-    """int8_mm as an op that compiled graphs call as is."""
-    return int8_mm(x, packed, scales, bias)
-
-
-@int8_gemm.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * COLS)
+# int8_mm as an op that compiled graphs call as is
+int8_gemm = cpu_op("int8_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor", int8_mm,
+                   lambda x, packed, scales, bias: x.new_empty(x.shape[0], packed.shape[0] * COLS))
 
 
 class Int8Copy(nn.Module):

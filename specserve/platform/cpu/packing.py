@@ -34,6 +34,7 @@ from torch import nn
 from specserve.models.direct_call import DirectCall
 from specserve.models.one_row import GEMV_MAX_ROWS, onednn_off
 from specserve.platform.cpu import small_gemm
+from specserve.platform.cpu.ops import cpu_op
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +52,9 @@ def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("specserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """_packed_matmul as an op that compiled graphs call as is."""
-    return _packed_matmul(x, packed, bias)
-
-
-@packed_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], packed.shape[0])
+# _packed_matmul as an op that compiled graphs call as is
+packed_linear = cpu_op("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", _packed_matmul,
+                       lambda x, packed, bias: x.new_empty(*x.shape[:-1], packed.shape[0]))
 
 
 def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

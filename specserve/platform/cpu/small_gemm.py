@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specserve.platform.cpu import native
+from specserve.platform.cpu.ops import cpu_op
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +84,9 @@ def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -
     return y
 
 
-@torch.library.custom_op("specserve::small_gemm", mutates_args=())
-def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """small_mm as an op that compiled graphs call as is."""
-    return small_mm(x, packed, bias)
-
-
-@small_gemm.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * COLS)
+# small_mm as an op that compiled graphs call as is
+small_gemm = cpu_op("small_gemm(Tensor x, Tensor packed, Tensor? bias) -> Tensor", small_mm,
+                    lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * COLS))
 
 
 class SmallCopy(nn.Module):

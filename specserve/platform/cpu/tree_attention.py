@@ -21,6 +21,7 @@ import ctypes
 import torch
 
 from specserve.platform.cpu import native
+from specserve.platform.cpu.ops import cpu_op
 
 ENV = "SPECSERVE_CPU_ATTENTION"
 MODES = ("on", "off")
@@ -84,13 +85,10 @@ def tree_attention(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k
     return out
 
 
-@torch.library.custom_op("specserve::tree_attention", mutates_args=())
-def tree_attention_op(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
-                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """tree_attention as an op that compiled graphs call as is."""
-    return tree_attention(qb, k_buf, v_buf, kv_slots, mask, scale)
-
-
-@tree_attention_op.register_fake
-def _(qb, k_buf, v_buf, kv_slots, mask, scale):
+def _tree_attention_fake(qb, k_buf, v_buf, kv_slots, mask, scale):
     return qb.new_empty(qb.shape[0] * qb.shape[1], qb.shape[2] * qb.shape[3])
+
+
+# tree_attention as an op that compiled graphs call as is
+tree_attention_op = cpu_op("tree_attention(Tensor qb, Tensor k_buf, Tensor v_buf, Tensor kv_slots, Tensor? mask, "
+                           "float scale) -> Tensor", tree_attention, _tree_attention_fake)
