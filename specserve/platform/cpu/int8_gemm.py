@@ -1,12 +1,13 @@
-"""Weight-only int8 matmuls for a few bf16 rows on CPUs with AVX-512: specserve's own kernel (``int8_gemm.cpp``).
+"""Weight-only int8 matmuls for a few bf16 rows on CPUs with AVX512-BF16: specserve's own kernel (``int8_gemm.cpp``).
 
 ``--torchao-config int8wo`` keeps each linear's weight as int8 with one scale per output column
-(``models/quantize.py``). PyTorch's kernel for it (``torch._weight_int8pack_mm``) is compute-bound on a 2-core AMD
-EPYC: SmolLM2-135M decoded at 1.04-1.09x its bf16 speed there although it reads half the bytes. This kernel widens
-the int8 weights to fp32 in registers and streams them at memory speed; it takes up to SMALL_MAX_ROWS rows, so
-verify trees and draft-free batches of a few requests run on the int8 weights too instead of the dense bf16 copy.
+(``models/quantize.py``). PyTorch's kernel for it (``torch._weight_int8pack_mm``) takes up to QUANT_MAX_ROWS rows,
+larger calls running on a dense bf16 copy. This one widens the int8 weights in registers and streams them once for up
+to 4 rows, and takes up to SMALL_MAX_ROWS rows, so verify trees and batches of a few requests run on the int8 weights
+too. On a 2-core AMD EPYC a pass over SmolLM2-135M's linears took 6.0 ms at one row against 7.0 ms on PyTorch's
+kernel, and 13.4 ms at 16 rows against 18.6 (``benchmarks/bench_int8.py``, medians).
 
-Built once per machine (``native``) and called through ctypes (an opaque custom op inside compiled graphs).
+Built once per machine (``native``) and called through ctypes (inside compiled graphs: an operator, ``ops.py``).
 ``SPECSERVE_INT8_GEMM=on`` (default) or ``off`` (PyTorch's kernel for up to ``QUANT_MAX_ROWS`` rows, the dense copy
 above).
 """
