@@ -8,7 +8,9 @@ so reading a half or a quarter of the bytes is what they buy; they are fast for 
 kernel takes 1.4x the packed bf16 matmul's time, at 64 rows int8 takes 10x), so calls of more than
 ``QUANT_MAX_ROWS`` rows (prefill, verify trees, large batches) run on a dense copy of the dequantized weight in the
 run dtype, oneDNN-packed where the platform packs. The copy costs memory (int4: 1.25x the bf16 model; int8: 1.5x):
-this is a decode-speed option, not a memory saving.
+this is a decode-speed option, not a memory saving. A platform may hand an int8 linear's calls to a kernel of its own
+(``use_kernel``): on a CPU with AVX512-BF16, bf16 calls of up to 16 rows run specserve's int8 kernel
+(``platform/cpu/int8_gemm.py``), verify trees included.
 
 Both paths compute with the same quantized weights; in float32 they agree to rounding, in bf16 the dense copy holds
 the weights rounded to bf16, so a large call rounds differently from a one-row call, as a verify forward already

@@ -76,3 +76,12 @@ def force_one_row_kernel(monkeypatch, kernel: str) -> None:
     from specserve.platform.cpu.one_row_probe import ENV
 
     monkeypatch.setenv(ENV, kernel)
+
+
+def record_rows(monkeypatch, module, name: str, dim: int = 0) -> list[int]:
+    """Wrap ``module.name`` (a kernel entry point whose first argument is its input) so that each call appends that
+    input's size along ``dim`` to the returned list, then runs as before."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda x, *a: calls.append(x.shape[dim]) or real(x, *a))
+    return calls

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from specserve import Engine
 from specserve.models import quantize as Q
 from specserve.platform.cpu import int8_gemm, small_gemm, tree_attention
-from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy
-from tests.speculative.helpers import assert_drafting_happened
+from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
+from tests.speculative.helpers import REPEATING_PROMPTS, assert_ngram_equals_plain
 
 needs_kernel = pytest.mark.skipif(int8_gemm.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
 
@@ -78,9 +78,7 @@ def test_a_quantized_linear_hands_its_few_row_calls_to_the_kernel(monkeypatch):
     ref = [lin.dense.weight.float() for lin in model]  # the dequantized weights
     assert int8_gemm.use_int8_kernel(model) == 2
     assert all(lin.q8 is None and isinstance(lin.few_rows, int8_gemm.Int8Copy) for lin in model)
-    calls = []
-    real = int8_gemm.int8_mm
-    monkeypatch.setattr(int8_gemm, "int8_mm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    calls = record_rows(monkeypatch, int8_gemm, "int8_mm")
     with torch.inference_mode():
         for rows in (1, 16, 17):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
@@ -100,10 +98,8 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     every row of a verify tree computes what a one-row decode computes, so NGRAM's greedy output over the int8 target
     equals plain decoding's token for token."""
     path = model_factory("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
-    calls = []
-    real = int8_gemm.int8_mm
-    monkeypatch.setattr(int8_gemm, "int8_mm", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    prompts = ["a b c d e f a b c d e f a b c", "x = 1\ny = 2\nx = 1\ny = 2\nx ="] + PROMPTS[:2]
+    calls = record_rows(monkeypatch, int8_gemm, "int8_mm")
+    prompts = REPEATING_PROMPTS + PROMPTS[:2]
     plain = {}
     for mode in ("on", "off"):
         monkeypatch.setenv(int8_gemm.ENV, mode)
@@ -117,11 +113,5 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     monkeypatch.setenv(tree_attention.ENV, "on")
     monkeypatch.setenv(small_gemm.ENV, "on")
     calls.clear()
-    kw = dict(model_path=path, max_total_tokens=2048, torchao_config="int8wo")
-    with Engine(**kw) as e:
-        want = [o["output_ids"] for o in e.generate(prompts, greedy(24))]
-    with Engine(**kw, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8) as e:
-        outs = e.generate(prompts, greedy(24))
-    assert [o["output_ids"] for o in outs] == want
-    assert_drafting_happened(outs, min_accept_length=1.2)
+    assert_ngram_equals_plain(prompts, model_path=path, max_total_tokens=2048, torchao_config="int8wo")
     assert max(calls) > 1  # verify trees ran on the int8 weights

@@ -11,7 +11,7 @@ from torch import nn
 from specserve import Engine
 from specserve.platform.cpu import native, small_gemm
 from specserve.platform.cpu.packing import MixedLinear, PackedLinear, mix_linears_for_cpu, pack_linears_for_cpu
-from tests.engine.helpers import PROMPTS, greedy
+from tests.engine.helpers import PROMPTS, greedy, record_rows
 
 needs_kernel = pytest.mark.skipif(small_gemm.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
 
@@ -87,9 +87,7 @@ def test_packed_linear_sends_calls_up_to_its_rows_to_the_kernel(monkeypatch):
     for m in (model[0], model[2]):
         assert m.small is not None and m.small.max_rows == 0  # until the policy sets it
         m.small.max_rows = 8
-    calls = []
-    real = small_gemm.small_mm
-    monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    calls = record_rows(monkeypatch, small_gemm, "small_mm")
     with torch.inference_mode():
         for rows in (1, 8, 9):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
@@ -117,9 +115,7 @@ def test_a_float32_drafts_bf16_path_takes_the_kernel_for_few_rows(monkeypatch):
     mixed = model[0]
     assert isinstance(mixed, MixedLinear) and mixed.small is not None
     mixed.small.max_rows = 4
-    calls = []
-    real = small_gemm.small_mm
-    monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    calls = record_rows(monkeypatch, small_gemm, "small_mm")
     with torch.inference_mode():
         for rows in (3, 5):
             x = torch.randn(rows, 64)
@@ -159,9 +155,7 @@ def test_engine_runs_the_kernel_when_on(model_factory, monkeypatch):
     verdict, decode calls run the kernel, and greedy outputs agree with the kernel off (a small random model's logits
     are far apart next to bf16 rounding)."""
     path = model_factory("qwen2", dtype=torch.bfloat16)
-    calls = []
-    real = small_gemm.small_mm
-    monkeypatch.setattr(small_gemm, "small_mm", lambda x, p, b: calls.append(x.shape[0]) or real(x, p, b))
+    calls = record_rows(monkeypatch, small_gemm, "small_mm")
     outs = []
     for mode in ("on", "off"):
         monkeypatch.setenv(small_gemm.ENV, mode)

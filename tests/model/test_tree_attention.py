@@ -8,8 +8,8 @@ import torch
 
 from specserve import Engine
 from specserve.platform.cpu import small_gemm, tree_attention
-from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy
-from tests.speculative.helpers import assert_drafting_happened
+from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
+from tests.speculative.helpers import REPEATING_PROMPTS, assert_ngram_equals_plain
 
 needs_kernel = pytest.mark.skipif(tree_attention.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
 
@@ -129,10 +129,8 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     computes what a one-row decode computes, so NGRAM's bf16 greedy output equals plain decoding's token for
     token."""
     path = model_factory("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
-    calls = []
-    real = tree_attention.tree_attention
-    monkeypatch.setattr(tree_attention, "tree_attention", lambda qb, *a: calls.append(qb.shape[1]) or real(qb, *a))
-    prompts = ["a b c d e f a b c d e f a b c", "x = 1\ny = 2\nx = 1\ny = 2\nx ="] + PROMPTS[:2]
+    calls = record_rows(monkeypatch, tree_attention, "tree_attention", dim=1)  # queries per request
+    prompts = REPEATING_PROMPTS + PROMPTS[:2]
     plain = {}
     for mode in ("on", "off"):
         monkeypatch.setenv(tree_attention.ENV, mode)
@@ -144,11 +142,5 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     monkeypatch.setenv(tree_attention.ENV, "on")
     monkeypatch.setenv(small_gemm.ENV, "on")
     calls.clear()
-    with Engine(model_path=path, max_total_tokens=2048) as e:
-        want = [o["output_ids"] for o in e.generate(prompts, greedy(24))]
-    with Engine(model_path=path, max_total_tokens=2048, speculative_algorithm="NGRAM",
-                speculative_num_draft_tokens=8) as e:
-        outs = e.generate(prompts, greedy(24))
-    assert [o["output_ids"] for o in outs] == want
-    assert_drafting_happened(outs, min_accept_length=1.2)
+    assert_ngram_equals_plain(prompts, model_path=path, max_total_tokens=2048)
     assert max(calls) > 1  # verify trees went through the kernel

@@ -36,6 +36,23 @@ def assert_drafting_happened(outs: list[dict], min_accept_length: float = 1.0) -
     assert accept_length([o["meta_info"] for o in outs]) > min_accept_length, verify
 
 
+#: prompts that repeat themselves, so that NGRAM finds drafts in them, and two ordinary ones
+REPEATING_PROMPTS = ["a b c d e f a b c d e f a b c", "x = 1\ny = 2\nx = 1\ny = 2\nx ="]
+
+
+def assert_ngram_equals_plain(prompts: list[str], new_tokens: int = 24, **engine_kwargs) -> list[dict]:
+    """NGRAM (8 draft tokens) on an engine with ``engine_kwargs`` gives plain decoding's greedy output token for token,
+    with drafting checked (accept length >= 1.2) -> NGRAM's outputs."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens}
+    with Engine(**engine_kwargs) as e:
+        want = [o["output_ids"] for o in e.generate(prompts, params)]
+    with Engine(**engine_kwargs, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8) as e:
+        outs = e.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == want
+    assert_drafting_happened(outs, min_accept_length=1.2)
+    return outs
+
+
 def joint_counts(outs: list[dict]) -> dict:
     """How often each pair (output token 2, output token 3) occurs: both come from verify steps (token 1 from the
     prefill), the cells of the two-sample sampling tests."""
