@@ -89,7 +89,7 @@ class Int8Copy(nn.Module):
         return x.dim() == 2 and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= SMALL_MAX_ROWS
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] bf16 -> [T, out] bf16; inside a compiled graph, through the custom op. (Called directly, not
+        """x [T, in] bf16 -> [T, out] bf16; inside a compiled graph, through its operator. (Called directly, not
         through the module's __call__, which would add 2-3 us to each of a decode step's calls.)"""
         if torch.compiler.is_compiling():
             return int8_gemm(x, self.packed, self.scales, self.bias)

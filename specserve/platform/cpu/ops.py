@@ -1,10 +1,10 @@
 """specserve's CPU kernels as operators that compiled graphs call as they are (``torch.ops.specserve.<name>``).
 
 Inductor cannot see inside a ctypes call or oneDNN's packed weights, so each kernel enters a compiled graph as an
-opaque operator. They are defined on a ``torch.library.Library`` with a CPU implementation and a fake one for
-tracing (output shape and dtype). Such an operator dispatched in 1.75 us on a 2-core AMD EPYC, where one made with
-``torch.library.custom_op`` took 3.1 us (its Python wrapper adds a dispatch of its own), and a compiled decode step
-calls them over a hundred times.
+opaque operator. They are defined on a ``torch.library.Library`` with one implementation for real tensors and a fake
+one for tracing (output shape and dtype). Such an operator dispatched in 1.75 us on a 2-core AMD EPYC, where one
+made with ``torch.library.custom_op`` took 3.1 us (its Python wrapper adds a dispatch of its own), and a compiled
+decode step calls them over a hundred times.
 """
 
 from __future__ import annotations
