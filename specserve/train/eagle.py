@@ -82,6 +82,13 @@ def d2t_t2d(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, tor
     return d2t, t2d
 
 
+def _head_draft_ids(head: nn.Module, vocab_size: int) -> torch.Tensor | None:
+    """A trained EAGLE-3 head's draft vocabulary (ascending target ids [Vd]) from its d2t; None: the target's."""
+    if head.lm_head is None or head.d2t.numel() >= vocab_size:
+        return None
+    return (torch.arange(head.d2t.numel(), device=head.d2t.device) + head.d2t).cpu()
+
+
 def init_head(head: nn.Module, target: nn.Module, draft_ids: torch.Tensor | None, seed: int) -> None:
     """normal(0, 0.02) matrices, unit norms; an EAGLE-3 LM head starts as the target's rows of its vocabulary."""
     torch.manual_seed(seed)
@@ -99,29 +106,38 @@ def init_head(head: nn.Module, target: nn.Module, draft_ids: torch.Tensor | None
 class EagleTrainer:
     """One object per run: the frozen target, the head, the draft vocabulary and the per-step loss."""
 
-    def __init__(self, target: nn.Module, target_cfg: dict, opts: EagleOptions, tokens: torch.Tensor, seed: int,
-                 eos_ids: list[int], cache: FeatureCache | None = None):
+    def __init__(self, target: nn.Module, target_cfg: dict, opts: EagleOptions, tokens: torch.Tensor | None,
+                 seed: int, eos_ids: list[int], cache: FeatureCache | None = None, head: nn.Module | None = None):
         """cache: the target's outputs over `tokens`, computed once (``train.features``); the trainer then reads
-        them instead of running the target at each step."""
+        them instead of running the target at each step. head: a head trained already, kept as it is (evaluation,
+        ``train.eval_head``): its draft vocabulary is read from its ``d2t``, `tokens` may be None."""
         self.target, self.opts, self.tokens, self.cache = target, opts, tokens, cache
         spec = target.spec
-        self.capture = eagle3_capture_layers(spec.num_layers, None) if opts.algorithm == "EAGLE3" else ()
+        self.capture = eagle3_capture_layers(spec.num_layers, head.aux_layer_ids() if head is not None else None) \
+            if opts.algorithm == "EAGLE3" else ()
         self.draft_ids = self.draft_index = None
         if opts.algorithm == "EAGLE3":
-            size = min(opts.draft_vocab_size or 32768, spec.vocab_size)
-            if size < spec.vocab_size:
-                self.draft_ids = draft_vocabulary(tokens, spec.vocab_size, size, eos_ids)
+            if head is not None:
+                self.draft_ids = _head_draft_ids(head, spec.vocab_size)
+            else:
+                size = min(opts.draft_vocab_size or 32768, spec.vocab_size)
+                if size < spec.vocab_size:
+                    self.draft_ids = draft_vocabulary(tokens, spec.vocab_size, size, eos_ids)
+            if self.draft_ids is not None:
                 # target id -> draft id, -1 outside the draft vocabulary [V]
                 self.draft_index = torch.full((spec.vocab_size,), -1, dtype=torch.long)
-                self.draft_index[self.draft_ids.long()] = torch.arange(size)
+                self.draft_index[self.draft_ids.long()] = torch.arange(self.draft_ids.numel())
         self.config = head_config(target_cfg, opts, spec.num_layers,
                                   None if self.draft_ids is None else self.draft_ids.numel())
+        target.requires_grad_(False)
+        if head is not None:
+            self.head = head
+            return
         cls = Eagle3Head if opts.algorithm == "EAGLE3" else EagleHead
         self.head = cls(cls.spec_from_config(self.config)).to(next(target.parameters()).device)
         if isinstance(self.head, Eagle3Head) and self.draft_ids is not None:
             self.head.d2t = d2t_t2d(self.draft_ids, spec.vocab_size)[0].to(self.head.d2t.device)
         init_head(self.head, target, self.draft_ids, seed)
-        target.requires_grad_(False)
 
     # ------------------------------------------------------------------ one step
     def loss(self, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
@@ -147,9 +163,11 @@ class EagleTrainer:
                                 hidden.reshape(bsz * seq, -1).to(dev), cfg,
                                 None if mask is None else mask.to(dev))
 
-    def _unroll(self, x, z, feats, hidden, cfg: TrainConfig, mask=None) -> tuple[torch.Tensor, dict]:
+    def _unroll(self, x, z, feats, hidden, cfg: TrainConfig, mask=None,
+                counts: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, dict]:
         """z: the target's next-token logits [B, L+1, V], or their top k (TopK, from a feature cache); mask [B, L+1]
-        bool: the rows whose label is one to learn (FeatureCache.mask; None: all)."""
+        bool: the rows whose label is one to learn (FeatureCache.mask; None: all). counts: receives (rows whose
+        argmax is the target's, rows) per unrolled step."""
         bsz, seq = x.shape[0], cfg.seq_len
         step_kv, total, weights, metrics = StepKV(), 0.0, 0.0, {}
         pad = torch.zeros(bsz, seq, dtype=x.dtype, device=x.device)
@@ -163,12 +181,16 @@ class EagleTrainer:
                 valid = valid & torch.cat([mask[:, 1 + k :], pad.bool()], dim=1)[:, :seq].reshape(-1)
             labels = z.shifted(k, seq) if isinstance(z, TopK) else \
                 torch.cat([z[:, 1 + k :], z[:, :k]], dim=1)[:, :seq].reshape(bsz * seq, -1)
-            loss_k, acc = self._step_loss(hidden, labels, feats, k, valid)
+            loss_k, hits = self._step_loss(hidden, labels, feats, k, valid)
             total, weights = total + STEP_DECAY**k * loss_k, weights + STEP_DECAY**k
-            metrics[f"acc{k}"] = acc
+            rows_k = int(valid.sum())
+            metrics[f"acc{k}"] = hits / max(rows_k, 1)
+            if counts is not None:
+                counts.append((hits, rows_k))
         return total / weights, metrics
 
-    def _step_loss(self, hidden, labels, feats, k: int, valid) -> tuple[torch.Tensor, float]:
+    def _step_loss(self, hidden, labels, feats, k: int, valid) -> tuple[torch.Tensor, int]:
+        """-> (the step's loss, valid rows whose argmax is the target's best id)"""
         if isinstance(self.head, Eagle3Head):
             logits = self.head.lm_head(self.head.norm(hidden)) if self.head.lm_head is not None else \
                 self.target.compute_logits(self.head.norm(hidden))
@@ -182,7 +204,7 @@ class EagleTrainer:
             token_loss, best = self._token_loss(logits, labels, valid, draft_space=False)
             loss = FEATURE_WEIGHT * feat_loss + TOKEN_WEIGHT * token_loss
         hit = (logits.argmax(-1) == best) & valid
-        return loss, float(hit.sum() / valid.sum().clamp_min(1))
+        return loss, int(hit.sum())
 
     def _token_loss(self, logits, labels, valid, draft_space: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """CE against the target's distribution, over the draft vocabulary when draft_space (EAGLE-3) ->
