@@ -122,7 +122,8 @@ def _bench(module: str):
 
 COMMANDS = {"generate": cmd_generate, "serve": cmd_serve, "build-token-map": cmd_build_token_map,
             "eval-acceptance": cmd_eval_acceptance, "bench-speculative": _bench("bench_speculative"),
-            "bench-serving": _bench("bench_serving"), "bench-compare": _bench("bench_compare")}
+            "bench-serving": _bench("bench_serving"), "bench-compare": _bench("bench_compare"),
+            "eval-head": _bench("eval_head")}
 COMMANDS.update(TRAIN_COMMANDS)
 
 

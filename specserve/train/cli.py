@@ -179,12 +179,6 @@ def cmd_build_demo(argv: list[str]) -> int:
     return main(argv)
 
 
-def cmd_eval_head(argv: list[str]) -> int:
-    from specserve.train.eval_head import main
-
-    return main(argv)
-
-
 def _dtype(name: str) -> torch.dtype:
     from specserve.train.export import dtype_from_name
 
@@ -192,4 +186,4 @@ def _dtype(name: str) -> torch.dtype:
 
 
 COMMANDS = {"train-eagle": cmd_train_eagle, "train-draft": cmd_train_draft, "train-mtp": cmd_train_mtp,
-            "build-demo": cmd_build_demo, "eval-head": cmd_eval_head}
+            "build-demo": cmd_build_demo}

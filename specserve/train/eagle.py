@@ -110,7 +110,7 @@ class EagleTrainer:
                  seed: int, eos_ids: list[int], cache: FeatureCache | None = None, head: nn.Module | None = None):
         """cache: the target's outputs over `tokens`, computed once (``train.features``); the trainer then reads
         them instead of running the target at each step. head: a head trained already, kept as it is (evaluation,
-        ``train.eval_head``): its draft vocabulary is read from its ``d2t``, `tokens` may be None."""
+        ``bench.eval_head``): its draft vocabulary is read from its ``d2t``, `tokens` may be None."""
         self.target, self.opts, self.tokens, self.cache = target, opts, tokens, cache
         spec = target.spec
         self.capture = eagle3_capture_layers(spec.num_layers, head.aux_layer_ids() if head is not None else None) \

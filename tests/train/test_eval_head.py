@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from specserve.attention.training import StepKV, train_batch
+from specserve.bench.eval_head import Agreement, head_agreement, row_masks
 from specserve.cli import main as cli_main
 from specserve.models.loader import load_model, read_config
 from specserve.speculative.heads.eagle import EAGLE_HEADS
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
-from specserve.train.eval_head import Agreement, head_agreement, row_masks
 from specserve.train.features import build_feature_cache
 from tests.train.test_trainers import HEAD_TRAIN
 
