@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -54,11 +54,11 @@ def _add(total: list[tuple[int, int]], counts: list[tuple[int, int]]) -> list[tu
 
 
 @torch.inference_mode()
-def head_agreement(trainer, cache: FeatureCache, spans: list[tuple[int, int]], steps: int, bf16: bool) -> Agreement:
-    """trainer: an ``EagleTrainer`` around the head (its ``head=``); cache: the target's outputs over the
-    sequences one after another; spans: per sequence (its length, its prompt's length). Each sequence is unrolled
-    alone (batch 1), so no row sees another's; bf16: under bf16 autocast, as training runs."""
-    trainer.opts = replace(trainer.opts, ttt_steps=steps)
+def head_agreement(trainer, cache: FeatureCache, spans: list[tuple[int, int]], bf16: bool) -> Agreement:
+    """trainer: an ``EagleTrainer`` around the head (its ``head=``; its options' steps are the steps unrolled);
+    cache: the target's outputs over the sequences one after another; spans: per sequence (its length, its prompt's
+    length). Each sequence is unrolled alone (batch 1), so no row sees another's; bf16: under bf16 autocast, as
+    training runs."""
     answer: list[tuple[int, int]] = []
     prompt: list[tuple[int, int]] = []
     offset = 0
@@ -124,7 +124,6 @@ def evaluate(ns: argparse.Namespace) -> tuple[Agreement, int]:
     from specserve.demo_models import resolve_demo
     from specserve.engine import Engine
     from specserve.models.loader import load_model, read_config, resolve_model_path
-    from specserve.speculative.heads.eagle import EAGLE_HEADS
     from specserve.speculative.heads.eagle3 import Eagle3Head
     from specserve.train.eagle import EagleOptions, EagleTrainer
     from specserve.train.loop import bf16_supported
@@ -140,14 +139,21 @@ def evaluate(ns: argparse.Namespace) -> tuple[Agreement, int]:
     finally:
         engine.shutdown()
     seqs = [p + list(o["output_ids"]) for p, o in zip(ids, outs, strict=True)]
-    target, spec, _ = load_model(target_dir, dtype="bfloat16", device="cpu")
-    head, _, _ = load_model(head_dir, dtype="float32", device="cpu",
-                            registry={**EAGLE_HEADS, "LlamaForCausalLMEagle3": Eagle3Head})
+    target, _, _ = load_model(target_dir, dtype="bfloat16", device="cpu")
+    head, _, _ = load_model(head_dir, dtype="float32", device="cpu", registry=head_architectures())
     algorithm = "EAGLE3" if isinstance(head, Eagle3Head) else "EAGLE"
-    trainer = EagleTrainer(target, read_config(target_dir), EagleOptions(algorithm), None, 0, [], head=head)
+    trainer = EagleTrainer(target, read_config(target_dir), EagleOptions(algorithm, ttt_steps=ns.steps), None, 0, [],
+                           head=head)
     cache = build_feature_cache(target, seqs, trainer.capture, progress=False)
     spans = [(len(s), len(p)) for s, p in zip(seqs, ids, strict=True)]
-    return head_agreement(trainer, cache, spans, ns.steps, bf16_supported("cpu")), len(seqs)
+    return head_agreement(trainer, cache, spans, bf16_supported("cpu")), len(seqs)
+
+
+def head_architectures() -> dict:
+    """Every head architecture the EAGLE and EAGLE-3 drafters load (their ``registry``), for ``load_model``."""
+    from specserve.speculative.draft_models import Eagle3HeadDraft, EagleHeadDraft
+
+    return {**EagleHeadDraft.registry, **Eagle3HeadDraft.registry}
 
 
 def report(result: Agreement, n: int) -> str:

@@ -7,16 +7,13 @@ import pytest
 import torch
 
 from specserve.attention.training import StepKV, train_batch
-from specserve.bench.eval_head import Agreement, head_agreement, row_masks
+from specserve.bench.eval_head import Agreement, head_agreement, head_architectures, row_masks
 from specserve.cli import main as cli_main
 from specserve.models.loader import load_model, read_config
-from specserve.speculative.heads.eagle import EAGLE_HEADS
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
 from specserve.train.features import build_feature_cache
 from tests.train.test_trainers import HEAD_TRAIN
-
-HEADS = {**EAGLE_HEADS, "LlamaForCausalLMEagle3": Eagle3Head}
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +59,13 @@ def _direct_step0(target, head, trainer, seq: list[int], prompt_len: int) -> tup
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 def test_step0_agreement_is_the_heads_direct_forward(bigram_target, tokens, heads, algorithm):
     target, _, _ = load_model(bigram_target, dtype="float32")
-    head, _, _ = load_model(heads[algorithm], dtype="float32", registry=HEADS)
-    trainer = EagleTrainer(target, read_config(bigram_target), EagleOptions(algorithm), None, 0, [], head=head)
+    head, _, _ = load_model(heads[algorithm], dtype="float32", registry=head_architectures())
+    trainer = EagleTrainer(target, read_config(bigram_target), EagleOptions(algorithm, ttt_steps=3), None, 0, [],
+                           head=head)
     seqs = [tokens[a : a + n].tolist() for a, n in ((0, 40), (500, 57), (900, 23))]
     prompt_lens = [10, 30, 4]
     cache = build_feature_cache(target, seqs, trainer.capture, top_k=8, bf16=False, progress=False)
-    got = head_agreement(trainer, cache, [(len(s), p) for s, p in zip(seqs, prompt_lens, strict=True)], 3, bf16=False)
+    got = head_agreement(trainer, cache, [(len(s), p) for s, p in zip(seqs, prompt_lens, strict=True)], bf16=False)
     with torch.no_grad():
         direct = [_direct_step0(target, head, trainer, s, p) for s, p in zip(seqs, prompt_lens, strict=True)]
     want = (sum(h for h, _ in direct), sum(r for _, r in direct))
