@@ -168,13 +168,14 @@ def stage_features(b: ChatBuild) -> None:
 
 
 def load_features(b: ChatBuild, answers_only: bool = ANSWERS_ONLY):
-    """All shards' feature caches as one; with answers_only, the loss is masked to the assistant's answers (a head
-    never drafts a user's request)."""
+    """All shards' feature caches as one stream, read from their files in place; with answers_only, the loss is
+    masked to the assistant's answers (a head never drafts a user's request)."""
     from transformers import AutoTokenizer
 
     from specserve.train.features import FeatureCache, answer_mask, label_mask
 
-    cache = FeatureCache.concat([FeatureCache.load(b.shard_path(k, "features")) for k in range(b.shards())])
+    cache = FeatureCache.concat([FeatureCache.load(b.shard_path(k, "features"), mmap=True)
+                                 for k in range(b.shards())])
     if not answers_only:
         return cache
     tok = AutoTokenizer.from_pretrained(b.target)

@@ -32,7 +32,7 @@ from specserve.speculative.heads.eagle import EagleHead
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.train.corpus import sample_windows
 from specserve.train.export import checkpoint_tensors, save_folder
-from specserve.train.features import FeatureCache, TopK, topk_cross_entropy
+from specserve.train.features import FeatureStream, TopK, topk_cross_entropy
 from specserve.train.lm import default_work_dir, soft_cross_entropy
 from specserve.train.loop import TrainConfig, autocast, train
 
@@ -107,7 +107,7 @@ class EagleTrainer:
     """One object per run: the frozen target, the head, the draft vocabulary and the per-step loss."""
 
     def __init__(self, target: nn.Module, target_cfg: dict, opts: EagleOptions, tokens: torch.Tensor | None,
-                 seed: int, eos_ids: list[int], cache: FeatureCache | None = None, head: nn.Module | None = None):
+                 seed: int, eos_ids: list[int], cache: FeatureStream | None = None, head: nn.Module | None = None):
         """cache: the target's outputs over `tokens`, computed once (``train.features``); the trainer then reads
         them instead of running the target at each step. head: a head trained already, kept as it is (evaluation,
         ``bench.eval_head``): its draft vocabulary is read from its ``d2t``, `tokens` may be None."""
@@ -166,7 +166,7 @@ class EagleTrainer:
     def _unroll(self, x, z, feats, hidden, cfg: TrainConfig, mask=None,
                 counts: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, dict]:
         """z: the target's next-token logits [B, L+1, V], or their top k (TopK, from a feature cache); mask [B, L+1]
-        bool: the rows whose label is one to learn (FeatureCache.mask; None: all). counts: receives (rows whose
+        bool: the rows whose label is one to learn (FeatureStream.mask; None: all). counts: receives (rows whose
         argmax is the target's, rows) per unrolled step."""
         bsz, seq = x.shape[0], cfg.seq_len
         step_kv, total, weights, metrics = StepKV(), 0.0, 0.0, {}
@@ -234,7 +234,7 @@ class EagleTrainer:
 
 def train_eagle(target_path: str, tokens: torch.Tensor | None, opts: EagleOptions, cfg: TrainConfig, out_dir: str,
                 resume: bool = False, dtype: torch.dtype = torch.bfloat16, work_dir: str | None = None,
-                cache: FeatureCache | None = None) -> dict:
+                cache: FeatureStream | None = None) -> dict:
     """Train a head for the target folder on the token stream [N] (or on a feature cache's stream and target
     outputs); write it to out_dir (HF folder, loadable by ``--speculative-draft-model-path``). -> the last step's
     metrics (loss, acc0.. per unrolled step)."""

@@ -20,6 +20,7 @@ computes: its context starts at its own first token.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -80,13 +81,11 @@ def label_mask(token_mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([token_mask[1:], token_mask.new_zeros(1)])
 
 
-@dataclass
-class FeatureCache:
+class FeatureStream(ABC):
+    """A packed token stream with per-token tensors, sampled in windows; rows(name, idx) reads the tensors."""
+
     tokens: torch.Tensor
-    aux: torch.Tensor
-    feats: torch.Tensor
-    top: TopK
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | None
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -95,29 +94,73 @@ class FeatureCache:
         """A training step's random windows (a pure function of seed and step): x [B, L+1] int64, the labels TopK
         [B, L+1, k], feats [B, L+1, h], aux [B, L, 3h], mask [B, L+1] bool (None without a mask)."""
         idx = sample_windows(torch.arange(len(self)), batch_size, seq_len, seed, step)  # [B, L+1]
-        top = TopK(self.top.ids[idx], self.top.logits[idx])
+        top = TopK(self.rows("top_ids", idx), self.rows("top_logits", idx))
         mask = None if self.mask is None else self.mask[idx]
-        return self.tokens[idx].long(), top, self.feats[idx], self.aux[idx[:, :-1]], mask
+        return self.tokens[idx].long(), top, self.rows("feats", idx), self.rows("aux", idx[:, :-1]), mask
+
+    @abstractmethod
+    def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        """Rows idx [...] of one per-token tensor ("aux", "feats", "top_ids", "top_logits") -> [..., *row shape]."""
+
+
+@dataclass
+class FeatureCache(FeatureStream):
+    tokens: torch.Tensor
+    aux: torch.Tensor
+    feats: torch.Tensor
+    top: TopK
+    mask: torch.Tensor | None = None
+
+    def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        return self.tensor(name)[idx]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return getattr(self.top, name[len("top_"):]) if name.startswith("top_") else getattr(self, name)
 
     def save(self, path: str) -> None:
         torch.save({"tokens": self.tokens, "aux": self.aux, "feats": self.feats, "top_ids": self.top.ids,
                     "top_logits": self.top.logits}, path)
 
     @classmethod
-    def concat(cls, caches: list[FeatureCache]) -> FeatureCache:
-        """The caches' streams one after another (one cache: itself, nothing copied)."""
-        if len(caches) == 1:
-            return caches[0]
-        tokens, aux, feats, ids, logits = (torch.cat(ts) for ts in zip(
-            *[(c.tokens, c.aux, c.feats, c.top.ids, c.top.logits) for c in caches], strict=True))
-        masks = [c.mask for c in caches]
-        mask = None if any(m is None for m in masks) else torch.cat(masks)
-        return cls(tokens, aux, feats, TopK(ids, logits), mask)
+    def concat(cls, caches: list[FeatureCache]) -> FeatureCache | FeatureShards:
+        """The caches' streams one after another, each read in place (one cache: itself)."""
+        return caches[0] if len(caches) == 1 else FeatureShards(caches)
 
     @classmethod
-    def load(cls, path: str) -> FeatureCache:
-        d = torch.load(path, weights_only=True)
+    def load(cls, path: str, mmap: bool = False) -> FeatureCache:
+        """A saved cache; with mmap its tensors stay in the file (paged in as windows read them), so caches larger
+        than the memory left can be trained on."""
+        d = torch.load(path, weights_only=True, mmap=mmap)
         return cls(d["tokens"], d["aux"], d["feats"], TopK(d["top_ids"], d["top_logits"]))
+
+
+def gather_rows(parts: list[torch.Tensor], starts: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx [...] of the row-wise concatenation of parts, without concatenating them: parts[s] holds rows
+    starts[s] .. starts[s + 1] - 1 (starts [S] int64, starts[0] = 0) -> [..., *row shape]."""
+    shard = torch.searchsorted(starts, idx.contiguous(), right=True) - 1  # [...] which part each row is in
+    out = parts[0].new_empty((*idx.shape, *parts[0].shape[1:]))
+    for s, part in enumerate(parts):
+        here = shard == s
+        if here.any():
+            out[here] = part[idx[here] - starts[s]]
+    return out
+
+
+class FeatureShards(FeatureStream):
+    """Several caches read as one stream, each in place: concatenating SmolLM2's six feature shards (2.6 GB each)
+    would hold a second copy of all of them in memory. tokens and mask (small) are concatenated; the windows are
+    the ones the concatenated cache would give for the same seed and step."""
+
+    def __init__(self, parts: list[FeatureCache]) -> None:
+        self.parts = parts
+        masks = [c.mask for c in parts]
+        lengths = torch.tensor([len(c) for c in parts])
+        self.starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])  # [S]
+        self.tokens = torch.cat([c.tokens for c in parts])
+        self.mask = None if any(m is None for m in masks) else torch.cat(masks)
+
+    def rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        return gather_rows([c.tensor(name) for c in self.parts], self.starts, idx)
 
 
 def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -15,9 +15,11 @@ from specserve.speculative.draft_models import eagle3_capture_layers
 from specserve.train.eagle import EagleOptions, EagleTrainer, train_eagle
 from specserve.train.features import (
     FeatureCache,
+    FeatureShards,
     TopK,
     answer_mask,
     build_feature_cache,
+    gather_rows,
     label_mask,
     length_batches,
     topk_cross_entropy,
@@ -79,20 +81,35 @@ def test_cached_features_equal_each_sequence_run_alone(bigram_target):
             start += n
 
 
-def test_caches_of_shards_concatenate_to_the_cache_of_all(bigram_target):
+def test_gather_rows_reads_the_concatenation_without_making_it():
+    parts = [torch.tensor([[0, 0], [1, 1]]), torch.tensor([[2, 2]]), torch.tensor([[3, 3], [4, 4], [5, 5]])]
+    starts = torch.tensor([0, 2, 3])
+    idx = torch.tensor([[5, 0, 2], [1, 3, 4]])
+    assert gather_rows(parts, starts, idx).tolist() == [[[5, 5], [0, 0], [2, 2]], [[1, 1], [3, 3], [4, 4]]]
+
+
+def test_shards_read_in_place_give_the_windows_of_the_cache_of_all(bigram_target, tmp_path):
     target, spec, _ = load_model(bigram_target, dtype="float32")
     capture = eagle3_capture_layers(spec.num_layers, None)
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in (6, 9, 4)]
+    seqs = [torch.randint(3, spec.vocab_size, (n,), generator=g).tolist() for n in (6, 9, 4, 7)]
 
     def build(ss):
         return build_feature_cache(target, ss, capture, top_k=3, bf16=False, progress=False)
 
-    whole, parts = build(seqs), FeatureCache.concat([build(seqs[:1]), build(seqs[1:])])
-    for name in ("tokens", "aux", "feats"):
-        torch.testing.assert_close(getattr(parts, name), getattr(whole, name))
-    assert torch.equal(parts.top.ids, whole.top.ids)
-    torch.testing.assert_close(parts.top.logits, whole.top.logits)
+    whole = build(seqs)
+    for k, part in enumerate((seqs[:1], seqs[1:3], seqs[3:])):
+        build(part).save(str(tmp_path / f"f{k}.pt"))
+    shards = FeatureCache.concat([FeatureCache.load(str(tmp_path / f"f{k}.pt"), mmap=True) for k in range(3)])
+    assert isinstance(shards, FeatureShards) and len(shards) == len(whole) == 26
+    assert torch.equal(shards.tokens, whole.tokens)
+    for step in range(4):  # windows of 8 rows over 26 cross the shards' boundaries
+        for a, b in zip(shards.window(3, 7, 0, step), whole.window(3, 7, 0, step), strict=True):
+            if isinstance(a, TopK):
+                assert torch.equal(a.ids, b.ids)
+                torch.testing.assert_close(a.logits, b.logits)
+            elif a is not None:
+                torch.testing.assert_close(a, b)
     one = build(seqs)
     assert FeatureCache.concat([one]) is one
 
