@@ -32,8 +32,12 @@ ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, cty
 
 
 def available() -> bool:
-    """The kernel is wanted (SPECSERVE_INT8_GEMM is not off) and runs here."""
-    return native.env_mode(ENV, MODES) != "off" and kernel() is not None
+    """The kernel is wanted (SPECSERVE_INT8_GEMM is not off) and runs here (its operator's C++ implementation
+    loaded too, where it can be: ``native.native_ops``)."""
+    if native.env_mode(ENV, MODES) == "off" or kernel() is None:
+        return False
+    native.native_ops()  # the operator's C++ implementation loads now (built on the first load), not at a first call
+    return True
 
 
 def kernel():
@@ -56,7 +60,14 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 
 def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed int8 weight, times float32 scales [N] (+ a float32 bias [N])
-    -> [M, N] bf16."""
+    -> [M, N] bf16: through the operator where its C++ implementation is loaded, else in Python."""
+    if native.native_ops():
+        return int8_gemm(x, packed, scales, bias)
+    return _int8_mm(x, packed, scales, bias)
+
+
+def _int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """int8_mm in Python, through ctypes (the operator's implementation without ``ops.cpp``)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -68,7 +79,7 @@ def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: t
 
 
 # int8_mm as an op that compiled graphs call as is
-int8_gemm = cpu_op("int8_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor", int8_mm,
+int8_gemm = cpu_op("int8_gemm(Tensor x, Tensor packed, Tensor scales, Tensor? bias) -> Tensor", _int8_mm,
                    lambda x, packed, scales, bias: x.new_empty(x.shape[0], packed.shape[0] * COLS))
 
 

@@ -1,5 +1,6 @@
 """specserve's own C++ kernels for CPUs with AVX512-BF16 (``small_gemm.cpp``, ``int8_gemm.cpp``,
-``tree_attention.cpp``): built once per machine and loaded through ctypes.
+``tree_attention.cpp``): built once per machine and loaded through ctypes, and their operators' C++ CPU
+implementations (``ops.cpp``, ``native_ops``), built with PyTorch's headers and loaded into PyTorch's dispatcher.
 
 Each source is compiled with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
 (``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``) under a name hashed from the source, the
@@ -58,44 +59,105 @@ def torch_openmp() -> str | None:
     return found[0] if found else None
 
 
-def build(source: Path, compiler: str, openmp: str, out_dir: Path) -> Path:
-    """Compile ``source`` into a shared library (once: the file is named by a hash of the source, flags, compiler and
-    runtime) -> its path. Written to a temporary name and renamed, so processes building at once each see a whole
-    file."""
-    text = source.read_bytes()
-    key = hashlib.sha256(text + " ".join([compiler, openmp, *FLAGS]).encode()).hexdigest()[:16]
-    target = out_dir / f"{source.stem}-{key}.so"
+def build(source: Path, compiler: str, openmp: str, out_dir: Path, extra: tuple[Path, ...] = (),
+          compile_flags: tuple[str, ...] = (), link_flags: tuple[str, ...] = ()) -> Path:
+    """Compile ``source`` (and the ``extra`` sources beside it, into the same library) into a shared library (once:
+    the file is named by a hash of the sources, flags, compiler and runtime) -> its path. Written to a temporary name
+    and renamed, so processes building at once each see a whole file."""
+    sources = (source, *extra)
+    text = b"".join(src.read_bytes() for src in sources)
+    key = hashlib.sha256(text + " ".join([compiler, openmp, *FLAGS, *compile_flags, *link_flags]).encode())
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        obj, lib = Path(tmp) / f"{source.stem}.o", Path(tmp) / f"{source.stem}.so"
-        subprocess.run([compiler, *FLAGS, "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
+        objs = [Path(tmp) / f"{src.stem}.o" for src in sources]
+        for src, obj in zip(sources, objs, strict=True):
+            subprocess.run([compiler, *FLAGS, *compile_flags, "-c", str(src), "-o", str(obj)], check=True,
+                           capture_output=True)
+        lib = Path(tmp) / f"{source.stem}.so"
         # linked to PyTorch's libgomp by path (not -fopenmp's system one): the same runtime, the same thread pool
-        subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), openmp,
+        subprocess.run([compiler, "-shared", *map(str, objs), "-o", str(lib), *link_flags, openmp,
                         f"-Wl,-rpath,{os.path.dirname(openmp)}"], check=True, capture_output=True)
         os.replace(lib, target)
     return target
+
+
+def _toolchain(what: str) -> tuple[str, str] | None:
+    """(the compiler, PyTorch's libgomp) where the kernels can be built and run here, else None (reason logged)."""
+    if not cpu_supports():
+        logger.info("%s: the CPU lacks AVX512-BF16", what)
+        return None
+    compiler, openmp = shutil.which(os.environ.get("CXX", "g++")), torch_openmp()
+    if compiler is None or openmp is None:
+        logger.info("%s: no %s", what, "C++ compiler" if compiler is None else "libgomp beside PyTorch")
+        return None
+    return compiler, openmp
+
+
+def _built(what: str, build_it) -> Path | None:
+    """build_it() -> the library's path, or None with the compiler's complaint logged."""
+    try:
+        return build_it()
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("%s not built: %s %s", what, e, detail.decode(errors="replace")[-500:])
+        return None
 
 
 @functools.cache
 def function(source_name: str, symbol: str, argtypes: tuple):
     """The C function ``symbol`` of this folder's ``source_name``, built on the first call, as a ctypes function
     (no return value), or None where it cannot run here."""
-    if not cpu_supports():
-        logger.info("%s: the CPU lacks AVX512-BF16", source_name)
-        return None
-    compiler, openmp = shutil.which(os.environ.get("CXX", "g++")), torch_openmp()
-    if compiler is None or openmp is None:
-        logger.info("%s: no %s", source_name, "C++ compiler" if compiler is None else "libgomp beside PyTorch")
+    tools = _toolchain(source_name)
+    if tools is None:
         return None
     source = Path(__file__).with_name(source_name)
+    path = _built(source_name, lambda: build(source, *tools, Path(cache_root()) / "kernels"))
     try:
-        fn = getattr(ctypes.CDLL(str(build(source, compiler, openmp, Path(cache_root()) / "kernels"))), symbol)
-    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("%s not built: %s %s", source_name, e, detail.decode(errors="replace")[-500:])
+        fn = getattr(ctypes.CDLL(str(path)), symbol) if path is not None else None
+    except (OSError, AttributeError) as e:
+        logger.warning("%s not loaded: %s", source_name, e)
         return None
-    fn.restype = None
-    fn.argtypes = list(argtypes)
+    if fn is not None:
+        fn.restype = None
+        fn.argtypes = list(argtypes)
     return fn
+
+
+OPS_ENV = "SPECSERVE_CPU_OPS"
+OPS_MODES = ("native", "python")
+KERNEL_SOURCES = ("small_gemm.cpp", "int8_gemm.cpp", "tree_attention.cpp")
+
+
+@functools.cache
+def native_ops() -> bool:
+    """Load ``ops.cpp`` (built on the first call with PyTorch's headers, linked with the kernels' sources), whose
+    C++ CPU kernels for specserve::small_gemm, int8_gemm and tree_attention then take those operators' calls
+    instead of their Python implementations (a call through the dispatcher costs about 2.5 us less) -> whether it
+    is loaded. Not where SPECSERVE_CPU_OPS=python, the kernels cannot run here, or PyTorch's headers are missing."""
+    if env_mode(OPS_ENV, OPS_MODES) == "python":
+        return False
+    tools = _toolchain("ops.cpp")
+    if tools is None:
+        return False
+    from torch.utils import cpp_extension
+
+    here = Path(__file__).parent
+    includes = tuple(f"-I{d}" for d in cpp_extension.include_paths())
+    compile_flags = ("-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes,
+                     f"-DSPECSERVE_TORCH={torch.__version__}")
+    libdirs = cpp_extension.library_paths()
+    link_flags = (*(f"-L{d}" for d in libdirs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{d}" for d in libdirs))
+    path = _built("ops.cpp", lambda: build(here / "ops.cpp", *tools, Path(cache_root()) / "kernels",
+                                           tuple(here / name for name in KERNEL_SOURCES), compile_flags,
+                                           link_flags))
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        logger.warning("ops.cpp not loaded: %s", e)
+        return False
+    return True

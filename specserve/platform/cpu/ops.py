@@ -4,7 +4,9 @@ Inductor cannot see inside a ctypes call or oneDNN's packed weights, so each ker
 opaque operator. They are defined on a ``torch.library.Library`` with one implementation for real tensors and a fake
 one for tracing (output shape and dtype). Such an operator dispatched in 1.75 us on a 2-core AMD EPYC, where one
 made with ``torch.library.custom_op`` took 3.1 us (its Python wrapper adds a dispatch of its own), and a compiled
-decode step calls them over a hundred times.
+decode step calls them over a hundred times. The Python implementations (ctypes) are the fallback: where
+``native.native_ops`` loads ``ops.cpp``, its C++ kernels take the CPU calls of small_gemm, int8_gemm and
+tree_attention, without Python between the dispatcher and the kernel (``benchmarks/bench_ops.py``).
 """
 
 from __future__ import annotations

@@ -45,8 +45,12 @@ def mode() -> str:
 
 
 def available() -> bool:
-    """The kernel is wanted (SPECSERVE_SMALL_GEMM is not off) and runs here."""
-    return mode() != "off" and kernel() is not None
+    """The kernel is wanted (SPECSERVE_SMALL_GEMM is not off) and runs here (its operator's C++ implementation
+    loaded too, where it can be: ``native.native_ops``)."""
+    if mode() == "off" or kernel() is None:
+        return False
+    native.native_ops()  # the operator's C++ implementation loads now (built on the first load), not at a first call
+    return True
 
 
 def kernel():
@@ -73,7 +77,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed weight (+ a float32 bias [N]) -> [M, N] bf16."""
+    """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed weight (+ a float32 bias [N]) -> [M, N] bf16: through the
+    operator where its C++ implementation is loaded, else in Python."""
+    if native.native_ops():
+        return small_gemm(x, packed, bias)
+    return _small_mm(x, packed, bias)
+
+
+def _small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """small_mm in Python, through ctypes (the operator's implementation without ``ops.cpp``)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -85,7 +97,7 @@ def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -
 
 
 # small_mm as an op that compiled graphs call as is
-small_gemm = cpu_op("small_gemm(Tensor x, Tensor packed, Tensor? bias) -> Tensor", small_mm,
+small_gemm = cpu_op("small_gemm(Tensor x, Tensor packed, Tensor? bias) -> Tensor", _small_mm,
                     lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * COLS))
 
 

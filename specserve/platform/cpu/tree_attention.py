@@ -44,8 +44,12 @@ def kernel():
 
 
 def available() -> bool:
-    """The kernel is wanted (SPECSERVE_CPU_ATTENTION is not off) and runs here."""
-    return mode() != "off" and kernel() is not None
+    """The kernel is wanted (SPECSERVE_CPU_ATTENTION is not off) and runs here (its operator's C++ implementation
+    loaded too, where it can be: ``native.native_ops``)."""
+    if mode() == "off" or kernel() is None:
+        return False
+    native.native_ops()  # the operator's C++ implementation loads now (built on the first load), not at a first call
+    return True
 
 
 def takes(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
@@ -64,7 +68,15 @@ def tree_attention(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k
     """qb [B, Qmax, H, D] bf16; k_buf/v_buf [S, Hkv, D] the layer's pool; kv_slots [B, Kmax] int64 the slot of each
     key column; mask [B, 1, Qmax, Kmax] bool (or broadcastable to it: [B, 1, 1, Kmax]), True = may attend, None =
     every column visible -> [B * Qmax, H * D] bf16. Rows that see no key (padding) come out zero. The pools must be
-    contiguous and alike (``takes``)."""
+    contiguous and alike (``takes``). Through the operator where its C++ implementation is loaded, else in Python."""
+    if native.native_ops():
+        return tree_attention_op(qb, k_buf, v_buf, kv_slots, mask, scale)
+    return _tree_attention(qb, k_buf, v_buf, kv_slots, mask, scale)
+
+
+def _tree_attention(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """tree_attention in Python, through ctypes (the operator's implementation without ``ops.cpp``)."""
     bsz, max_q, n_heads, head_dim = qb.shape
     if qb.stride(-1) != 1:
         qb = qb.contiguous()
@@ -91,4 +103,4 @@ def _tree_attention_fake(qb, k_buf, v_buf, kv_slots, mask, scale):
 
 # tree_attention as an op that compiled graphs call as is
 tree_attention_op = cpu_op("tree_attention(Tensor qb, Tensor k_buf, Tensor v_buf, Tensor kv_slots, Tensor? mask, "
-                           "float scale) -> Tensor", tree_attention, _tree_attention_fake)
+                           "float scale) -> Tensor", _tree_attention, _tree_attention_fake)

@@ -1,0 +1,89 @@
+// The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention), in C++:
+// what the Python implementations in small_gemm.py, int8_gemm.py and tree_attention.py do, without Python between
+// the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback) in ops.py; this
+// library, linked with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+extern "C" {
+void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
+                     const float* bias, uint16_t* y, int64_t ldy, int threads);
+void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
+                    const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads);
+void tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int64_t q_sh, const uint16_t* kbuf,
+                         const uint16_t* vbuf, const int64_t* slots, const uint8_t* mask, int64_t mask_sb,
+                         int64_t mask_sq, int64_t batch, int64_t qmax, int64_t heads, int64_t kv_heads, int64_t dim,
+                         int64_t kmax, float scale, uint16_t* out, int threads);
+}
+
+namespace {
+
+const int64_t SMALL_COLS = 64;  // small_gemm.py's COLS
+const int64_t INT8_COLS = 32;   // int8_gemm.py's COLS
+
+template <typename T>
+const T* ptr(const at::Tensor& t) {
+    return static_cast<const T*>(t.data_ptr());
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias) {
+    return bias.has_value() ? bias->data_ptr<float>() : nullptr;
+}
+
+at::Tensor rows_contiguous(const at::Tensor& x) {
+    return x.stride(-1) == 1 ? x : x.contiguous();
+}
+
+// x [M, K] bf16 @ a packed bf16 weight [N / 64, K / 2, 64, 2] (+ a float32 bias [N]) -> [M, N] bf16
+at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+    const at::Tensor x = rows_contiguous(x_);
+    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * SMALL_COLS;
+    at::Tensor y = at::empty({m, n}, x.options());
+    small_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<uint16_t>(packed), n, bias_ptr(bias),
+                    static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
+    return y;
+}
+
+// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N])
+at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias) {
+    const at::Tensor x = rows_contiguous(x_);
+    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * INT8_COLS;
+    at::Tensor y = at::empty({m, n}, x.options());
+    int8_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<int8_t>(packed), n, scales.data_ptr<float>(),
+                   bias_ptr(bias), static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
+    return y;
+}
+
+// qb [B, Qmax, H, D] bf16 over the pools k_buf / v_buf [S, Hkv, D]; kv_slots [B, Kmax]; mask [B, 1, Qmax, Kmax]
+// bool or broadcastable ([B, 1, 1, Kmax]), None: every column visible -> [B * Qmax, H * D] bf16
+at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                          const at::Tensor& kv_slots_, const std::optional<at::Tensor>& mask_, double scale) {
+    const at::Tensor qb = rows_contiguous(qb_);
+    const at::Tensor kv_slots = kv_slots_.to(at::kLong).contiguous();
+    const int64_t bsz = qb.size(0), max_q = qb.size(1), heads = qb.size(2), dim = qb.size(3);
+    at::Tensor out = at::empty({bsz * max_q, heads * dim}, qb.options());
+    const uint8_t* mask_ptr = nullptr;
+    int64_t stride_b = 0, stride_q = 0;
+    at::Tensor mask;
+    if (mask_.has_value()) {
+        mask = rows_contiguous(*mask_);
+        mask_ptr = static_cast<const uint8_t*>(mask.data_ptr());  // bool: one byte each
+        stride_b = mask.size(0) > 1 ? mask.stride(0) : 0;
+        stride_q = mask.size(2) > 1 ? mask.stride(2) : 0;
+    }
+    tree_attention_bf16(ptr<uint16_t>(qb), qb.stride(0), qb.stride(1), qb.stride(2), ptr<uint16_t>(k_buf),
+                        ptr<uint16_t>(v_buf), kv_slots.data_ptr<int64_t>(), mask_ptr, stride_b, stride_q, bsz, max_q,
+                        heads, k_buf.size(1), dim, kv_slots.size(1), static_cast<float>(scale),
+                        static_cast<uint16_t*>(out.data_ptr()), at::get_num_threads());
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specserve, CPU, m) {
+    m.impl("small_gemm", TORCH_FN(small_gemm));
+    m.impl("int8_gemm", TORCH_FN(int8_gemm));
+    m.impl("tree_attention", TORCH_FN(tree_attention));
+}

@@ -1,0 +1,63 @@
+"""The C++ implementations of specserve's CPU operators (platform/cpu/ops.cpp, loaded by native.native_ops): they
+take the operators' CPU calls and give the same bits as the Python implementations (ctypes), which stay the
+fallback (SPECSERVE_CPU_OPS=python)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.models.quantize import quantize_int8
+from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
+
+needs_native = pytest.mark.skipif(not (small_gemm.kernel() is not None and native.native_ops()),
+                                  reason="no AVX512-BF16, no C++ compiler or no PyTorch headers here")
+
+
+@needs_native
+def test_the_operators_have_cpu_kernels_of_their_own():
+    for name in ("small_gemm", "int8_gemm", "tree_attention"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specserve::{name}", "CPU")
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gemms_give_the_python_implementations_bits(rows):
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
+    x = wide[:, 16:144]  # a row stride of 160
+    w = torch.randn(128, 128, generator=gen)
+    bias = torch.randn(128, generator=gen)
+    packed = small_gemm.pack(w.to(torch.bfloat16))
+    q, scales = quantize_int8(w)
+    packed8 = int8_gemm.pack(q)
+    for b in (None, bias):
+        assert torch.equal(small_gemm.small_gemm(x, packed, b), small_gemm._small_mm(x, packed, b))
+        assert torch.equal(int8_gemm.int8_gemm(x, packed8, scales, b), int8_gemm._int8_mm(x, packed8, scales, b))
+        assert torch.equal(small_gemm.small_mm(x, packed, b), small_gemm._small_mm(x, packed, b))
+
+
+@needs_native
+def test_tree_attention_gives_the_python_implementations_bits():
+    """Two requests of 3 queries over a pool of 12 slots, 4 query heads on 2 KV heads: no mask, a mask per query
+    and a mask broadcast over the queries; int32 slots and a strided query tensor, which both convert."""
+    gen = torch.Generator().manual_seed(0)
+    k_buf, v_buf = (torch.randn(12, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    qb = torch.randn(2, 3, 4, 128, generator=gen).to(torch.bfloat16)[..., ::2]  # [2, 3, 4, 64], strided
+    slots = torch.tensor([[0, 3, 5, 7, 8], [1, 2, 4, 6, 11]], dtype=torch.int32)
+    full = torch.rand(2, 1, 3, 5, generator=gen) > 0.3
+    full[..., 0] = True
+    for mask in (None, full, full[:, :, :1]):
+        want = tree_attention._tree_attention(qb, k_buf, v_buf, slots, mask, 0.125)
+        assert torch.equal(tree_attention.tree_attention_op(qb, k_buf, v_buf, slots, mask, 0.125), want)
+
+
+def test_python_operators_where_asked(monkeypatch):
+    """SPECSERVE_CPU_OPS=python leaves the operators to their Python implementations; a wrong value names the
+    variable."""
+    monkeypatch.setattr(native, "native_ops", native.native_ops.__wrapped__)  # uncached for this test
+    monkeypatch.setenv(native.OPS_ENV, "python")
+    assert native.native_ops() is False
+    monkeypatch.setenv(native.OPS_ENV, "fast")
+    with pytest.raises(ValueError, match=native.OPS_ENV):
+        native.native_ops()
