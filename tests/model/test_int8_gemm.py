@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specserve import Engine
 from specserve.models import quantize as Q
-from specserve.platform.cpu import int8_gemm, small_gemm, tree_attention
+from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
 from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
 from tests.speculative.helpers import REPEATING_PROMPTS, assert_ngram_equals_plain
 
@@ -104,9 +104,12 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     for mode in ("on", "off"):
         monkeypatch.setenv(int8_gemm.ENV, mode)
         with Engine(model_path=path, max_total_tokens=2048, torchao_config="int8wo") as e:
-            linears = e.get_server_info().get("cpu_int8_gemm_linears", 0)
+            info = e.get_server_info()
+            linears = info.get("cpu_int8_gemm_linears", 0)
             plain[mode] = e.generate(prompts, greedy(24), return_logprob=True, top_logprobs_num=2)
         assert (linears > 0) is (mode == "on")
+        if mode == "on":  # the operators' implementations in use are reported
+            assert info["cpu_ops_in_cpp"] is native.native_ops()
     assert_greedy_equal_up_to_ties([o["output_ids"] for o in plain["on"]], plain["off"])
     assert len(prompts) in calls  # the batch's decode steps
     monkeypatch.setenv(int8_gemm.ENV, "on")

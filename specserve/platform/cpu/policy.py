@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from specserve.platform.cpu import int8_gemm, small_gemm, tree_attention
+from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -139,6 +139,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_tree_attention"] = True
         if self.int8_linears:
             extra["cpu_int8_gemm_linears"] = self.int8_linears
+        if self.small_rows or self.tree_attention or self.int8_linears:
+            extra["cpu_ops_in_cpp"] = native.native_ops()  # the kernels' operators run their C++ implementations
         if self.huge_page_bytes:
             extra["cpu_weights_on_huge_pages_mib"] = round(self.huge_page_bytes / 2**20, 1)
         if self.governor is not None:
