@@ -20,6 +20,7 @@ computes: its context starts at its own first token.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -129,7 +130,14 @@ class FeatureCache(FeatureStream):
     @classmethod
     def load(cls, path: str, mmap: bool = False) -> FeatureCache:
         """A saved cache; with mmap its tensors stay in the file (paged in as windows read them), so caches larger
-        than the memory left can be trained on."""
+        than the memory left can be trained on. The file is then read ahead into the page cache in the background
+        (a window read from disk took about 0.2 s, from memory 10-20 ms)."""
+        if mmap and hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
         d = torch.load(path, weights_only=True, mmap=mmap)
         return cls(d["tokens"], d["aux"], d["feats"], TopK(d["top_ids"], d["top_logits"]))
 
