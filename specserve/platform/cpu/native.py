@@ -146,6 +146,8 @@ def native_ops() -> bool:
 
     here = Path(__file__).parent
     includes = tuple(f"-I{d}" for d in cpp_extension.include_paths())
+    # SPECSERVE_TORCH is read by no source: it puts PyTorch's version into the library's hashed name, so an upgrade
+    # in the same environment (same header paths) rebuilds against the new headers
     compile_flags = ("-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes,
                      f"-DSPECSERVE_TORCH={torch.__version__}")
     libdirs = cpp_extension.library_paths()
