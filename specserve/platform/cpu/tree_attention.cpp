@@ -128,9 +128,12 @@ static void weighted_heads(const float* p, int64_t p_stride, const uint16_t* vbu
 
 // p[0..n) <- exp(p - max p) -> their sum
 static float softmax_numerators(float* p, int64_t n) {
-    float top = p[0];
-    for (int64_t j = 1; j < n; j++) top = p[j] > top ? p[j] : top;
-    const __m512 topv = _mm512_set1_ps(top);
+    __m512 top = _mm512_set1_ps(p[0]);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, p + j));
+    }
+    const __m512 topv = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // the maximum, exactly as a scalar loop's
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
