@@ -34,10 +34,7 @@ ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, cty
 def available() -> bool:
     """The kernel is wanted (SPECSERVE_INT8_GEMM is not off) and runs here (its operator's C++ implementation
     loaded too, where it can be: ``native.native_ops``)."""
-    if native.env_mode(ENV, MODES) == "off" or kernel() is None:
-        return False
-    native.native_ops()  # the operator's C++ implementation loads now (built on the first load), not at a first call
-    return True
+    return native.kernel_ready(ENV, MODES, kernel)
 
 
 def kernel():

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +40,16 @@ def env_mode(env: str, modes: tuple[str, ...]) -> str:
     if value not in modes:
         raise ValueError(f"{env}={value!r}: expected one of {', '.join(modes)}")
     return value
+
+
+def kernel_ready(env: str, modes: tuple[str, ...], kernel: Callable[[], object]) -> bool:
+    """A kernel is wanted (its variable ``env`` is not off) and runs here (``kernel()``, its ctypes function, is not
+    None). Its operator's C++ implementation loads now too, where it can (``native_ops``, built on the first load),
+    rather than at the operator's first call."""
+    if env_mode(env, modes) == "off" or kernel() is None:
+        return False
+    native_ops()
+    return True
 
 
 def cpu_supports(cpuinfo: str | None = None) -> bool:
@@ -115,14 +126,15 @@ def function(source_name: str, symbol: str, argtypes: tuple):
         return None
     source = Path(__file__).with_name(source_name)
     path = _built(source_name, lambda: build(source, *tools, Path(cache_root()) / "kernels"))
+    if path is None:
+        return None
     try:
-        fn = getattr(ctypes.CDLL(str(path)), symbol) if path is not None else None
+        fn = getattr(ctypes.CDLL(str(path)), symbol)
     except (OSError, AttributeError) as e:
         logger.warning("%s not loaded: %s", source_name, e)
         return None
-    if fn is not None:
-        fn.restype = None
-        fn.argtypes = list(argtypes)
+    fn.restype = None
+    fn.argtypes = list(argtypes)
     return fn
 
 

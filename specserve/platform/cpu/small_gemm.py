@@ -47,10 +47,7 @@ def mode() -> str:
 def available() -> bool:
     """The kernel is wanted (SPECSERVE_SMALL_GEMM is not off) and runs here (its operator's C++ implementation
     loaded too, where it can be: ``native.native_ops``)."""
-    if mode() == "off" or kernel() is None:
-        return False
-    native.native_ops()  # the operator's C++ implementation loads now (built on the first load), not at a first call
-    return True
+    return native.kernel_ready(ENV, MODES, kernel)
 
 
 def kernel():

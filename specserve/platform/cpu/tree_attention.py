@@ -1,10 +1,9 @@
 """Attention of a few queries per request (decode rows, verify trees, draft levels) on CPUs with AVX512-BF16:
 specserve's own kernel (``tree_attention.cpp``).
 
-The eager SDPA path (each request's keys and values gathered from the pool into copies, then PyTorch's SDPA) took
-35-130 us a layer's call at the demo's sizes (4 heads of 64 over a few hundred keys, 1-12 queries) whatever the work,
-against 11-36 us here; at 12 layers plus a draft level per tree depth it had been a sixth of a speculative step
-(``benchmarks/bench_attention.py``). The kernel reads each key and
+The eager SDPA path gathers each request's keys and values from the pool into copies, then runs PyTorch's SDPA,
+at a cost that hardly depends on the work at these sizes; it took several times the kernel's time a layer's call
+(``benchmarks/bench_attention.py``, docs/benchmarks.md). The kernel reads each key and
 value straight from its pool slot, once for a KV head's G query heads, and works in float32 throughout. A row's result
 depends only on the keys it may see, taken in column order, so a verify tree's node gets bit for bit what a one-row
 decode of the same token gets (``tree_attention.cpp``).
@@ -46,10 +45,7 @@ def kernel():
 def available() -> bool:
     """The kernel is wanted (SPECSERVE_CPU_ATTENTION is not off) and runs here (its operator's C++ implementation
     loaded too, where it can be: ``native.native_ops``)."""
-    if mode() == "off" or kernel() is None:
-        return False
-    native.native_ops()  # the operator's C++ implementation loads now (built on the first load), not at a first call
-    return True
+    return native.kernel_ready(ENV, MODES, kernel)
 
 
 def takes(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
