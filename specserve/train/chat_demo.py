@@ -64,7 +64,7 @@ class ChatBuild:
     """One build: the target folder (converted GGUF), output and work folders, shared settings."""
 
     def __init__(self, out: str, work: str, device: str, progress: bool, scale: float, resume: bool,
-                 data_shards: int | None = None) -> None:
+                 data_shards: int | None = None, data_from: str | None = None) -> None:
         from specserve.demo_models import SMOLLM2, resolve_demo
         from specserve.models.loader import resolve_model_path
 
@@ -75,6 +75,7 @@ class ChatBuild:
         self.out, self.work, self.scale, self.resume = out, work, scale, resume
         self.device, self.progress = device, progress
         self.data_shards = data_shards
+        self.data_from = data_from  # a folder of data shards written before (``import_shards``)
         os.makedirs(out, exist_ok=True)
         os.makedirs(work, exist_ok=True)
 
@@ -136,9 +137,39 @@ def _write_atomic(path: str, write) -> None:
     os.replace(tmp, path)
 
 
+def import_shards(src: str, work: str, shards: int) -> list[int]:
+    """Data shards written before (another machine's, or the repository's ``data/smollm2``): for each k < shards
+    whose ``train-<k>.jsonl`` the work folder lacks, copy ``train-<k>.jsonl`` and ``held-<k>.jsonl`` from src,
+    each plain or gzipped (``.gz``), into it, so the data stage keeps them -> the shards copied. A shard src lacks
+    either file of is left to the data stage."""
+    import gzip
+    import shutil
+
+    def found(name: str) -> str | None:
+        return next((p for p in (os.path.join(src, name), os.path.join(src, name + ".gz")) if os.path.isfile(p)),
+                    None)
+
+    copied = []
+    for k in range(shards):
+        names = (f"held-{k}.jsonl", f"train-{k}.jsonl")  # the train file last: a shard is there once it is
+        sources = [found(n) for n in names]
+        if os.path.isfile(os.path.join(work, names[1])) or None in sources:
+            continue
+        for name, path in zip(names, sources, strict=True):
+            def copy(dest: str, path: str = path) -> None:
+                with (gzip.open if path.endswith(".gz") else open)(path, "rb") as fin, open(dest, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+            _write_atomic(os.path.join(work, name), copy)
+        copied.append(k)
+    return copied
+
+
 def stage_data(b: ChatBuild) -> None:
     from specserve.train.selfgen import dedup, generate_dataset, read_jsonl, write_jsonl
 
+    if b.data_from is not None:
+        for k in import_shards(b.data_from, b.work, b.shards()):
+            print(f"data shard {k}: copied from {b.data_from}", file=sys.stderr)
     for k in range(b.shards()):
         if os.path.isfile(b.shard_path(k, "train")):
             continue

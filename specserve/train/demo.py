@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                    "files (quick smoke builds; the bundled family uses all)")
     p.add_argument("--data-shards", type=int, default=None, help="smollm2: self-generated data shards to write and "
                    f"train on (default {chat_demo.GEN_SHARDS}; a smoke build: 1)")
+    p.add_argument("--data-from", default=None, metavar="DIR", help="smollm2: take the data shards that DIR holds "
+                   "(train-<k>.jsonl and held-<k>.jsonl, plain or .gz; the repository's data/smollm2) instead of "
+                   "generating them")
     p.add_argument("--no-progress", action="store_true")
     ns = p.parse_args(argv)
     family_stages = STAGES if ns.family == "code" else chat_demo.STAGES
@@ -224,11 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     if ns.data_shards is not None and (ns.data_shards < 1 or ns.family != "smollm2"):
         print("error: --data-shards takes a count >= 1, with --family smollm2", file=sys.stderr)
         return 2
+    if ns.data_from is not None and (ns.family != "smollm2" or not os.path.isdir(ns.data_from)):
+        print(f"error: --data-from takes a folder, with --family smollm2 (got {ns.data_from!r})", file=sys.stderr)
+        return 2
     work = ns.work_dir or default_work_dir(ns.out, ns.family)
     if ns.family == "code":
         b = Build(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume, ns.max_corpus_files)
         build(b, stages, STAGE_FUNCS)
     else:
-        b = chat_demo.ChatBuild(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume, ns.data_shards)
+        b = chat_demo.ChatBuild(ns.out, work, ns.device, not ns.no_progress, ns.scale, ns.resume, ns.data_shards,
+                                ns.data_from)
         build(b, stages, chat_demo.STAGE_FUNCS)
     return 0

@@ -103,3 +103,43 @@ def test_unknown_stage_names_the_family(capsys):
 def test_data_shards_is_a_count_for_smollm2(argv, capsys):
     assert cli_main(["build-demo", *argv]) == 2
     assert "--data-shards" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--family", "code", "--data-from", "."],
+                                  ["--family", "smollm2", "--data-from", "/no/such/folder"]])
+def test_data_from_is_a_folder_for_smollm2(argv, capsys):
+    assert cli_main(["build-demo", *argv]) == 2
+    assert "--data-from" in capsys.readouterr().err
+
+
+def test_import_shards_copies_missing_shards_gzipped_or_not(tmp_path):
+    """Shards a folder holds (gzipped or plain) are copied into the work folder, decompressed, where it has none;
+    a shard the work folder already has is kept, and one the folder lacks a file of is left to the data stage."""
+    import gzip
+
+    from specserve.train.chat_demo import import_shards
+    from specserve.train.selfgen import Sample, read_jsonl, write_jsonl
+
+    src, work = tmp_path / "src", tmp_path / "work"
+    src.mkdir()
+    work.mkdir()
+    shard = {k: [Sample(f"question {k}", "chat", "t", f"answer {k}", "stop")] for k in range(4)}
+    held = {k: [Sample(f"held {k}", "chat", "t")] for k in range(4)}
+    write_jsonl(str(src / "train-0.jsonl"), shard[0])  # plain
+    write_jsonl(str(src / "held-0.jsonl"), held[0])
+    for k in (1, 2):  # gzipped
+        for name, samples in ((f"train-{k}.jsonl", shard[k]), (f"held-{k}.jsonl", held[k])):
+            write_jsonl(str(tmp_path / name), samples)
+            (src / (name + ".gz")).write_bytes(gzip.compress((tmp_path / name).read_bytes()))
+    write_jsonl(str(src / "train-3.jsonl"), shard[3])  # no held file: not a whole shard
+    mine = [Sample("already here", "chat", "t", "kept", "stop")]
+    write_jsonl(str(work / "train-2.jsonl"), mine)
+
+    assert import_shards(str(src), str(work), 4) == [0, 1]
+    assert read_jsonl(str(work / "train-0.jsonl")) == shard[0]
+    assert read_jsonl(str(work / "train-1.jsonl")) == shard[1]
+    assert read_jsonl(str(work / "held-1.jsonl")) == held[1]
+    assert read_jsonl(str(work / "train-2.jsonl")) == mine
+    assert not (work / "train-3.jsonl").exists()
+    assert sorted(os.listdir(work)) == ["held-0.jsonl", "held-1.jsonl", "train-0.jsonl", "train-1.jsonl",
+                                        "train-2.jsonl"]
