@@ -108,8 +108,8 @@ class ChatBuild:
         return GEN_SHARDS if self.scale >= 1 else 1
 
     def shard_path(self, k: int, kind: str) -> str:
-        """A shard's file: kind "train" (train-<k>.jsonl), "held" (held-<k>.jsonl) or "features" (features-<k>.pt)."""
-        return self.path(f"{kind}-{k}.pt" if kind == "features" else f"{kind}-{k}.jsonl")
+        """Shard k's file of this kind in the work folder (see shard_file)."""
+        return self.path(shard_file(k, kind))
 
     def train_samples(self, k: int) -> list:
         """Shard k's training conversations less those an earlier shard already has (same request)."""
@@ -128,6 +128,11 @@ class ChatBuild:
         shards = range(self.shards()) if shard is None else [shard]
         return [tok(conversation_text(tok, s), add_special_tokens=False)["input_ids"]
                 for k in shards for s in self.train_samples(k)]
+
+
+def shard_file(k: int, kind: str) -> str:
+    """A shard's file name: kind "train" (train-<k>.jsonl), "held" (held-<k>.jsonl) or "features" (features-<k>.pt)."""
+    return f"{kind}-{k}.pt" if kind == "features" else f"{kind}-{k}.jsonl"
 
 
 def _write_atomic(path: str, write) -> None:
@@ -151,7 +156,7 @@ def import_shards(src: str, work: str, shards: int) -> list[int]:
 
     copied = []
     for k in range(shards):
-        names = (f"held-{k}.jsonl", f"train-{k}.jsonl")  # the train file last: a shard is there once it is
+        names = (shard_file(k, "held"), shard_file(k, "train"))  # the train file last: a shard is there once it is
         sources = [found(n) for n in names]
         if os.path.isfile(os.path.join(work, names[1])) or None in sources:
             continue

@@ -126,17 +126,22 @@ static void weighted_heads(const float* p, int64_t p_stride, const uint16_t* vbu
     for (; g < g_count; g++) weighted<D, 1>(p + g * p_stride, p_stride, vbuf, seen, n, stride, totals + g, out + g * D);
 }
 
+// the lanes of the block of 16 at j that lie below n
+static inline __mmask16 tail_mask(int64_t j, int64_t n) {
+    return n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+}
+
 // p[0..n) <- exp(p - max p) -> their sum
 static float softmax_numerators(float* p, int64_t n) {
     __m512 top = _mm512_set1_ps(p[0]);
     for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 m = tail_mask(j, n);
         top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, p + j));
     }
     const __m512 topv = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // the maximum, exactly as a scalar loop's
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-        __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 m = tail_mask(j, n);
         __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), topv));
         _mm512_mask_storeu_ps(p + j, m, e);
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
