@@ -73,11 +73,13 @@ class Backlog:
 
     start: int  # position of the input of the oldest kept step (the root then)
     tokens: deque[int] = field(default_factory=deque)  # the tokens those steps produced
-    rows: deque[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=deque)  # (hidden [h], aux [h] each)
+    # (the step's forward output, this request's row in it): its rows are read only when the backlog is replayed,
+    # so a long plain stretch costs a tuple a step, not a slice of every captured layer
+    rows: deque[tuple[ModelOutput, int]] = field(default_factory=deque)
 
-    def add(self, token: int, hidden: torch.Tensor, aux: list[torch.Tensor]) -> None:
+    def add(self, token: int, out: ModelOutput, row: int) -> None:
         self.tokens.append(token)
-        self.rows.append((hidden, aux))
+        self.rows.append((out, row))
         if len(self.tokens) > BACKLOG_WINDOW:
             self.tokens.popleft()
             self.rows.popleft()
@@ -230,7 +232,7 @@ class SpecDecoder(DecodeStep):
         kind = self.batch_kind(reqs)
         shape = self.policy.choose(len(reqs), kind, self.most_new(reqs))
         if shape is None:
-            return self.timed_plain_step(reqs)
+            return self.timed_plain_step(reqs, kind)
         started = self.step_start()
         self.flush_backlog(reqs)  # the drafter catches up on plain-decoded tokens: speculation's cost, charged here
         record = self.forward_step(reqs, shape)
@@ -239,11 +241,13 @@ class SpecDecoder(DecodeStep):
         self.record_step(started, len(reqs), True, record.num_tokens, kind)
         return outputs
 
-    def timed_plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
+    def timed_plain_step(self, reqs: list[Req], kind: str | None = None) -> list[ReqOutput]:
+        """A plain step, measured for the batch policy (kind: ``batch_kind(reqs)``, when the caller has it)."""
+        kind = self.batch_kind(reqs) if kind is None else kind
         started = self.step_start()
         outputs = self._plain_step(reqs)
         # a token each (outputs may hold them back)
-        self.record_step(started, len(reqs), False, len(reqs), self.batch_kind(reqs))
+        self.record_step(started, len(reqs), False, len(reqs), kind)
         return outputs
 
     @staticmethod
@@ -290,7 +294,7 @@ class SpecDecoder(DecodeStep):
                 continue
             if req.spec_backlog is None:
                 req.spec_backlog = Backlog(root_pos[b])
-            req.spec_backlog.add(req.output_ids[-1], out.hidden[b], [a[b] for a in out.aux_hidden])
+            req.spec_backlog.add(req.output_ids[-1], out, b)
         return outputs
 
     def flush_backlog(self, reqs: list[Req]) -> None:
@@ -304,8 +308,8 @@ class SpecDecoder(DecodeStep):
             k = len(bl.tokens)
             steps.append(VerifiedStep(req, bl.start, list(range(k)), list(bl.tokens), len(rows)))
             rows.extend(bl.rows)
-        hidden = torch.stack([h for h, _ in rows])  # [T, h]
-        aux = [torch.stack([a[i] for _, a in rows]) for i in range(len(rows[0][1]))]  # per layer [T, h]
+        hidden = torch.stack([o.hidden[b] for o, b in rows])  # [T, h]
+        aux = [torch.stack([o.aux_hidden[i][b] for o, b in rows]) for i in range(len(rows[0][0].aux_hidden))]
         self.proposer.after_verify(steps, ModelOutput(None, hidden, aux))
 
     # ------------------------------------------------------------------ speculative steps: the forward part
