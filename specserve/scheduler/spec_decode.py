@@ -289,12 +289,13 @@ class SpecDecoder(DecodeStep):
         for req in reqs:  # counted first: the outputs of a request this step finishes report it
             req.spec_plain_tokens += 1
         outputs, out = self.plain.forward(reqs, self.proposer.capture_layers)
+        kept = ModelOutput(None, out.hidden, out.aux_hidden)  # what a backlog reads: not the step's logits [B, V]
         for b, req in enumerate(reqs):
             if req.finished:  # released: its state is gone
                 continue
             if req.spec_backlog is None:
                 req.spec_backlog = Backlog(root_pos[b])
-            req.spec_backlog.add(req.output_ids[-1], out, b)
+            req.spec_backlog.add(req.output_ids[-1], kept, b)
         return outputs
 
     def flush_backlog(self, reqs: list[Req]) -> None:
