@@ -19,13 +19,25 @@ from specserve.models.spec import ModelSpec, UnsupportedModelError
 from specserve.models.tensor_parallel import FIRST_RANK_ONLY, building_group, kv_heads_of, rank_share, vocab_share
 
 
+def fused_call(x: torch.Tensor) -> bool:
+    """A module's ``fused`` operator (one call for its element-wise work, set by the platform policy where it runs:
+    ``platform/cpu/elementwise.py``) takes x: an eager bf16 forward without autograd. Compiled graphs fuse these steps
+    themselves."""
+    return x.dtype == torch.bfloat16 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 class RMSNorm(DirectCall):
+    #: (x, weight, eps) -> this norm of x in one operator call, where the platform has one (``fused_call``)
+    fused = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps, self.shape = eps, (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self.fused is not None and fused_call(x):
+            return self.fused(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         # low precision: normalise in float32, cast, then scale (the reference implementations' order); a float32
@@ -67,6 +79,9 @@ class RotaryEmbedding(DirectCall):
     for a forward's positions are gathered once and reused by every layer sharing this module.
     """
 
+    #: (x, cos, sin) -> the rotated x in one operator call, where the platform has one (``fused_call``)
+    fused = None
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
@@ -104,6 +119,8 @@ class RotaryEmbedding(DirectCall):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch | None = None) -> torch.Tensor:
         """positions [T] (fb.positions when fb is given); x [T, heads, D] (q and k heads together) -> rotated x."""
         cos, sin = self.cos_sin(positions, x, fb)
+        if self.fused is not None and fused_call(x):
+            return self.fused(x, cos, sin)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
@@ -167,6 +184,10 @@ class GatedMLP(DirectCall):
     """down(act(gate(x)) * up(x)); under tensor parallelism this rank's columns of the intermediate only, and down's
     output summed over the ranks."""
 
+    #: gate_up [T, 2I] -> silu(gate) * up in one operator call, where the platform has one (``fused_call``); only
+    #: for the SiLU activation
+    fused = None
+
     def __init__(self, hidden: int, intermediate: int, bias: bool, act=F.silu) -> None:
         super().__init__()
         self.tp = tp = building_group()
@@ -176,8 +197,12 @@ class GatedMLP(DirectCall):
         self.down_proj = Linear(self.intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None and fused_call(gate_up):
+            out = self.down_proj(self.fused(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj(self.act(gate) * up)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def tp_rules(self) -> dict:

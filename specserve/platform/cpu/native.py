@@ -1,6 +1,7 @@
 """specserve's own C++ kernels for CPUs with AVX512-BF16 (``small_gemm.cpp``, ``int8_gemm.cpp``,
-``tree_attention.cpp``): built once per machine and loaded through ctypes, and their operators' C++ CPU
-implementations (``ops.cpp``, ``native_ops``), built with PyTorch's headers and loaded into PyTorch's dispatcher.
+``tree_attention.cpp``, ``elementwise.cpp``; helpers shared in ``simd.h``): built once per machine and loaded through
+ctypes, and their operators' C++ CPU implementations (``ops.cpp``, ``native_ops``), built with PyTorch's headers and
+loaded into PyTorch's dispatcher.
 
 Each source is compiled with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
 (``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``) under a name hashed from the source, the
@@ -73,10 +74,11 @@ def torch_openmp() -> str | None:
 def build(source: Path, compiler: str, openmp: str, out_dir: Path, extra: tuple[Path, ...] = (),
           compile_flags: tuple[str, ...] = (), link_flags: tuple[str, ...] = ()) -> Path:
     """Compile ``source`` (and the ``extra`` sources beside it, into the same library) into a shared library (once:
-    the file is named by a hash of the sources, flags, compiler and runtime) -> its path. Written to a temporary name
-    and renamed, so processes building at once each see a whole file."""
+    the file is named by a hash of the sources, the headers beside them, flags, compiler and runtime) -> its path.
+    Written to a temporary name and renamed, so processes building at once each see a whole file."""
     sources = (source, *extra)
-    text = b"".join(src.read_bytes() for src in sources)
+    headers = sorted(source.parent.glob("*.h"))  # included by the sources (simd.h): a change rebuilds
+    text = b"".join(src.read_bytes() for src in (*sources, *headers))
     key = hashlib.sha256(text + " ".join([compiler, openmp, *FLAGS, *compile_flags, *link_flags]).encode())
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -140,15 +142,16 @@ def function(source_name: str, symbol: str, argtypes: tuple):
 
 OPS_ENV = "SPECSERVE_CPU_OPS"
 OPS_MODES = ("native", "python")
-KERNEL_SOURCES = ("small_gemm.cpp", "int8_gemm.cpp", "tree_attention.cpp")
+KERNEL_SOURCES = ("small_gemm.cpp", "int8_gemm.cpp", "tree_attention.cpp", "elementwise.cpp")
 
 
 @functools.cache
 def native_ops() -> bool:
     """Load ``ops.cpp`` (built on the first call with PyTorch's headers, linked with the kernels' sources), whose
-    C++ CPU kernels for specserve::small_gemm, int8_gemm and tree_attention then take those operators' calls
-    instead of their Python implementations (a call through the dispatcher costs about 2.5 us less) -> whether it
-    is loaded. Not where SPECSERVE_CPU_OPS=python, the kernels cannot run here, or PyTorch's headers are missing."""
+    C++ CPU kernels for specserve::small_gemm, int8_gemm, tree_attention, rms_norm, silu_mul and rope then take
+    those operators' calls instead of their Python implementations (a call through the dispatcher costs about 2.5 us
+    less) -> whether it is loaded. Not where SPECSERVE_CPU_OPS=python, the kernels cannot run here, or PyTorch's
+    headers are missing."""
     if env_mode(OPS_ENV, OPS_MODES) == "python":
         return False
     tools = _toolchain("ops.cpp")

@@ -1,10 +1,12 @@
-// The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention), in C++:
-// what the Python implementations in small_gemm.py, int8_gemm.py and tree_attention.py do, without Python between
-// the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback) in ops.py; this
+// The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, and the
+// element-wise rms_norm, silu_mul and rope), in C++: what the Python implementations in small_gemm.py, int8_gemm.py,
+// tree_attention.py and elementwise.py do, without Python between the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback) in ops.py; this
 // library, linked with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <vector>
 
 extern "C" {
 void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
@@ -15,6 +17,11 @@ void tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int64_t 
                          const uint16_t* vbuf, const int64_t* slots, const uint8_t* mask, int64_t mask_sb,
                          int64_t mask_sq, int64_t batch, int64_t qmax, int64_t heads, int64_t kv_heads, int64_t dim,
                          int64_t kmax, float scale, uint16_t* out, int threads);
+void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t d, int64_t ldx, const uint16_t* weight, float eps,
+                   uint16_t* out);
+void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, int64_t ldg, uint16_t* out);
+void rope_bf16(const uint16_t* x, int64_t tokens, int64_t heads, int64_t d, int64_t sx_t, int64_t sx_h,
+               const uint16_t* cos, int64_t sc, const uint16_t* sin, int64_t ss, uint16_t* out);
 }
 
 namespace {
@@ -80,10 +87,63 @@ at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const 
     return out;
 }
 
+// Rows per thread of the element-wise operators: a row of a few thousand values takes about a microsecond, so calls
+// of fewer rows than two chunks (decode steps, small trees) stay on the calling thread
+const int64_t ROW_GRAIN = 16;
+
+uint16_t* out_ptr(at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
+
+// x [..., D] bf16, weight [D] (bf16, or float32 scaled in bf16) -> weight * bf16(x * rsqrt(mean(x^2) + eps))
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight_, double eps) {
+    const int64_t d = x_.size(-1);
+    const at::Tensor x = x_.contiguous().view({-1, d});
+    const at::Tensor w = weight_.scalar_type() == at::kBFloat16 ? weight_.contiguous() : weight_.to(at::kBFloat16);
+    at::Tensor out = at::empty(x_.sizes(), x_.options());
+    const uint16_t *xp = ptr<uint16_t>(x), *wp = ptr<uint16_t>(w);
+    uint16_t* op = out_ptr(out);
+    at::parallel_for(0, x.size(0), ROW_GRAIN, [&](int64_t lo, int64_t hi) {
+        rms_norm_bf16(xp + lo * d, hi - lo, d, d, wp, static_cast<float>(eps), op + lo * d);
+    });
+    return out;
+}
+
+// gate_up [..., 2N] bf16 -> [..., N]: silu(gate) * up
+at::Tensor silu_mul(const at::Tensor& gate_up_) {
+    const int64_t two_n = gate_up_.size(-1), n = two_n / 2;
+    const at::Tensor gate_up = gate_up_.contiguous().view({-1, two_n});
+    std::vector<int64_t> sizes = gate_up_.sizes().vec();
+    sizes.back() = n;
+    at::Tensor out = at::empty(sizes, gate_up_.options());
+    const uint16_t* gp = ptr<uint16_t>(gate_up);
+    uint16_t* op = out_ptr(out);
+    at::parallel_for(0, gate_up.size(0), ROW_GRAIN, [&](int64_t lo, int64_t hi) {
+        silu_mul_bf16(gp + lo * two_n, hi - lo, n, two_n, op + lo * n);
+    });
+    return out;
+}
+
+// x [T, H, D] bf16 (D contiguous), cos / sin [T, 1, D] (cos | cos, -sin | sin; D contiguous) -> [T, H, D]:
+// x * cos + cat(x2, x1) * sin
+at::Tensor rope(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_) {
+    const at::Tensor x = rows_contiguous(x_), cos = rows_contiguous(cos_), sin = rows_contiguous(sin_);
+    const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2);
+    at::Tensor out = at::empty({tokens, heads, d}, x.options());
+    const uint16_t *xp = ptr<uint16_t>(x), *cp = ptr<uint16_t>(cos), *sp = ptr<uint16_t>(sin);
+    uint16_t* op = out_ptr(out);
+    at::parallel_for(0, tokens, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
+        rope_bf16(xp + lo * x.stride(0), hi - lo, heads, d, x.stride(0), x.stride(1), cp + lo * cos.stride(0),
+                  cos.stride(0), sp + lo * sin.stride(0), sin.stride(0), op + lo * heads * d);
+    });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("small_gemm", TORCH_FN(small_gemm));
     m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("tree_attention", TORCH_FN(tree_attention));
+    m.impl("rms_norm", TORCH_FN(rms_norm));
+    m.impl("silu_mul", TORCH_FN(silu_mul));
+    m.impl("rope", TORCH_FN(rope));
 }

@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
+from specserve.platform.cpu import elementwise, int8_gemm, native, small_gemm, tree_attention
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -73,6 +73,9 @@ class CpuPolicy(PlatformPolicy):
         self.int8_linears = 0  # int8 quantized linears on specserve's int8 kernel (int8_gemm.py), all models
         # specserve's few-query attention kernel (tree_attention.py), unless SPECSERVE_CPU_ATTENTION=off
         self.tree_attention = device.type == "cpu" and tree_attention.available()
+        # RMSNorm, SiLU-and-multiply and RoPE in one call each (elementwise.py), unless SPECSERVE_CPU_ELEMENTWISE=off
+        self.elementwise = device.type == "cpu" and elementwise.available()
+        self.fused_modules = 0  # modules given those operators, all models together
 
     @property
     def packs_weights(self) -> bool:
@@ -139,7 +142,9 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_tree_attention"] = True
         if self.int8_linears:
             extra["cpu_int8_gemm_linears"] = self.int8_linears
-        if self.small_rows or self.tree_attention or self.int8_linears:
+        if self.fused_modules:
+            extra["cpu_fused_elementwise_modules"] = self.fused_modules
+        if self.small_rows or self.tree_attention or self.int8_linears or self.fused_modules:
             extra["cpu_ops_in_cpp"] = native.native_ops()  # the kernels' operators run their C++ implementations
         if self.huge_page_bytes:
             extra["cpu_weights_on_huge_pages_mib"] = round(self.huge_page_bytes / 2**20, 1)
@@ -154,7 +159,10 @@ class CpuPolicy(PlatformPolicy):
         for them on this machine (``one_row_probe.py``), and a copy for specserve's few-row kernel for the row counts
         where it is faster still (``small_gemm.py``; same size rule); then the weights move onto huge pages
         (``place_weights``). Before that, int8 quantized linears hand their few-row calls to specserve's int8 kernel
-        (``int8_gemm.py``)."""
+        (``int8_gemm.py``), and its norms, SiLU gated MLPs and rotary embeddings get one-call operators for their
+        eager bf16 forwards (``elementwise.py``)."""
+        if self.elementwise:
+            self.fused_modules += elementwise.use_fused_ops(module)
         self.int8_linears += int8_gemm.use_int8_kernel(module)
         keep = self.keeps_plain_weights(module)
         small = self.packs_weights and keep and small_gemm.available()

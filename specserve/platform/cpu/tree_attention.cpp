@@ -11,36 +11,11 @@
 // Keys are taken in column order, so a row's result depends only on the keys it sees, never on how many other
 // rows or requests share the call: a verify tree's node gets bit for bit what a one-row decode of the same token
 // gets. A row that sees no key gets zeros (padding rows; the caller drops them).
-#include <immintrin.h>
-#include <stdint.h>
 #include <string.h>
 
 #include <vector>
 
-// e^x for x <= 0 (scores minus their row's maximum): x = n ln2 + r, e^r by a degree-7 polynomial (relative error
-// about 2e-7 on [-ln2/2, ln2/2]), times 2^n by vscalefps; below -87 it underflows to 0 as expf does.
-static inline __m512 exp_le0(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2's high part (exact product)
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // and its low part
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
-}
-
-static inline __m512 bf16_to_f32(const uint16_t* p) {  // 16 bf16 -> 16 floats
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+#include "simd.h"
 
 // 16 vectors of partial sums -> one vector holding each one's total (lane j: v[j]'s), by a fixed tree of adds that is
 // the same for every lane, so a key's score does not depend on its place in a block
@@ -142,7 +117,7 @@ static float softmax_numerators(float* p, int64_t n) {
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = tail_mask(j, n);
-        __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), topv));
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), topv));
         _mm512_mask_storeu_ps(p + j, m, e);
         total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
     }
