@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -31,9 +32,9 @@ def per_call(calls: int) -> None:
         qk = torch.randn(rows, 12, 64, generator=gen).to(torch.bfloat16)
         cos, sin = torch.randn(rows, 2, 64, generator=gen).to(torch.bfloat16).unsqueeze(1).unbind(2)
         pairs = {
-            "rms_norm": (lambda: ew.rms_norm(x, w, 1e-5), lambda: ew.rms_norm_reference(x, w, 1e-5)),
-            "silu_mul": (lambda: ew.silu_mul(gate_up), lambda: ew.silu_mul_reference(gate_up)),
-            "rope": (lambda: ew.rope(qk, cos, sin), lambda: ew.rope_reference(qk, cos, sin)),
+            "rms_norm": (partial(ew.rms_norm, x, w, 1e-5), partial(ew.rms_norm_reference, x, w, 1e-5)),
+            "silu_mul": (partial(ew.silu_mul, gate_up), partial(ew.silu_mul_reference, gate_up)),
+            "rope": (partial(ew.rope, qk, cos, sin), partial(ew.rope_reference, qk, cos, sin)),
         }
         for name, (fused, eager) in pairs.items():
             times: dict[str, list[float]] = {"fused": [], "eager": []}
