@@ -72,3 +72,34 @@ extern "C" void rope_bf16(const uint16_t* x, int64_t tokens, int64_t heads, int6
         }
     }
 }
+
+// murmur3's 32-bit finaliser on each lane
+static inline __m512i fmix32(__m512i z) {
+    z = _mm512_xor_si512(z, _mm512_srli_epi32(z, 16));
+    z = _mm512_mullo_epi32(z, _mm512_set1_epi32((int)0x85EBCA6Bu));
+    z = _mm512_xor_si512(z, _mm512_srli_epi32(z, 13));
+    z = _mm512_mullo_epi32(z, _mm512_set1_epi32((int)0xC2B2AE35u));
+    return _mm512_xor_si512(z, _mm512_srli_epi32(z, 16));
+}
+
+// The exponential race's noise (specserve/sampling/race.py, ``_exponentials``): for row r's keys (k1[r], k2[r]) and
+// token ids [m] (row stride ldi; 0: the same ids for every row) -> out [rows, m] float32 (row stride ldo),
+// z = fmix(fmix(id * 0x9E3779B9 + k1) ^ k2), w = ((z >> 9) + 0.5) / 2^23, E = -ln(1 - w) (1 - w is exact in float32)
+extern "C" void race_exponentials(const int32_t* k1, const int32_t* k2, int64_t rows, const int32_t* ids,
+                                  int64_t ldi, int64_t m, float* out, int64_t ldo) {
+    const __m512i phi = _mm512_set1_epi32((int)0x9E3779B9u);
+    const __m512 half = _mm512_set1_ps(0.5f), scale = _mm512_set1_ps(1.0f / (1 << 23)), one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512i a = _mm512_set1_epi32(k1[r]), b = _mm512_set1_epi32(k2[r]);
+        const int32_t* id = ids + r * ldi;
+        float* o = out + r * ldo;
+        for (int64_t j = 0; j < m; j += 16) {
+            const __mmask16 lane = lanes(m - j);
+            const __m512i v = _mm512_maskz_loadu_epi32(lane, id + j);
+            const __m512i z = fmix32(_mm512_xor_si512(fmix32(_mm512_add_epi32(_mm512_mullo_epi32(v, phi), a)), b));
+            const __m512 w = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(z, 9)), half), scale);
+            const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log_ps(_mm512_sub_ps(one, w)));
+            _mm512_mask_storeu_ps(o + j, lane, e);
+        }
+    }
+}

@@ -58,6 +58,19 @@ rope = cpu_op("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", rope_reference
               lambda x, cos, sin: torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
+def race_reference(k1: torch.Tensor, k2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The exponential race's noise, eagerly (``specserve.sampling.race``)."""
+    from specserve.sampling.race import _exponentials
+
+    return _exponentials(k1, k2, ids)
+
+
+# The seeded sampler's noise over a vocabulary (sampling/race.py): k1, k2 [R, 1] int32, ids [R or 1, M] -> [R, M]
+# float32, one pass of integer hashing and a polynomial logarithm (``elementwise.cpp``)
+race_exponentials = cpu_op("race_exponentials(Tensor k1, Tensor k2, Tensor ids) -> Tensor", race_reference,
+                           lambda k1, k2, ids: k1.new_empty((k1.shape[0], ids.shape[-1]), dtype=torch.float32))
+
+
 @functools.cache
 def available() -> bool:
     """The operators run their C++ implementations here and SPECSERVE_CPU_ELEMENTWISE is not off."""

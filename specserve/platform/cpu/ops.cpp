@@ -1,7 +1,8 @@
-// The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, and the
-// element-wise rms_norm, silu_mul and rope), in C++: what the Python implementations in small_gemm.py, int8_gemm.py,
-// tree_attention.py and elementwise.py do, without Python between the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback) in ops.py; this
-// library, linked with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
+// The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
+// element-wise rms_norm, silu_mul and rope, and race_exponentials), in C++: what the Python implementations in
+// small_gemm.py, int8_gemm.py, tree_attention.py and elementwise.py do, without Python between the dispatcher and the
+// kernel. The operators are defined (schema, fake tensors, Python fallback) beside those files; this library, linked
+// with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,6 +23,8 @@ void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t d, int64_t ldx, cons
 void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, int64_t ldg, uint16_t* out);
 void rope_bf16(const uint16_t* x, int64_t tokens, int64_t heads, int64_t d, int64_t sx_t, int64_t sx_h,
                const uint16_t* cos, int64_t sc, const uint16_t* sin, int64_t ss, uint16_t* out);
+void race_exponentials(const int32_t* k1, const int32_t* k2, int64_t rows, const int32_t* ids, int64_t ldi, int64_t m,
+                       float* out, int64_t ldo);
 }
 
 namespace {
@@ -137,6 +140,23 @@ at::Tensor rope(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& 
     return out;
 }
 
+// Token ids per thread of race_exponentials: a few microseconds of work, so a draft's candidates stay on one thread
+const int64_t ID_GRAIN = 4096;
+
+// k1, k2 [R, 1] int32; ids [R, M] or [1, M] int32 -> E [R, M] float32 (sampling/race.py's exponentials)
+at::Tensor race_exponentials_op(const at::Tensor& k1_, const at::Tensor& k2_, const at::Tensor& ids_) {
+    const at::Tensor k1 = k1_.contiguous(), k2 = k2_.contiguous(), ids = rows_contiguous(ids_);
+    const int64_t rows = k1.size(0), m = ids.size(1);
+    const int64_t ldi = ids.size(0) == 1 ? 0 : ids.stride(0);
+    at::Tensor out = at::empty({rows, m}, k1.options().dtype(at::kFloat));
+    const int32_t *a = ptr<int32_t>(k1), *b = ptr<int32_t>(k2), *ip = ptr<int32_t>(ids);
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, m, ID_GRAIN, [&](int64_t lo, int64_t hi) {
+        race_exponentials(a, b, rows, ip + lo, ldi, hi - lo, op + lo, m);
+    });
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
@@ -146,4 +166,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("rms_norm", TORCH_FN(rms_norm));
     m.impl("silu_mul", TORCH_FN(silu_mul));
     m.impl("rope", TORCH_FN(rope));
+    m.impl("race_exponentials", TORCH_FN(race_exponentials_op));
 }

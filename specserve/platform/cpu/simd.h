@@ -56,3 +56,28 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
+
+// ln x for finite x > 0 (normal): x = 2^e m, m in [sqrt(1/2), sqrt(2)), ln m = t - t^2 / 2 + t^3 P(t) with t = m - 1
+// (Cephes' logf polynomial, about 1 ulp); t is exact, so values near 1 keep their relative precision
+static inline __m512 log_ps(__m512 x) {
+    __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p5_1, _MM_MANT_SIGN_src);  // [0.5, 1)
+    __m512 e = _mm512_add_ps(_mm512_getexp_ps(x), _mm512_set1_ps(1.0f));
+    const __mmask16 low = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+    e = _mm512_mask_sub_ps(e, low, e, _mm512_set1_ps(1.0f));
+    m = _mm512_mask_add_ps(m, low, m, m);  // [sqrt(1/2), sqrt(2))
+    const __m512 t = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+    const __m512 z = _mm512_mul_ps(t, t);
+    __m512 p = _mm512_set1_ps(7.0376836292E-2f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.1514610310E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.1676998740E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.2420140846E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.4249322787E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.6668057665E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(2.0000714765E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-2.4999993993E-1f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(3.3333331174E-1f));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, t), z);
+    y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);  // ln2's low part
+    y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, y);
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f), _mm512_add_ps(t, y));  // and its high part
+}
