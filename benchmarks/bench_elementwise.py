@@ -1,11 +1,12 @@
 """What the one-call element-wise operators (``platform/cpu/elementwise.py``: RMSNorm, SiLU-and-multiply, RoPE of
-eager bf16 forwards) save against the eager PyTorch operators they replace, in one process, alternating.
+eager bf16 forwards, and the KV pool's K and V write) save against the eager PyTorch operators they replace, in one
+process, alternating.
 
 Per call: each operator and its eager composite on SmolLM2-135M's shapes (hidden 576, intermediate 1536, 9 + 3
 heads of 64) at 1 and 16 rows, median us of 5 batches of ``--calls`` calls. End to end: one engine on ``--model-path``
 (default: the bundled SmolLM2) in bf16 decodes ``--max-new-tokens`` greedy tokens of one prompt with the operators
-installed and with them taken off its modules, alternating ``--rounds`` times; printed: tokens/s of each (median) and
-the ratio of each round. Needs AVX512-BF16, a C++ compiler and PyTorch's headers.
+installed and with them taken off its modules and KV pool, alternating ``--rounds`` times; printed: tokens/s of each
+(median) and the ratio of each round. Needs AVX512-BF16, a C++ compiler and PyTorch's headers.
 
     python benchmarks/bench_elementwise.py --rounds 5
 """
@@ -31,10 +32,15 @@ def per_call(calls: int) -> None:
         gate_up = torch.randn(rows, 3072, generator=gen).to(torch.bfloat16)
         qk = torch.randn(rows, 12, 64, generator=gen).to(torch.bfloat16)
         cos, sin = torch.randn(rows, 2, 64, generator=gen).to(torch.bfloat16).unsqueeze(1).unbind(2)
+        k, v = qk[:, 9:], qk[:, 9:] + 1  # 3 KV heads of 64 a token, written at slots of a 1024-slot pool
+        k_buf, v_buf = (torch.zeros(1024, 3, 64, dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.randperm(1024, generator=gen)[:rows]
         pairs = {
             "rms_norm": (partial(ew.rms_norm, x, w, 1e-5), partial(ew.rms_norm_reference, x, w, 1e-5)),
             "silu_mul": (partial(ew.silu_mul, gate_up), partial(ew.silu_mul_reference, gate_up)),
             "rope": (partial(ew.rope, qk, cos, sin), partial(ew.rope_reference, qk, cos, sin)),
+            "kv_store": (partial(ew.kv_store, k_buf, v_buf, slots, k, v),
+                         partial(ew.kv_store_reference, k_buf, v_buf, slots, k, v)),
         }
         for name, (fused, eager) in pairs.items():
             times: dict[str, list[float]] = {"fused": [], "eager": []}
@@ -54,9 +60,10 @@ def end_to_end(model_path: str, rounds: int, new_tokens: int, threads: int) -> N
     from specserve import Engine
 
     engine = Engine(model_path=model_path, dtype="bfloat16", num_threads=threads)
-    runner_model = engine.scheduler.runner.model
-    installed = {m: m.fused for m in runner_model.modules() if getattr(m, "fused", None) is not None}
-    if not installed:
+    runner = engine.scheduler.runner
+    installed = {m: m.fused for m in runner.model.modules() if getattr(m, "fused", None) is not None}
+    store = runner.kv_pool.fused_store
+    if not installed or store is None:
         raise SystemExit("the engine installed no fused operator")
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -66,6 +73,7 @@ def end_to_end(model_path: str, rounds: int, new_tokens: int, threads: int) -> N
     def set_fused(on: bool) -> None:
         for m, op in installed.items():
             m.fused = op if on else None
+        runner.kv_pool.fused_store = store if on else None
 
     def timed(on: bool) -> None:
         engine.loop.call(lambda _s: set_fused(on))  # on the scheduler's thread, between steps

@@ -59,9 +59,7 @@ def attention(
         from specserve.attention.training import poolless_attention
 
         return poolless_attention(q, k, v, layer_id, fb, scale)
-    k_buf, v_buf = fb.kv_pool.layer(layer_id)  # [S, Hkv, D]
-    k_buf[fb.out_cache_loc] = k.to(k_buf.dtype)
-    v_buf[fb.out_cache_loc] = v.to(v_buf.dtype)
+    k_buf, v_buf = fb.kv_pool.store(layer_id, fb.out_cache_loc, k, v)  # [S, Hkv, D]
     out_dtype = q.dtype
     return fb.attn.attend(q.to(k_buf.dtype), k_buf, v_buf, scale).to(out_dtype)
 

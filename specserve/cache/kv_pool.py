@@ -33,8 +33,12 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
 
 class KVPool:
     def __init__(
-        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+        fused_store=None,
     ) -> None:
+        # (k_buf, v_buf, slots, k, v) -> None: a layer's K and V writes in one call, where the platform has one
+        # (``PlatformPolicy.kv_store``); eager forwards whose k and v are in the pool's dtype use it
+        self.fused_store = fused_store
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_slots + 1, num_kv_heads, head_dim)
@@ -43,6 +47,17 @@ class KVPool:
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write new tokens' k / v [T, Hkv, D] at slots [T] of layer ``layer_id`` -> that layer's (K, V) [S, Hkv, D]."""
+        k_buf, v_buf = self.k[layer_id], self.v[layer_id]
+        if (self.fused_store is not None and k.dtype == v.dtype == k_buf.dtype
+                and not torch.compiler.is_compiling()):
+            self.fused_store(k_buf, v_buf, slots, k, v)
+        else:
+            k_buf[slots] = k.to(k_buf.dtype)
+            v_buf[slots] = v.to(v_buf.dtype)
+        return k_buf, v_buf
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -302,7 +302,7 @@ def follow(args: ServerArgs, rank: int, local_rank: int, local_ranks: int, addre
             if kind == "setup":
                 slots, positions = payload
                 pool = KVPool(spec.num_layers, slots, attn.num_kv_heads, attn.head_dim,
-                              next(model.parameters()).dtype, device)
+                              next(model.parameters()).dtype, device, platform.kv_store())
                 model.set_max_positions(positions)
             elif kind == "forward":
                 payload.kv_pool = pool

@@ -80,6 +80,11 @@ class PlatformPolicy:
         """Give the module's linears a faster layout for this device, in place. -> how many were changed."""
         return 0
 
+    def kv_store(self):
+        """An operator (k_buf, v_buf, slots, k, v) -> None writing a layer's K and V into a KV pool in one call, or
+        None: the pool's index writes (``KVPool.store``)."""
+        return None
+
     # ------------------------------------------------------------------ draft models
     def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
         """The dtype a draft model of ``num_params`` parameters runs in under a ``target_dtype`` target when

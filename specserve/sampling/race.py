@@ -96,17 +96,19 @@ def _exponentials(k1: Tensor, k2: Tensor, ids: Tensor) -> Tensor:
 _kernel = None
 
 
+def use_kernel(fn) -> None:
+    """Have ``exponentials`` compute CPU noise with fn (same signature and values as ``_exponentials``); the CPU
+    platform installs its C++ operator here (``platform/cpu/elementwise.py``: nothing to compile at the first
+    sampled request)."""
+    global _kernel
+    _kernel = fn
+
+
 def _compiled():
-    """specserve's C++ operator where it loads (``platform/cpu/elementwise.cpp``: nothing to compile at the first
-    sampled request), else the compiled elementwise kernel, else the eager function where compiling fails (no C++
-    compiler)."""
+    """The installed kernel (``use_kernel``), else the compiled elementwise kernel, else the eager function where
+    compiling fails (no C++ compiler)."""
     global _kernel
     if _kernel is None:
-        from specserve.platform.cpu import elementwise, native
-
-        if native.native_ops():
-            _kernel = elementwise.race_exponentials
-            return _kernel
         try:
             fn = torch.compile(_exponentials, dynamic=True)
             probe = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1, dtype=torch.int32),

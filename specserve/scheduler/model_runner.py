@@ -85,7 +85,7 @@ class ModelRunner:
         self._start_cache_warmer()
         self.max_running_requests = args.effective_max_running_requests
         self.kv_pool = KVPool(self.spec.num_layers, self.max_total_tokens, self.kv_heads, self.spec.head_dim,
-                              self.dtype, self.device)
+                              self.dtype, self.device, self.platform.kv_store())
         if self.tp_leader is not None:
             self.tp_leader.setup(self.max_total_tokens, self.context_len + self.lookahead + 8)
         self.allocator = SlotAllocator(self.max_total_tokens, self.device)

@@ -90,7 +90,7 @@ class EagleProposer(Proposer):
         spec = self.draft.spec
         self.kv_pool = KVPool(  # the draft's own KV, indexed by the same slots as the target's
             self.draft.kv_layers(spec), runner.max_total_tokens, spec.num_kv_heads, spec.head_dim,
-            self.draft.kv_dtype, self.device,
+            self.draft.kv_dtype, self.device, self.platform.kv_store(),
         )
 
     # ------------------------------------------------------------------ the draft model's, as the proposer's

@@ -166,12 +166,16 @@ def test_native_ops_off_leaves_the_layers_alone(monkeypatch):
 
 
 @needs_ops
-def test_race_noise_operator_is_the_samplers_and_within_float32_ulps_of_eager():
-    """The seeded sampler's noise runs the C++ operator where it loads (no compile at the first sampled request):
-    over a whole SmolLM2 vocabulary for 16 keys, within 2 float32 ulps of the eager chain; rows of their own ids get
-    the same values as the vocabulary's."""
+def test_race_noise_operator_is_the_samplers_and_within_float32_ulps_of_eager(monkeypatch):
+    """The CPU policy installs the C++ operator as the seeded sampler's noise (no compile at the first sampled
+    request): over a whole SmolLM2 vocabulary for 16 keys, within 2 float32 ulps of the eager chain; rows of their
+    own ids get the same values as the vocabulary's."""
+    from specserve.config import ServerArgs
+    from specserve.platform import platform_policy
     from specserve.sampling import race
 
+    monkeypatch.setattr(race, "_kernel", None)
+    platform_policy(ServerArgs(), torch.device("cpu"))
     assert race._compiled() is ew.race_exponentials
     keys = race.race_keys(list(range(16)), list(range(16)), "cpu")
     k1, k2 = keys[:, :1].contiguous(), keys[:, 1:].contiguous()
@@ -181,3 +185,29 @@ def test_race_noise_operator_is_the_samplers_and_within_float32_ulps_of_eager():
     assert ((got - want).abs() <= want * 2.4e-7).all()
     some = torch.randint(0, 49152, (16, 37), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     assert torch.equal(ew.race_exponentials(k1, k2, some), got.gather(1, some.long()))
+
+
+@needs_ops
+def test_kv_store_writes_what_the_index_writes_write():
+    """k / v as the layers pass them (views of the fused q/k/v output, token stride wider than a row), padding rows
+    on slot 0 several times; the pool's store takes the operator for bf16 k / v and index writes for a float32 draft's
+    k / v into a bf16 pool."""
+    from specserve.cache.kv_pool import KVPool
+
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 15 * 64, generator=gen).to(BF16)
+    k, v = qkv[:, 9 * 64:12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    slots = torch.tensor([7, 0, 3, 0, 12])
+    pools = [(torch.randn(16, 3, 64, generator=gen).to(BF16), torch.randn(16, 3, 64, generator=gen).to(BF16))]
+    pools.append((pools[0][0].clone(), pools[0][1].clone()))
+    ew.kv_store(*pools[0], slots, k, v)
+    ew.kv_store_reference(*pools[1], slots, k, v)
+    keep = torch.tensor([i for i in range(16) if i != 0])  # slot 0: padding, last writer unspecified
+    assert all(torch.equal(a[keep], b[keep]) for a, b in zip(pools[0], pools[1], strict=True))
+    pool = KVPool(2, 15, 3, 64, BF16, "cpu", fused_store=ew.kv_store)
+    calls = []
+    pool.fused_store = lambda *a: calls.append(a) or ew.kv_store(*a)
+    k_buf, v_buf = pool.store(1, slots, k, v)
+    assert len(calls) == 1 and torch.equal(k_buf[7], k[0]) and torch.equal(v_buf[12], v[4])
+    pool.store(0, slots, k.float(), v.float())  # another dtype: converted by the index writes
+    assert len(calls) == 1 and torch.equal(pool.k[0][3], k[2])

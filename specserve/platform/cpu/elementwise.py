@@ -71,6 +71,19 @@ race_exponentials = cpu_op("race_exponentials(Tensor k1, Tensor k2, Tensor ids) 
                            lambda k1, k2, ids: k1.new_empty((k1.shape[0], ids.shape[-1]), dtype=torch.float32))
 
 
+def kv_store_reference(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+    """k_buf / v_buf [S, Hkv, D] <- k / v [T, Hkv, D] at slots [T] (two index writes)."""
+    k_buf[slots] = k
+    v_buf[slots] = v
+
+
+# A layer's K and V writes into the pool in one call, a row copy per token (``KVPool.store``): two index writes cost
+# about 13 us each a decode step's layer, eagerly
+kv_store = cpu_op("kv_store(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor slots, Tensor k, Tensor v) -> ()",
+                  kv_store_reference, lambda k_buf, v_buf, slots, k, v: None)
+
+
 @functools.cache
 def available() -> bool:
     """The operators run their C++ implementations here and SPECSERVE_CPU_ELEMENTWISE is not off."""

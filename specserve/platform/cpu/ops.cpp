@@ -1,12 +1,15 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, and race_exponentials), in C++: what the Python implementations in
-// small_gemm.py, int8_gemm.py, tree_attention.py and elementwise.py do, without Python between the dispatcher and the
-// kernel. The operators are defined (schema, fake tensors, Python fallback) beside those files; this library, linked
+// element-wise rms_norm, silu_mul and rope, race_exponentials and kv_store), in C++: what the Python implementations
+// in small_gemm.py, int8_gemm.py, tree_attention.py and elementwise.py do, without Python between the dispatcher and
+// the kernel. The operators are defined (schema, fake tensors, Python fallback) beside those files; this library, linked
 // with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <string.h>
+
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -157,6 +160,23 @@ at::Tensor race_exponentials_op(const at::Tensor& k1_, const at::Tensor& k2_, co
     return out;
 }
 
+// k_buf / v_buf [S, Hkv, D] (contiguous) <- k / v [T, Hkv, D] (each token's Hkv x D contiguous, any token stride) at
+// slots [T]: both pools' writes of a layer in one call, a row copy per token (padding rows may share slot 0)
+void kv_store(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& slots_, const at::Tensor& k_,
+              const at::Tensor& v_) {
+    const at::Tensor slots = slots_.to(at::kLong).contiguous();
+    const int64_t tokens = slots.size(0), row = k_buf.stride(0) * k_buf.element_size();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; t++) TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buf.size(0), "kv_store: slot out of range");
+    for (auto [buf, src_] : {std::pair<const at::Tensor*, const at::Tensor*>{&k_buf, &k_}, {&v_buf, &v_}}) {
+        const at::Tensor src = src_->stride(2) == 1 && src_->stride(1) == src_->size(2) ? *src_ : src_->contiguous();
+        const char* from = static_cast<const char*>(src.data_ptr());
+        char* to = static_cast<char*>(buf->data_ptr());
+        const int64_t step = src.stride(0) * src.element_size();
+        for (int64_t t = 0; t < tokens; t++) memcpy(to + sp[t] * row, from + t * step, row);
+    }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
@@ -167,4 +187,5 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("silu_mul", TORCH_FN(silu_mul));
     m.impl("rope", TORCH_FN(rope));
     m.impl("race_exponentials", TORCH_FN(race_exponentials_op));
+    m.impl("kv_store", TORCH_FN(kv_store));
 }

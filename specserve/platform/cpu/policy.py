@@ -27,6 +27,7 @@ from specserve.platform.cpu.packing import (
     packable_bytes,
 )
 from specserve.platform.policy import PlatformPolicy
+from specserve.sampling import race
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -76,6 +77,8 @@ class CpuPolicy(PlatformPolicy):
         # RMSNorm, SiLU-and-multiply and RoPE in one call each (elementwise.py), unless SPECSERVE_CPU_ELEMENTWISE=off
         self.elementwise = device.type == "cpu" and elementwise.available()
         self.fused_modules = 0  # modules given those operators, all models together
+        if device.type == "cpu" and native.native_ops():
+            race.use_kernel(elementwise.race_exponentials)  # seeded sampling's noise without a first-request compile
 
     @property
     def packs_weights(self) -> bool:
@@ -175,6 +178,10 @@ class CpuPolicy(PlatformPolicy):
             self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
         return packed
+
+    def kv_store(self):
+        """specserve's one-call K and V write (``elementwise.kv_store``) where the element-wise operators run."""
+        return elementwise.kv_store if self.elementwise else None
 
     def place_weights(self, module: nn.Module) -> None:
         """The module's weights onto huge pages (``hugepages.py``) unless KEEP_WEIGHT_PAGES_ENV is set."""
