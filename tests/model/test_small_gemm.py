@@ -42,6 +42,36 @@ def test_packed_layout_by_hand():
 
 
 @needs_kernel
+def test_prefetch_distance_changes_no_bit(tmp_path):
+    """Both few-row kernels built without software prefetch (``-DSPECSERVE_PREFETCH_BYTES=0``, as
+    benchmarks/bench_prefetch.py builds them) give the default build's exact bits at 1-5 rows."""
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        from bench_prefetch import build
+    finally:
+        sys.path.remove(benchmarks)
+    from specserve.models.quantize import quantize_int8
+    from specserve.platform.cpu import int8_gemm
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 576, dtype=torch.bfloat16)  # several 4 KiB prefetch distances per column group
+    packed, copy = small_gemm.pack(w), int8_gemm.Int8Copy(*quantize_int8(w.float()), None)
+    none_bf16, none_int8 = build("bf16", 0, tmp_path), build("int8", 0, tmp_path)
+    for rows in range(1, 6):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        y_bf16, y_int8 = torch.empty(rows, 256, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
+        none_bf16(x.data_ptr(), rows, 576, 576, packed.data_ptr(), 256, None, y_bf16.data_ptr(), 256, 2)
+        none_int8(x.data_ptr(), rows, 576, 576, copy.packed.data_ptr(), 256, copy.scales.data_ptr(), None,
+                  y_int8.data_ptr(), 256, 2)
+        assert torch.equal(y_bf16, small_gemm.small_mm(x, packed, None))
+        assert torch.equal(y_int8, int8_gemm.int8_mm(x, copy.packed, copy.scales, None))
+
+
+@needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_a_float32_matmul(bias):
     """1-16 rows (every row-tile remainder), a strided input, with and without bias: within bf16 rounding of the

@@ -22,6 +22,18 @@
 #include <vector>
 
 static const int64_t COLS = 32;  // output columns per packed group: 2 vectors of 16 fp32 sums
+// Bytes ahead of the two steps being read (two cache lines) that the loop asks the core to fetch, as the bf16
+// kernel does (small_gemm.cpp; 0 = none).
+#ifndef SPECSERVE_PREFETCH_BYTES
+#define SPECSERVE_PREFETCH_BYTES 4096
+#endif
+static const int64_t PREFETCH_BYTES = SPECSERVE_PREFETCH_BYTES;
+
+static inline void prefetch_two_steps(const int8_t* qs) {  // qs: the first of two consecutive steps (2 x 64 bytes)
+    if (PREFETCH_BYTES == 0) return;
+    _mm_prefetch((const char*)qs + PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch((const char*)qs + PREFETCH_BYTES + 64, _MM_HINT_T0);
+}
 
 static inline __m512 widen(const int8_t* q) {  // 16 int8 -> 16 fp32
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
@@ -82,6 +94,7 @@ static inline void tile(const uint16_t* x, const float* xf, int64_t ldx, int64_t
     int64_t j = 0;
     if (R == 1) {
         for (; j + 1 < k2; j += 2) {
+            prefetch_two_steps(qg + j * 2 * COLS);
             step_one(xf, j, qg + j * 2 * COLS, acc[0][0]);
             step_one(xf, j + 1, qg + (j + 1) * 2 * COLS, acc[1][0]);
         }
@@ -91,6 +104,7 @@ static inline void tile(const uint16_t* x, const float* xf, int64_t ldx, int64_t
         for (int r = 0; r < R; r++) xr[r] = (const int32_t*)(x + r * ldx);  // x's pairs as 32-bit words
         const __m512i index = pair_index();
         for (; j + 1 < k2; j += 2) {
+            prefetch_two_steps(qg + j * 2 * COLS);
             step_rows<R>(xr, j, qg + j * 2 * COLS, index, acc[0]);
             step_rows<R>(xr, j + 1, qg + (j + 1) * 2 * COLS, index, acc[1]);
         }

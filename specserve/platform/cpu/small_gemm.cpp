@@ -10,6 +10,14 @@
 #include <stdint.h>
 
 static const int64_t COLS = 64;  // output columns per packed group: 4 vectors of 16 fp32 sums
+// Bytes ahead of the step being read that each step asks the core to fetch (its 4 cache lines, 16 steps ahead; 0 =
+// none, for benchmarks/bench_prefetch.py): with the hardware prefetchers alone a SmolLM2-sized pass was slower on a
+// 2-core Xeon whose memory was shared with a neighbour (docs/benchmarks.md). A prefetch past the weights' end does
+// not fault.
+#ifndef SPECSERVE_PREFETCH_BYTES
+#define SPECSERVE_PREFETCH_BYTES 4096
+#endif
+static const int64_t PREFETCH_BYTES = SPECSERVE_PREFETCH_BYTES;
 
 template <int R>
 static inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wg, int64_t k2, const float* bias,
@@ -23,6 +31,8 @@ static inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wg, int6
     for (int r = 0; r < R; r++) xr[r] = (const int32_t*)(x + r * ldx);  // x's pairs as 32-bit words
     for (int64_t j = 0; j < k2; j++) {
         const __m512i* w = (const __m512i*)(wg + j * 2 * COLS);
+        if (PREFETCH_BYTES > 0)
+            for (int line = 0; line < 4; line++) _mm_prefetch((const char*)(w + line) + PREFETCH_BYTES, _MM_HINT_T0);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 1);
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2), w3 = (__m512bh)_mm512_loadu_si512(w + 3);
         for (int r = 0; r < R; r++) {
