@@ -16,13 +16,10 @@ and a C++ compiler.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -33,15 +30,10 @@ KERNELS = {"bf16": ("small_gemm.cpp", "small_gemm_bf16", small_gemm.ARGTYPES),
            "int8": ("int8_gemm.cpp", "int8_gemm_bf16", int8_gemm.ARGTYPES)}
 
 
-def build(kind: str, distance: int, out_dir: Path):
+def build(kind: str, distance: int):
     """The kernel of `kind` built with that prefetch distance -> its ctypes function."""
     source_name, symbol, argtypes = KERNELS[kind]
-    compiler, openmp = native._toolchain(source_name)
-    source = Path(native.__file__).with_name(source_name)
-    path = native.build(source, compiler, openmp, out_dir, compile_flags=(f"-DSPECSERVE_PREFETCH_BYTES={distance}",))
-    fn = getattr(ctypes.CDLL(str(path)), symbol)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
+    return native.function(source_name, symbol, argtypes, (f"-DSPECSERVE_PREFETCH_BYTES={distance}",))
 
 
 def one_pass(kind: str, fn, mats: list[dict], xs: dict[int, torch.Tensor], threads: int) -> float:
@@ -121,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     mats = linears(args.layers)
     print(f"{args.layers} SmolLM2-135M-shaped layers + LM head, {args.num_threads} threads, {args.reps} passes each, "
           "alternating; ms per pass (median) and ratio to no prefetch (median, range)")
-    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        fns = {(kind, d): build(kind, d, Path(tmp)) for kind in KERNELS for d in distances}
+    with torch.inference_mode():
+        fns = {(kind, d): build(kind, d) for kind in KERNELS for d in distances}
         for kind in KERNELS:
             for rows in (1, 4):
                 xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {m["k"] for m in mats}}

@@ -42,7 +42,7 @@ def test_packed_layout_by_hand():
 
 
 @needs_kernel
-def test_prefetch_distance_changes_no_bit(tmp_path):
+def test_prefetch_distance_changes_no_bit():
     """Both few-row kernels built without software prefetch (``-DSPECSERVE_PREFETCH_BYTES=0``, as
     benchmarks/bench_prefetch.py builds them) give the default build's exact bits at 1-5 rows."""
     import sys
@@ -60,7 +60,7 @@ def test_prefetch_distance_changes_no_bit(tmp_path):
     torch.manual_seed(0)
     w = torch.randn(256, 576, dtype=torch.bfloat16)  # several 4 KiB prefetch distances per column group
     packed, copy = small_gemm.pack(w), int8_gemm.Int8Copy(*quantize_int8(w.float()), None)
-    none_bf16, none_int8 = build("bf16", 0, tmp_path), build("int8", 0, tmp_path)
+    none_bf16, none_int8 = build("bf16", 0), build("int8", 0)
     for rows in range(1, 6):
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         y_bf16, y_int8 = torch.empty(rows, 256, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)

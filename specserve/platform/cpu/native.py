@@ -120,14 +120,15 @@ def _built(what: str, build_it) -> Path | None:
 
 
 @functools.cache
-def function(source_name: str, symbol: str, argtypes: tuple):
-    """The C function ``symbol`` of this folder's ``source_name``, built on the first call, as a ctypes function
-    (no return value), or None where it cannot run here."""
+def function(source_name: str, symbol: str, argtypes: tuple, compile_flags: tuple[str, ...] = ()):
+    """The C function ``symbol`` of this folder's ``source_name``, built on the first call (with ``compile_flags``
+    too: benchmarks build variants), as a ctypes function (no return value), or None where it cannot run here."""
     tools = _toolchain(source_name)
     if tools is None:
         return None
     source = Path(__file__).with_name(source_name)
-    path = _built(source_name, lambda: build(source, *tools, Path(cache_root()) / "kernels"))
+    path = _built(source_name, lambda: build(source, *tools, Path(cache_root()) / "kernels",
+                                             compile_flags=compile_flags))
     if path is None:
         return None
     try:
