@@ -167,6 +167,10 @@ void kv_store(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor
     const at::Tensor slots = slots_.to(at::kLong).contiguous();
     const int64_t tokens = slots.size(0), row = k_buf.stride(0) * k_buf.element_size();
     const int64_t* sp = slots.data_ptr<int64_t>();
+    for (const at::Tensor* src : {&k_, &v_})  // a token's row must be the pool's row, byte for byte
+        TORCH_CHECK(src->dim() == 3 && src->size(0) == tokens && src->scalar_type() == k_buf.scalar_type() &&
+                        src->size(1) * src->size(2) == k_buf.size(1) * k_buf.size(2) && v_buf.sizes() == k_buf.sizes(),
+                    "kv_store: k / v must be [slots, Hkv, D] in the pool's dtype and row size");
     for (int64_t t = 0; t < tokens; t++) TORCH_CHECK(sp[t] >= 0 && sp[t] < k_buf.size(0), "kv_store: slot out of range");
     for (auto [buf, src_] : {std::pair<const at::Tensor*, const at::Tensor*>{&k_buf, &k_}, {&v_buf, &v_}}) {
         const at::Tensor src = src_->stride(2) == 1 && src_->stride(1) == src_->size(2) ? *src_ : src_->contiguous();
