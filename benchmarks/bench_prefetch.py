@@ -46,7 +46,7 @@ def one_pass(kind: str, fn, mats: list[dict], xs: dict[int, torch.Tensor], threa
             w = m["bf16"]
             n = w.shape[0] * small_gemm.COLS
             y = torch.empty(rows, n, dtype=torch.bfloat16)
-            fn(x.data_ptr(), rows, k, k, w.data_ptr(), n, None, y.data_ptr(), n, threads)
+            fn(x.data_ptr(), rows, k, k, w.data_ptr(), n, None, y.data_ptr(), n, threads, 0)  # the vector loop
         else:
             c = m["int8"]
             n = c.packed.shape[0] * int8_gemm.COLS

@@ -115,6 +115,7 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     monkeypatch.setenv(int8_gemm.ENV, "on")
     monkeypatch.setenv(tree_attention.ENV, "on")
     monkeypatch.setenv(small_gemm.ENV, "on")
+    monkeypatch.setenv(small_gemm.AMX_ENV, "all")  # where AMX runs: decode rows and tree rows on the same path
     calls.clear()
     assert_ngram_equals_plain(prompts, model_path=path, max_total_tokens=2048, torchao_config="int8wo")
     assert max(calls) > 1  # verify trees ran on the int8 weights

@@ -32,9 +32,10 @@ def test_gemms_give_the_python_implementations_bits(rows):
     q, scales = quantize_int8(w)
     packed8 = int8_gemm.pack(q)
     for b in (None, bias):
-        assert torch.equal(small_gemm.small_gemm(x, packed, b), small_gemm._small_mm(x, packed, b))
+        for amx in (0, 1):  # the vector loop; the tile unit where it runs
+            assert torch.equal(small_gemm.small_gemm(x, packed, b, amx), small_gemm._small_mm(x, packed, b, amx))
+            assert torch.equal(small_gemm.small_mm(x, packed, b, amx), small_gemm._small_mm(x, packed, b, amx))
         assert torch.equal(int8_gemm.int8_gemm(x, packed8, scales, b), int8_gemm._int8_mm(x, packed8, scales, b))
-        assert torch.equal(small_gemm.small_mm(x, packed, b), small_gemm._small_mm(x, packed, b))
 
 
 @needs_native

@@ -64,18 +64,22 @@ def test_prefetch_distance_changes_no_bit():
     for rows in range(1, 6):
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         y_bf16, y_int8 = torch.empty(rows, 256, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
-        none_bf16(x.data_ptr(), rows, 576, 576, packed.data_ptr(), 256, None, y_bf16.data_ptr(), 256, 2)
+        none_bf16(x.data_ptr(), rows, 576, 576, packed.data_ptr(), 256, None, y_bf16.data_ptr(), 256, 2, 0)
         none_int8(x.data_ptr(), rows, 576, 576, copy.packed.data_ptr(), 256, copy.scales.data_ptr(), None,
                   y_int8.data_ptr(), 256, 2)
         assert torch.equal(y_bf16, small_gemm.small_mm(x, packed, None))
         assert torch.equal(y_int8, int8_gemm.int8_mm(x, copy.packed, copy.scales, None))
 
 
+needs_amx = pytest.mark.skipif(not small_gemm.amx_runs(), reason="no AMX here (or Linux refused its tile state)")
+
+
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_a_float32_matmul(bias):
-    """1-16 rows (every row-tile remainder), a strided input, with and without bias: within bf16 rounding of the
-    float32 result of the same bf16 numbers."""
+@pytest.mark.parametrize("amx_from", [0, 1])
+def test_kernel_matches_a_float32_matmul(bias, amx_from):
+    """1-16 rows (every row-tile remainder), a strided input, with and without bias, on the vector loop and (where it
+    runs) the tile unit: within bf16 rounding of the float32 result of the same bf16 numbers."""
     torch.manual_seed(0)
     w = torch.randn(192, 96, dtype=torch.bfloat16)
     b = torch.randn(192) if bias else None
@@ -83,23 +87,50 @@ def test_kernel_matches_a_float32_matmul(bias):
     for rows in range(1, small_gemm.SMALL_MAX_ROWS + 1):
         wide = torch.randn(rows, 128, dtype=torch.bfloat16)
         x = wide[:, 16:112]  # a row stride of 128
-        got = small_gemm.small_mm(x, packed, b)
+        got = small_gemm.small_mm(x, packed, b, amx_from)
         want = F.linear(x.float(), w.float(), b)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
         torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=1e-2)
 
 
 @needs_kernel
-def test_a_row_gets_the_same_bits_in_any_call():
-    """Each row's sums run in the same order whatever the call's row count, so a token's linear outputs in a verify
-    tree equal those of a one-row decode call bit for bit (no rounding difference from the kernel)."""
+@pytest.mark.parametrize("amx_from", [0, 1])
+def test_a_row_gets_the_same_bits_in_any_call(amx_from):
+    """Each row's sums run in the same order whatever the call's row count, on either path, so a token's linear
+    outputs in a verify tree equal those of a one-row decode call bit for bit where both take the same path."""
     torch.manual_seed(1)
     w = torch.randn(256, 64, dtype=torch.bfloat16)
     packed = small_gemm.pack(w)
     x = torch.randn(13, 64, dtype=torch.bfloat16)
-    together = small_gemm.small_mm(x, packed, None)
+    together = small_gemm.small_mm(x, packed, None, amx_from)
     for i in range(13):
-        assert torch.equal(small_gemm.small_mm(x[i : i + 1], packed, None)[0], together[i])
+        assert torch.equal(small_gemm.small_mm(x[i : i + 1], packed, None, amx_from)[0], together[i])
+
+
+@needs_amx
+def test_the_tile_unit_takes_the_calls_from_amx_from_rows():
+    """amx_from = 5: calls of 1-4 rows give the vector loop's bits, 5-16 the tile unit's (which differ from the
+    vector loop's somewhere in a large enough product, so the path taken shows); K not a multiple of 32 keeps the
+    vector loop."""
+    torch.manual_seed(2)
+    w = torch.randn(1024, 576, dtype=torch.bfloat16)
+    packed = small_gemm.pack(w)
+    for rows in (1, 4, 5, 16):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        vector, tile = small_gemm.small_mm(x, packed, None, 0), small_gemm.small_mm(x, packed, None, 1)
+        assert not torch.equal(vector, tile)  # a few outputs in 10,000 round the other way
+        assert torch.equal(small_gemm.small_mm(x, packed, None, 5), tile if rows >= 5 else vector)
+    w = torch.randn(1024, 592, dtype=torch.bfloat16)  # K = 592: not a multiple of 32
+    x = torch.randn(8, 592, dtype=torch.bfloat16)
+    packed = small_gemm.pack(w)
+    assert torch.equal(small_gemm.small_mm(x, packed, None, 1), small_gemm.small_mm(x, packed, None, 0))
+
+
+def test_amx_start_by_hand():
+    assert small_gemm.amx_start({1: False, 4: False, 8: True, 16: True}) == 8
+    assert small_gemm.amx_start({16: True, 1: True, 8: True, 4: True}) == 1
+    assert small_gemm.amx_start({1: True, 4: False, 8: True, 16: True}) == 8  # won from 8 on at every count
+    assert small_gemm.amx_start({1: False, 4: True, 8: True, 16: False}) == 0  # lost at the largest
 
 
 def _two_linears() -> nn.Sequential:
@@ -158,8 +189,9 @@ def test_a_float32_drafts_bf16_path_takes_the_kernel_for_few_rows(monkeypatch):
 
 @needs_kernel
 def test_the_probe_times_both_kernels_and_sets_the_rows(monkeypatch):
-    """auto: every probed row count timed against the kernel it would use otherwise; the linears take the kernel up
-    to the verdict's rows and give up their plain copies where it won at one row. on: all rows, no timing."""
+    """auto: every probed row count timed against the kernel it would use otherwise (and, where AMX runs, the tile
+    unit against the vector loop); the linears take the kernel up to the verdict's rows, the tile unit from its
+    amx_from, and give up their plain copies where it won at one row. on: all rows, no timing."""
     model = _two_linears()
     pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
     linears = [model[0], model[2]]
@@ -167,16 +199,29 @@ def test_the_probe_times_both_kernels_and_sets_the_rows(monkeypatch):
     verdict = small_gemm.choose_small_rows(linears)
     assert verdict["source"] == "probe" and set(verdict["small_other_ms"]) == set(small_gemm.PROBE_ROWS)
     assert all(s > 0 and o > 0 for s, o in verdict["small_other_ms"].values())
+    amx = small_gemm.amx_runs()
+    assert ("vector_tile_ms" in verdict) == amx and (amx or verdict["amx_from"] == 0)
+    if amx:
+        assert verdict["amx_from"] in (0, *small_gemm.PROBE_ROWS)
+        assert all(v > 0 and t > 0 for v, t in verdict["vector_tile_ms"].values())
     for m in linears:
         assert (m.small is None) == (verdict["max_rows"] == 0)
-        assert m.small is None or (m.small.min_rows, m.small.max_rows) == (verdict["min_rows"], verdict["max_rows"])
+        assert m.small is None or (m.small.min_rows, m.small.max_rows, m.small.amx_from) == (
+            verdict["min_rows"], verdict["max_rows"], verdict["amx_from"])
         assert (m.plain is None) == (verdict["max_rows"] > 0 and verdict["min_rows"] == 1)
-    model = _two_linears()
-    pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
     monkeypatch.setenv(small_gemm.ENV, "on")
-    assert small_gemm.choose_small_rows([model[0]]) == {"min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS,
-                                                        "source": small_gemm.ENV}
-    assert model[0].plain is None and model[0].small.max_rows == small_gemm.SMALL_MAX_ROWS
+    for amx_mode, want in (("auto", small_gemm.AMX_UNTIMED_FROM if amx else 0), ("all", 1 if amx else 0),
+                           ("off", 0)):
+        monkeypatch.setenv(small_gemm.AMX_ENV, amx_mode)
+        model = _two_linears()
+        pack_linears_for_cpu(model, keep_plain=True, keep_small=True)
+        assert small_gemm.choose_small_rows([model[0]]) == {"min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS,
+                                                            "amx_from": want, "source": small_gemm.ENV}
+        assert model[0].plain is None and model[0].small.max_rows == small_gemm.SMALL_MAX_ROWS
+        assert model[0].small.amx_from == want
+    monkeypatch.setenv(small_gemm.AMX_ENV, "sometimes")
+    with pytest.raises(ValueError, match=small_gemm.AMX_ENV):
+        small_gemm.choose_small_rows([model[0]])
 
 
 @needs_kernel
@@ -194,8 +239,9 @@ def test_engine_runs_the_kernel_when_on(model_factory, monkeypatch):
             info = e.get_server_info().get("cpu_small_gemm")
             outs.append([e.generate(p, greedy(12))["output_ids"] for p in PROMPTS[:2]])
         if mode == "on":
-            assert info == {"Qwen2ForCausalLM": {"min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS,
-                                                 "source": small_gemm.ENV}}
+            assert info == {"Qwen2ForCausalLM": {
+                "min_rows": 1, "max_rows": small_gemm.SMALL_MAX_ROWS, "source": small_gemm.ENV,
+                "amx_from": small_gemm.AMX_UNTIMED_FROM if small_gemm.amx_runs() else 0}}
             assert packed and all(m.small is not None for m in packed if m.out_features % small_gemm.COLS == 0)
             assert 1 in calls  # batch-1 decode rows
         else:

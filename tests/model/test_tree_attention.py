@@ -125,9 +125,9 @@ def test_broadcast_mask_rows_and_compiled_op():
 def test_engines_on_the_kernel(model_factory, monkeypatch):
     """A bf16 model whose heads the kernel takes (head dim 32): the server info reports it, decode rows and NGRAM's
     verify trees run it, plain greedy output agrees with SDPA's up to bf16 ties (SDPA rounds its probabilities to
-    bf16, the kernel keeps them float32), and with the few-row linear kernel on as well, every row of a verify tree
-    computes what a one-row decode computes, so NGRAM's bf16 greedy output equals plain decoding's token for
-    token."""
+    bf16, the kernel keeps them float32), and with the few-row linear kernel on as well (one path for every row
+    count), every row of a verify tree computes what a one-row decode computes, so NGRAM's bf16 greedy output equals
+    plain decoding's token for token."""
     path = model_factory("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
     calls = record_rows(monkeypatch, tree_attention, "tree_attention", dim=1)  # queries per request
     prompts = REPEATING_PROMPTS + PROMPTS[:2]
@@ -141,6 +141,7 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     assert 1 in calls
     monkeypatch.setenv(tree_attention.ENV, "on")
     monkeypatch.setenv(small_gemm.ENV, "on")
+    monkeypatch.setenv(small_gemm.AMX_ENV, "all")  # where AMX runs: decode rows and tree rows on the same path
     calls.clear()
     assert_ngram_equals_plain(prompts, model_path=path, max_total_tokens=2048)
     assert max(calls) > 1  # verify trees went through the kernel

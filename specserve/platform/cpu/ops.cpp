@@ -14,7 +14,7 @@
 
 extern "C" {
 void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
-                     const float* bias, uint16_t* y, int64_t ldy, int threads);
+                     const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from);
 void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
                     const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads);
 void tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int64_t q_sh, const uint16_t* kbuf,
@@ -48,13 +48,15 @@ at::Tensor rows_contiguous(const at::Tensor& x) {
     return x.stride(-1) == 1 ? x : x.contiguous();
 }
 
-// x [M, K] bf16 @ a packed bf16 weight [N / 64, K / 2, 64, 2] (+ a float32 bias [N]) -> [M, N] bf16
-at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+// x [M, K] bf16 @ a packed bf16 weight [N / 64, K / 2, 64, 2] (+ a float32 bias [N]) -> [M, N] bf16; calls of
+// amx_from rows or more on the tile unit where it runs (0: never)
+at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t amx_from) {
     const at::Tensor x = rows_contiguous(x_);
     const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * SMALL_COLS;
     at::Tensor y = at::empty({m, n}, x.options());
     small_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<uint16_t>(packed), n, bias_ptr(bias),
-                    static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
+                    static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads(), amx_from);
     return y;
 }
 

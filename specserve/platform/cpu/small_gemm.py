@@ -12,6 +12,14 @@ Where the CPU lacks AVX512-BF16, no compiler is found or the build fails, nothin
 ``SPECSERVE_SMALL_GEMM=auto`` (default) times the kernel against the one each row count would use otherwise, on the
 model's own linears at load (``choose_small_rows``); ``on`` uses it up to SMALL_MAX_ROWS rows without timing; ``off``
 never builds it.
+
+On a CPU with AMX the kernel has a second path, the tile unit, for which one tile instruction multiplies 16 rows at
+once: a SmolLM2 pass of 16 rows then costs about what one row does, against 2.4x on the vector loop (2-core Xeon,
+docs/benchmarks.md). The vector loop stays a little faster for one row. ``SPECSERVE_SMALL_GEMM_AMX=auto`` (default)
+times both paths in the probe and sends calls of ``amx_from`` rows or more to the tile unit, from the fewest probed
+rows where it won at every larger count; ``all`` sends every call there (a row then has the same bits in any call: a
+verify tree's row rounds as a one-row decode's, which the two paths, whose float32 sums round differently in a few
+outputs in 10,000, do not guarantee); ``off`` never uses it.
 """
 
 from __future__ import annotations
@@ -30,13 +38,18 @@ logger = logging.getLogger(__name__)
 
 ENV = "SPECSERVE_SMALL_GEMM"
 MODES = ("auto", "on", "off")
+AMX_ENV = "SPECSERVE_SMALL_GEMM_AMX"
+AMX_MODES = ("auto", "all", "off")
 COLS = 64  # output columns per packed group (the kernel's COLS)
 SMALL_MAX_ROWS = 16  # the most rows a call may have (4 row tiles)
 PROBE_ROWS = (1, 4, 8, 16)  # the row counts the probe times
 PROBE_REPS = 5
 MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than the other kernel
+# (and the tile unit only when this much faster than the vector loop)
+AMX_UNTIMED_FROM = 5  # amx_from where nothing is timed (SPECSERVE_SMALL_GEMM=on): the 2-core Xeon's crossover
+# x, m, k, ldx, packed, n, bias, y, ldy, threads, amx_from
 ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64)
 
 
 def mode() -> str:
@@ -53,6 +66,22 @@ def available() -> bool:
 def kernel():
     """The compiled kernel as a ctypes function (built on the first call), or None where it cannot run here."""
     return native.function("small_gemm.cpp", "small_gemm_bf16", ARGTYPES)
+
+
+def amx_mode() -> str:
+    """SPECSERVE_SMALL_GEMM_AMX's value (auto, all or off); ValueError naming it for anything else."""
+    return native.env_mode(AMX_ENV, AMX_MODES)
+
+
+def amx_runs() -> bool:
+    """The kernel's tile-unit path runs here (the CPU has AMX-TILE and AMX-BF16 and Linux granted the process its
+    tile state), whatever SPECSERVE_SMALL_GEMM_AMX says."""
+    if kernel() is None:
+        return False
+    ready = native.function("small_gemm.cpp", "small_gemm_amx_ready", (ctypes.c_void_p,))
+    out = ctypes.c_int(0)
+    ready(ctypes.byref(out))
+    return out.value == 1
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -73,15 +102,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(n // COLS, COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, amx_from: int = 0) -> torch.Tensor:
     """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed weight (+ a float32 bias [N]) -> [M, N] bf16: through the
-    operator where its C++ implementation is loaded, else in Python."""
+    operator where its C++ implementation is loaded, else in Python. Calls of amx_from rows or more run on the tile
+    unit where it runs (0: never)."""
     if native.native_ops():
-        return small_gemm(x, packed, bias)
-    return _small_mm(x, packed, bias)
+        return small_gemm(x, packed, bias, amx_from)
+    return _small_mm(x, packed, bias, amx_from)
 
 
-def _small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, amx_from: int = 0) -> torch.Tensor:
     """small_mm in Python, through ctypes (the operator's implementation without ``ops.cpp``)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -89,25 +119,27 @@ def _small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) 
     n = packed.shape[0] * COLS
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     kernel()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
-             y.data_ptr(), n, torch.get_num_threads())
+             y.data_ptr(), n, torch.get_num_threads(), amx_from)
     return y
 
 
 # small_mm as an op that compiled graphs call as is
-small_gemm = cpu_op("small_gemm(Tensor x, Tensor packed, Tensor? bias) -> Tensor", _small_mm,
-                    lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * COLS))
+small_gemm = cpu_op("small_gemm(Tensor x, Tensor packed, Tensor? bias, int amx_from) -> Tensor", _small_mm,
+                    lambda x, packed, bias, amx_from: x.new_empty(x.shape[0], packed.shape[0] * COLS))
 
 
 class SmallCopy(nn.Module):
     """A linear's weight in the kernel's layout (``packed``, cast to bf16), its bias in float32, and the row counts
-    whose calls take the kernel (``min_rows`` to ``max_rows``: none until ``choose_small_rows`` sets them). A module,
-    so that the weights move onto huge pages with the rest (``hugepages.module_tensors``)."""
+    whose calls take the kernel (``min_rows`` to ``max_rows``: none until ``choose_small_rows`` sets them) and the
+    fewest of those that take its tile-unit path (``amx_from``, 0: none). A module, so that the weights move onto huge
+    pages with the rest (``hugepages.module_tensors``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.packed = pack(weight.detach().to(torch.bfloat16))  # [out / 64, in / 2, 64, 2]
         self.bias = None if bias is None else bias.detach().float()  # [out]
         self.min_rows, self.max_rows = 1, 0
+        self.amx_from = 0
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and self.min_rows <= x.shape[0] <= self.max_rows
@@ -115,8 +147,8 @@ class SmallCopy(nn.Module):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] bf16 -> [T, out] bf16; inside a compiled graph, through the custom op."""
         if torch.compiler.is_compiling():
-            return small_gemm(x, self.packed, self.bias)
-        return small_mm(x, self.packed, self.bias)
+            return small_gemm(x, self.packed, self.bias, self.amx_from)
+        return small_mm(x, self.packed, self.bias, self.amx_from)
 
 
 def winning_rows(wins: dict[int, bool]) -> tuple[int, int]:
@@ -135,22 +167,45 @@ def winning_rows(wins: dict[int, bool]) -> tuple[int, int]:
     return (lo, best) if best else (0, 0)
 
 
+def amx_start(wins: dict[int, bool]) -> int:
+    """{probed rows: the tile unit beat the vector loop there} -> amx_from, the fewest rows whose calls take it: the
+    smallest probed count from which it won at every larger one; 0 where it lost at the largest."""
+    start = 0
+    for rows in sorted(wins, reverse=True):
+        if not wins[rows]:
+            break
+        start = rows
+    return start
+
+
+def _amx_fixed() -> int | None:
+    """amx_from without timing: 0 where the tile unit does not run or SPECSERVE_SMALL_GEMM_AMX is off, 1 for all;
+    None for auto (the probe times it)."""
+    if amx_mode() == "off" or not amx_runs():
+        return 0
+    return 1 if amx_mode() == "all" else None
+
+
 def choose_small_rows(linears: list) -> dict:
     """For PackedLinears or MixedLinears holding the kernel's layout (``small``): up to how many rows a call takes the
-    kernel. ``on``:
-    1 to SMALL_MAX_ROWS; ``auto``: timed at PROBE_ROWS on the model's first linears (``one_row_probe.probed_linears``)
-    against the kernel each count uses otherwise (gemv or packed for one row, packed above), the rows then from
-    ``winning_rows``. Sets each linear's ``small.min_rows`` / ``small.max_rows``, drops the layout where the kernel
-    won nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server info)."""
+    kernel, and from how many its tile-unit path. ``on``: 1 to SMALL_MAX_ROWS, the tile unit from AMX_UNTIMED_FROM
+    rows (auto) without timing; ``auto``: timed at PROBE_ROWS on the model's first linears
+    (``one_row_probe.probed_linears``): the tile unit against the vector loop (``amx_start``), then the kernel so
+    chosen against the kernel each count uses otherwise (gemv or packed for one row, packed above), the rows from
+    ``winning_rows``. Sets each linear's ``small.min_rows`` / ``max_rows`` / ``amx_from``, drops the layout where the
+    kernel won nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server
+    info)."""
     from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
     from specserve.platform.cpu.packing import cpu_gemv
 
+    amx_from = _amx_fixed()
     if mode() == "on":
-        verdict = {"min_rows": 1, "max_rows": SMALL_MAX_ROWS, "source": ENV}
+        amx_from = AMX_UNTIMED_FROM if amx_from is None else amx_from
+        verdict = {"min_rows": 1, "max_rows": SMALL_MAX_ROWS, "amx_from": amx_from, "source": ENV}
     else:
         chosen = probed_linears(linears, weight=lambda lin: lin.small.packed)
         gen = torch.Generator().manual_seed(0)
-        wins, ms = {}, {}
+        times_at, amx_wins = {}, {}
         for rows in PROBE_ROWS:
             x = {n: torch.randn(rows, n, generator=gen).to(torch.bfloat16) for n in {m.in_features for m in chosen}}
 
@@ -158,16 +213,32 @@ def choose_small_rows(linears: list) -> dict:
                 return [cpu_gemv(x[m.in_features], m.plain, m.bias) if rows == 1 and getattr(m, "plain", None)
                         is not None else m.packed_call(x[m.in_features]) for m in chosen]
 
-            passes = {"small": lambda x=x: [m.small.run(x[m.in_features]) for m in chosen], "other": other}
+            def small(x=x, amx=0):
+                return [small_mm(x[m.in_features], m.small.packed, m.small.bias, amx) for m in chosen]
+
+            passes = {"small": small, "other": other}
+            if amx_from is None:
+                passes["tile"] = lambda x=x: small(x, 1)
             with torch.inference_mode():
                 times = interleaved_times(passes, PROBE_REPS)
-            med = {k: statistics.median(v) for k, v in times.items()}
-            wins[rows] = med["small"] < (1.0 - MIN_GAIN) * med["other"]
-            ms[rows] = (round(med["small"] * 1e3, 3), round(med["other"] * 1e3, 3))
+            times_at[rows] = {k: statistics.median(v) for k, v in times.items()}
+            if amx_from is None:
+                amx_wins[rows] = times_at[rows]["tile"] < (1.0 - MIN_GAIN) * times_at[rows]["small"]
+        if amx_from is None:
+            amx_from = amx_start(amx_wins)
+        wins, ms = {}, {}
+        for rows, med in times_at.items():
+            kernel_s = med["tile"] if amx_from and rows >= amx_from else med["small"]
+            wins[rows] = kernel_s < (1.0 - MIN_GAIN) * med["other"]
+            ms[rows] = (round(kernel_s * 1e3, 3), round(med["other"] * 1e3, 3))
         lo, hi = winning_rows(wins)
-        verdict = {"min_rows": lo, "max_rows": hi, "source": "probe", "small_other_ms": ms}
+        verdict = {"min_rows": lo, "max_rows": hi, "amx_from": amx_from, "source": "probe", "small_other_ms": ms}
+        if amx_wins:
+            verdict["vector_tile_ms"] = {rows: (round(med["small"] * 1e3, 3), round(med["tile"] * 1e3, 3))
+                                         for rows, med in times_at.items()}
     for lin in linears:
         lin.small.min_rows, lin.small.max_rows = verdict["min_rows"], verdict["max_rows"]
+        lin.small.amx_from = verdict["amx_from"]
         if verdict["max_rows"] == 0:
             lin.small = None
         elif verdict["min_rows"] == 1 and hasattr(lin, "plain"):  # a PackedLinear's one-row calls take the kernel
