@@ -1,9 +1,10 @@
 """The tile unit (AMX) in specserve's few-row bf16 kernel (``small_gemm.cpp``) against its vector loop.
 
 Kernel: passes over every linear of a SmolLM2-135M-shaped stack (30 layers and the LM head, 270 MB of bf16 streamed
-from memory, as a decode step does) and of the demo target's shape (12 layers, hidden 256, 23 MB), at 1-16 rows,
-the two paths alternating pass by pass in one process. Printed per model and row count: each path's median pass in
-ms and the vector loop's time over the tile unit's (median of the pass-by-pass ratios, with their range).
+from memory, as a decode step does) and of the demo target's shape (12 layers, hidden 256, 23 MB), at 1-32 rows,
+the kernel's two paths and oneDNN's packed kernel (what calls past the kernel's rows run) alternating pass by pass
+in one process. Printed per model and row count: each one's median pass in ms, and the vector loop's and oneDNN's
+time over the tile unit's (medians of the pass-by-pass ratios, with their range).
 
 ``--end-to-end``: then two engines in one process, loaded with ``SPECSERVE_SMALL_GEMM_AMX=off`` and ``auto`` (the
 default: the load-time probe picks the rows that take the tile unit), decoding the same held-out prompts in turn,
@@ -22,8 +23,10 @@ import statistics
 import time
 
 import torch
+from torch import nn
 
 from specserve.platform.cpu import small_gemm
+from specserve.platform.cpu.packing import pack_linears_for_cpu
 
 SHAPES = {  # (out, in) of a layer's linears (q/k/v as one, o, gate/up as one, down), layer count, the LM head
     "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
@@ -32,36 +35,45 @@ SHAPES = {  # (out, in) of a layer's linears (q/k/v as one, o, gate/up as one, d
 DEFAULT_CONFIGS = "demo:EAGLE3:0.7,demo:EAGLE3:0,smollm2:EAGLE3:0,smollm2:plain:0"
 
 
-def stack(name: str) -> list[tuple[int, torch.Tensor]]:
+def stack(name: str) -> list:
+    """The model's linears as the engine holds them in bf16 (``PackedLinear``s with the kernel's layout)."""
     layer, layers, head = SHAPES[name]
-    gen = torch.Generator().manual_seed(0)
-    return [(k, small_gemm.pack((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)))
-            for n, k in layer * layers + [head]]
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for n, k in layer * layers + [head]])
+    pack_linears_for_cpu(seq, keep_small=True)
+    return list(seq)
 
 
-def one_pass(mats, xs: dict[int, torch.Tensor], amx_from: int) -> float:
+def one_pass(mats, xs: dict[int, torch.Tensor], path: str) -> float:
     start = time.perf_counter()
-    for k, packed in mats:
-        small_gemm.small_mm(xs[k], packed, None, amx_from)
+    for m in mats:
+        x = xs[m.in_features]
+        if path == "oneDNN":
+            m.packed_call(x)
+        else:
+            small_gemm.small_mm(x, m.small.packed, None, 1 if path == "tile" else 0)
     return time.perf_counter() - start
 
 
 def kernel_passes(reps: int, rows_list: list[int]) -> None:
-    print(f"ms per pass (median of {reps}), vector loop / tile unit, and vector over tile (median, range)")
+    print(f"ms per pass (median of {reps}): vector loop / tile unit / oneDNN's packed kernel; vector over tile and "
+          "oneDNN over tile (median of the pass-by-pass ratios, range)")
     with torch.inference_mode():
         for name in SHAPES:
             mats = stack(name)
             for rows in rows_list:
-                xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for k, _ in mats}}
-                times: dict[int, list[float]] = {0: [], 1: []}
+                xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {m.in_features for m in mats}}
+                times: dict[str, list[float]] = {"vector": [], "tile": [], "oneDNN": []}
                 for _ in range(reps + 1):  # the first round warms up
-                    for amx_from in times:
-                        times[amx_from].append(one_pass(mats, xs, amx_from))
-                vec, tile = times[0][1:], times[1][1:]
-                ratios = [v / t for v, t in zip(vec, tile, strict=True)]
-                print(f"{name} {rows:2d} rows: {statistics.median(vec) * 1e3:7.2f} / "
-                      f"{statistics.median(tile) * 1e3:7.2f} ms  {statistics.median(ratios):.2f}x "
-                      f"({min(ratios):.2f}-{max(ratios):.2f})")
+                    for path in times:
+                        times[path].append(one_pass(mats, xs, path))
+                med = {path: statistics.median(t[1:]) * 1e3 for path, t in times.items()}
+                cells = []
+                for other in ("vector", "oneDNN"):
+                    ratios = [o / t for o, t in zip(times[other][1:], times["tile"][1:], strict=True)]
+                    cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+                print(f"{name} {rows:2d} rows: {med['vector']:7.2f} / {med['tile']:7.2f} / {med['oneDNN']:7.2f} ms  "
+                      + "  ".join(cells))
 
 
 def load(model: str, algorithm: str, amx: str, threads: int):
@@ -114,7 +126,7 @@ def end_to_end(configs: list[str], prompts_n: int, new_tokens: int, rounds: int,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--rows", default="1,2,4,8,12,16")
+    p.add_argument("--rows", default="1,2,4,8,12,16,24,32")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--end-to-end", action="store_true")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)

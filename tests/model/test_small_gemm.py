@@ -108,6 +108,22 @@ def test_a_row_gets_the_same_bits_in_any_call(amx_from):
 
 
 @needs_amx
+def test_the_tile_unit_takes_up_to_32_rows_in_blocks_of_16():
+    """17-32 rows (16 and a zero-padded remainder, or two full blocks), bias and a strided input: within bf16 rounding
+    of float32, and every row with the bits it gets alone (the padding changes no row)."""
+    torch.manual_seed(3)
+    w = torch.randn(192, 96, dtype=torch.bfloat16)
+    b = torch.randn(192)
+    packed = small_gemm.pack(w)
+    for rows in (17, 23, 31, small_gemm.AMX_MAX_ROWS):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)[:, 16:112]
+        got = small_gemm.small_mm(x, packed, b, 1)
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b), atol=5e-2, rtol=1e-2)
+        for i in range(rows):
+            assert torch.equal(small_gemm.small_mm(x[i : i + 1], packed, b, 1)[0], got[i])
+
+
+@needs_amx
 def test_the_tile_unit_takes_the_calls_from_amx_from_rows():
     """amx_from = 5: calls of 1-4 rows give the vector loop's bits, 5-16 the tile unit's (which differ from the
     vector loop's somewhere in a large enough product, so the path taken shows); K not a multiple of 32 keeps the
@@ -197,12 +213,15 @@ def test_the_probe_times_both_kernels_and_sets_the_rows(monkeypatch):
     linears = [model[0], model[2]]
     monkeypatch.setenv(small_gemm.ENV, "auto")
     verdict = small_gemm.choose_small_rows(linears)
-    assert verdict["source"] == "probe" and set(verdict["small_other_ms"]) == set(small_gemm.PROBE_ROWS)
-    assert all(s > 0 and o > 0 for s, o in verdict["small_other_ms"].values())
     amx = small_gemm.amx_runs()
+    probed = set(small_gemm.PROBE_ROWS) | (set(small_gemm.AMX_PROBE_ROWS) if verdict["amx_from"] else set())
+    assert verdict["source"] == "probe" and set(verdict["small_other_ms"]) == probed
+    assert all(s > 0 and o > 0 for s, o in verdict["small_other_ms"].values())
+    assert verdict["max_rows"] <= (small_gemm.AMX_MAX_ROWS if verdict["amx_from"] else small_gemm.SMALL_MAX_ROWS)
     assert ("vector_tile_ms" in verdict) == amx and (amx or verdict["amx_from"] == 0)
     if amx:
         assert verdict["amx_from"] in (0, *small_gemm.PROBE_ROWS)
+        assert set(verdict["vector_tile_ms"]) == set(small_gemm.PROBE_ROWS)
         assert all(v > 0 and t > 0 for v, t in verdict["vector_tile_ms"].values())
     for m in linears:
         assert (m.small is None) == (verdict["max_rows"] == 0)

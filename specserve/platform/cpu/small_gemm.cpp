@@ -10,11 +10,13 @@
 // Where the CPU has AMX (AMX-TILE and AMX-BF16, e.g. Sapphire Rapids) and Linux grants the process its tile state,
 // calls of at least `amx_from` rows (0: none) with K a multiple of 32 run on the tile unit instead (``amx_gemm``):
 // one tile instruction multiplies up to 16 rows by 16 columns over 32 k at once, so 16 rows cost about what one
-// does (the weights' read), where the vector loop above does 4 rows a pass. Its float32 sums round differently from
+// does (the weights' read), where the vector loop above does 4 rows a pass; more rows go 16 at a time over each
+// group while it is in the core's cache. Its float32 sums round differently from
 // the vector loop's in a few outputs in 10,000, so a row's bits are the same in any call only when both calls take
 // the same path (small_gemm.py chooses `amx_from` by timing both at load).
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -95,78 +97,113 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles: 0-3 the sums of a group's 4 blocks of 16 columns (m rows x 16 fp32), 4 a block of x (m rows x 32 bf16),
-// 5 and 6 a block of weights in turn (16 k pairs x 16 columns x 2 bf16). In the packed layout a group's 16 steps
-// from step j on are 4 KB in a row, and the 16 columns from c on are 64 bytes at c * 4 bytes into each 256-byte
-// step: a weight tile is read straight from it with a 256-byte stride.
+// Tiles: 0-3 the sums of a group's 4 blocks of 16 columns (up to 16 rows x 16 fp32), 4 a block of x (up to 16 rows x
+// 32 bf16), 5 and 6 a block of weights in turn (16 k pairs x 16 columns x 2 bf16). In the packed layout a group's 16
+// steps from step j on are 4 KB in a row, and the 16 columns from c on are 64 bytes at c * 4 bytes into each
+// 256-byte step: a weight tile is read straight from it with a 256-byte stride.
+//
+// One group's 64 columns for `rows` rows of x (row stride ldx; the tiles configured for that many rows), the first
+// `keep` of them written to y.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+static void amx_group(const uint16_t* x, int64_t rows, int64_t keep, int64_t ldx, const uint16_t* wg, int64_t blocks,
+                      const float* bias, float* sums, uint16_t* y, int64_t ldy) {
+    if (bias != nullptr) {  // the sums start from the bias, as the vector loop's do
+        for (int64_t r = 0; r < rows; r++) memcpy(sums + r * COLS, bias, COLS * sizeof(float));
+        _tile_loadd(0, sums, COLS * 4);
+        _tile_loadd(1, sums + 16, COLS * 4);
+        _tile_loadd(2, sums + 32, COLS * 4);
+        _tile_loadd(3, sums + 48, COLS * 4);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t* wb = wg + b * 16 * 2 * COLS;  // 16 steps of 128 bf16
+        if (PREFETCH_BYTES > 0)
+            for (int line = 0; line < 64; line++)
+                _mm_prefetch((const char*)wb + PREFETCH_BYTES + line * 64, _MM_HINT_T0);
+        _tile_loadd(4, x + b * 32, ldx * 2);
+        _tile_loadd(5, wb, 2 * COLS * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, wb + 32, 2 * COLS * 2);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, wb + 64, 2 * COLS * 2);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, wb + 96, 2 * COLS * 2);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, sums, COLS * 4);
+    _tile_stored(1, sums + 16, COLS * 4);
+    _tile_stored(2, sums + 32, COLS * 4);
+    _tile_stored(3, sums + 48, COLS * 4);
+    for (int64_t r = 0; r < keep; r++)
+        for (int c = 0; c < 4; c++)  // round to nearest even, as PyTorch's float -> bf16 cast
+            _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * COLS + 16 * c)));
+}
+
+// m rows: up to 16 in one block; more in blocks of 16 over each group while its weights are in the core's cache, the
+// last rows copied into 16 zero-padded ones (`pad`, 16 x k) so that every block keeps the 16-row tile configuration
+// (a tile row's sums depend on that row alone: the padding changes no other row's bits).
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t groups,
-                     const float* bias, uint16_t* y, int64_t ldy, int threads) {
-    const int64_t blocks = k / 32;
+                     const float* bias, uint16_t* y, int64_t ldy, int threads, const uint16_t* pad) {
+    const int64_t blocks = k / 32, tile_rows = m < 16 ? m : 16, full = m / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
         TileConfig cfg;
         memset(&cfg, 0, sizeof(cfg));
         cfg.palette_id = 1;
-        for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = 64;
+        for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)tile_rows, cfg.colsb[t] = 64;
         for (int t = 5; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
         _tile_loadconfig(&cfg);
-        alignas(64) float sums[16 * COLS];  // m rows of a group's 64 sums
+        alignas(64) float sums[16 * COLS];  // a block's rows of a group's 64 sums
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t* wg = w + g * k * COLS;
-            if (bias != nullptr) {  // the sums start from the bias, as the vector loop's do
-                for (int64_t r = 0; r < m; r++) memcpy(sums + r * COLS, bias + g * COLS, COLS * sizeof(float));
-                _tile_loadd(0, sums, COLS * 4);
-                _tile_loadd(1, sums + 16, COLS * 4);
-                _tile_loadd(2, sums + 32, COLS * 4);
-                _tile_loadd(3, sums + 48, COLS * 4);
-            } else {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+            const float* bg = bias != nullptr ? bias + g * COLS : nullptr;
+            if (m <= 16) {
+                amx_group(x, m, m, ldx, wg, blocks, bg, sums, y + g * COLS, ldy);
+                continue;
             }
-            for (int64_t b = 0; b < blocks; b++) {
-                const uint16_t* wb = wg + b * 16 * 2 * COLS;  // 16 steps of 128 bf16
-                if (PREFETCH_BYTES > 0)
-                    for (int line = 0; line < 64; line++)
-                        _mm_prefetch((const char*)wb + PREFETCH_BYTES + line * 64, _MM_HINT_T0);
-                _tile_loadd(4, x + b * 32, ldx * 2);
-                _tile_loadd(5, wb, 2 * COLS * 2);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, wb + 32, 2 * COLS * 2);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(5, wb + 64, 2 * COLS * 2);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(6, wb + 96, 2 * COLS * 2);
-                _tile_dpbf16ps(3, 4, 6);
-            }
-            _tile_stored(0, sums, COLS * 4);
-            _tile_stored(1, sums + 16, COLS * 4);
-            _tile_stored(2, sums + 32, COLS * 4);
-            _tile_stored(3, sums + 48, COLS * 4);
-            for (int64_t r = 0; r < m; r++)
-                for (int c = 0; c < 4; c++)  // round to nearest even, as PyTorch's float -> bf16 cast
-                    _mm256_storeu_si256((__m256i*)(y + r * ldy + g * COLS + 16 * c),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums + r * COLS + 16 * c)));
+            for (int64_t r0 = 0; r0 < full; r0 += 16)
+                amx_group(x + r0 * ldx, 16, 16, ldx, wg, blocks, bg, sums, y + r0 * ldy + g * COLS, ldy);
+            if (full < m)  // the padding rows' sums are computed and dropped
+                amx_group(pad, 16, m - full, k, wg, blocks, bg, sums, y + full * ldy + g * COLS, ldy);
         }
         _tile_release();
     }
 }
 
+// amx_gemm with the zero-padded copy of the last rows it needs past 16 rows -> false (nothing done) where that copy
+// cannot be allocated.
+static bool amx_call(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t groups,
+                     const float* bias, uint16_t* y, int64_t ldy, int threads) {
+    const int64_t tail = m > 16 ? m % 16 : 0;
+    uint16_t* pad = nullptr;
+    if (tail > 0) {
+        pad = (uint16_t*)calloc(16 * k, sizeof(uint16_t));
+        if (pad == nullptr) return false;
+        for (int64_t r = 0; r < tail; r++) memcpy(pad + r * k, x + (m - tail + r) * ldx, k * sizeof(uint16_t));
+    }
+    amx_gemm(x, m, k, ldx, w, groups, bias, y, ldy, threads, pad);
+    free(pad);
+    return true;
+}
+
 // Whether the tile unit runs here (1) or not (0), written to *out.
 extern "C" void small_gemm_amx_ready(int* out) { *out = amx_ready() ? 1 : 0; }
 
-// x: m rows of k bf16 (row stride ldx, m <= 16); w: packed, n a multiple of 64, k even; bias: n floats or null;
+// x: m rows of k bf16 (row stride ldx); w: packed, n a multiple of 64, k even; bias: n floats or null;
 // y: m rows of n bf16 (row stride ldy); amx_from: the fewest rows that take the tile unit where it runs (0: never).
 extern "C" void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                                 const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from) {
     const int64_t groups = n / COLS, k2 = k / 2;
-    if (amx_from > 0 && m >= amx_from && m <= 16 && k % 32 == 0 && amx_ready()) {
-        amx_gemm(x, m, k, ldx, w, groups, bias, y, ldy, threads);
+    if (amx_from > 0 && m >= amx_from && k % 32 == 0 && amx_ready() &&
+        amx_call(x, m, k, ldx, w, groups, bias, y, ldy, threads))
         return;
-    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++)
         group_rows(x, ldx, m, w + g * k * COLS, k2, bias ? bias + g * COLS : nullptr, y + g * COLS, ldy);

@@ -41,8 +41,10 @@ MODES = ("auto", "on", "off")
 AMX_ENV = "SPECSERVE_SMALL_GEMM_AMX"
 AMX_MODES = ("auto", "all", "off")
 COLS = 64  # output columns per packed group (the kernel's COLS)
-SMALL_MAX_ROWS = 16  # the most rows a call may have (4 row tiles)
+SMALL_MAX_ROWS = 16  # the most rows a call may have on the vector loop (4 row tiles)
+AMX_MAX_ROWS = 32  # on the tile unit (2 blocks of 16; at 48-64 rows oneDNN's kernel caught up in SmolLM2's linears)
 PROBE_ROWS = (1, 4, 8, 16)  # the row counts the probe times
+AMX_PROBE_ROWS = (32,)  # and where the tile unit may run, these (on it only)
 PROBE_REPS = 5
 MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than the other kernel
 # (and the tile unit only when this much faster than the vector loop)
@@ -103,9 +105,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, amx_from: int = 0) -> torch.Tensor:
-    """x [M, K] bf16 (M <= SMALL_MAX_ROWS) @ a packed weight (+ a float32 bias [N]) -> [M, N] bf16: through the
-    operator where its C++ implementation is loaded, else in Python. Calls of amx_from rows or more run on the tile
-    unit where it runs (0: never)."""
+    """x [M, K] bf16 (M <= SMALL_MAX_ROWS, or AMX_MAX_ROWS on the tile unit) @ a packed weight (+ a float32 bias
+    [N]) -> [M, N] bf16: through the operator where its C++ implementation is loaded, else in Python. Calls of
+    amx_from rows or more run on the tile unit where it runs (0: never)."""
     if native.native_ops():
         return small_gemm(x, packed, bias, amx_from)
     return _small_mm(x, packed, bias, amx_from)
@@ -191,10 +193,10 @@ def choose_small_rows(linears: list) -> dict:
     kernel, and from how many its tile-unit path. ``on``: 1 to SMALL_MAX_ROWS, the tile unit from AMX_UNTIMED_FROM
     rows (auto) without timing; ``auto``: timed at PROBE_ROWS on the model's first linears
     (``one_row_probe.probed_linears``): the tile unit against the vector loop (``amx_start``), then the kernel so
-    chosen against the kernel each count uses otherwise (gemv or packed for one row, packed above), the rows from
-    ``winning_rows``. Sets each linear's ``small.min_rows`` / ``max_rows`` / ``amx_from``, drops the layout where the
-    kernel won nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server
-    info)."""
+    chosen against the kernel each count uses otherwise (gemv or packed for one row, packed above), and where the tile
+    unit took calls, at AMX_PROBE_ROWS too (the tile unit against the packed kernel); the rows from ``winning_rows``.
+    Sets each linear's ``small.min_rows`` / ``max_rows`` / ``amx_from``, drops the layout where the kernel won
+    nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server info)."""
     from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
     from specserve.platform.cpu.packing import cpu_gemv
 
@@ -206,7 +208,7 @@ def choose_small_rows(linears: list) -> dict:
         chosen = probed_linears(linears, weight=lambda lin: lin.small.packed)
         gen = torch.Generator().manual_seed(0)
         times_at, amx_wins = {}, {}
-        for rows in PROBE_ROWS:
+        for rows in PROBE_ROWS + (AMX_PROBE_ROWS if amx_from != 0 else ()):
             x = {n: torch.randn(rows, n, generator=gen).to(torch.bfloat16) for n in {m.in_features for m in chosen}}
 
             def other(rows=rows, x=x):
@@ -216,26 +218,31 @@ def choose_small_rows(linears: list) -> dict:
             def small(x=x, amx=0):
                 return [small_mm(x[m.in_features], m.small.packed, m.small.bias, amx) for m in chosen]
 
-            passes = {"small": small, "other": other}
-            if amx_from is None:
+            passes = {"other": other}
+            if rows <= SMALL_MAX_ROWS:
+                passes["small"] = small
+            if amx_from != 0:
                 passes["tile"] = lambda x=x: small(x, 1)
             with torch.inference_mode():
                 times = interleaved_times(passes, PROBE_REPS)
             times_at[rows] = {k: statistics.median(v) for k, v in times.items()}
-            if amx_from is None:
+            if amx_from is None and rows <= SMALL_MAX_ROWS:
                 amx_wins[rows] = times_at[rows]["tile"] < (1.0 - MIN_GAIN) * times_at[rows]["small"]
         if amx_from is None:
             amx_from = amx_start(amx_wins)
         wins, ms = {}, {}
         for rows, med in times_at.items():
-            kernel_s = med["tile"] if amx_from and rows >= amx_from else med["small"]
+            on_tile = amx_from > 0 and rows >= amx_from
+            if rows > SMALL_MAX_ROWS and not on_tile:
+                continue
+            kernel_s = med["tile"] if on_tile else med["small"]
             wins[rows] = kernel_s < (1.0 - MIN_GAIN) * med["other"]
             ms[rows] = (round(kernel_s * 1e3, 3), round(med["other"] * 1e3, 3))
         lo, hi = winning_rows(wins)
         verdict = {"min_rows": lo, "max_rows": hi, "amx_from": amx_from, "source": "probe", "small_other_ms": ms}
         if amx_wins:
             verdict["vector_tile_ms"] = {rows: (round(med["small"] * 1e3, 3), round(med["tile"] * 1e3, 3))
-                                         for rows, med in times_at.items()}
+                                         for rows, med in times_at.items() if rows in amx_wins}
     for lin in linears:
         lin.small.min_rows, lin.small.max_rows = verdict["min_rows"], verdict["max_rows"]
         lin.small.amx_from = verdict["amx_from"]
