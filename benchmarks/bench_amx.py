@@ -1,7 +1,7 @@
 """The tile unit (AMX) in specserve's few-row bf16 kernel (``small_gemm.cpp``) against its vector loop.
 
 Kernel: passes over every linear of a SmolLM2-135M-shaped stack (30 layers and the LM head, 270 MB of bf16 streamed
-from memory, as a decode step does) and of the demo target's shape (12 layers, hidden 256, 23 MB), at 1-32 rows,
+from memory, as a decode step does) and of the demo target's shape (12 layers, hidden 256, 23 MB), at 1-64 rows,
 the kernel's two paths and oneDNN's packed kernel (what calls past the kernel's rows run) alternating pass by pass
 in one process. Printed per model and row count: each one's median pass in ms, and the vector loop's and oneDNN's
 time over the tile unit's (medians of the pass-by-pass ratios, with their range).
@@ -126,7 +126,7 @@ def end_to_end(configs: list[str], prompts_n: int, new_tokens: int, rounds: int,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--rows", default="1,2,4,8,12,16,24,32")
+    p.add_argument("--rows", default="1,2,4,8,12,16,24,32,48,64")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--end-to-end", action="store_true")
     p.add_argument("--configs", default=DEFAULT_CONFIGS)

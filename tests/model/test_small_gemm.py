@@ -108,14 +108,14 @@ def test_a_row_gets_the_same_bits_in_any_call(amx_from):
 
 
 @needs_amx
-def test_the_tile_unit_takes_up_to_32_rows_in_blocks_of_16():
-    """17-32 rows (16 and a zero-padded remainder, or two full blocks), bias and a strided input: within bf16 rounding
-    of float32, and every row with the bits it gets alone (the padding changes no row)."""
+def test_the_tile_unit_takes_up_to_amx_max_rows_in_blocks_of_16():
+    """17-64 rows (full blocks of 16 and a zero-padded remainder, or full blocks only), bias and a strided input:
+    within bf16 rounding of float32, and every row with the bits it gets alone (the padding changes no row)."""
     torch.manual_seed(3)
     w = torch.randn(192, 96, dtype=torch.bfloat16)
     b = torch.randn(192)
     packed = small_gemm.pack(w)
-    for rows in (17, 23, 31, small_gemm.AMX_MAX_ROWS):
+    for rows in (17, 23, 32, 47, small_gemm.AMX_MAX_ROWS):
         x = torch.randn(rows, 128, dtype=torch.bfloat16)[:, 16:112]
         got = small_gemm.small_mm(x, packed, b, 1)
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b), atol=5e-2, rtol=1e-2)

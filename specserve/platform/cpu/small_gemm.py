@@ -42,9 +42,9 @@ AMX_ENV = "SPECSERVE_SMALL_GEMM_AMX"
 AMX_MODES = ("auto", "all", "off")
 COLS = 64  # output columns per packed group (the kernel's COLS)
 SMALL_MAX_ROWS = 16  # the most rows a call may have on the vector loop (4 row tiles)
-AMX_MAX_ROWS = 32  # on the tile unit (2 blocks of 16; at 48-64 rows oneDNN's kernel caught up in SmolLM2's linears)
+AMX_MAX_ROWS = 64  # on the tile unit (blocks of 16), where the probe finds it ahead of oneDNN's kernel up to there
 PROBE_ROWS = (1, 4, 8, 16)  # the row counts the probe times
-AMX_PROBE_ROWS = (32,)  # and where the tile unit may run, these (on it only)
+AMX_PROBE_ROWS = (32, 64)  # and where the tile unit may run, these (on it only)
 PROBE_REPS = 5
 MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than the other kernel
 # (and the tile unit only when this much faster than the vector loop)
