@@ -25,11 +25,12 @@ import time
 import torch
 from torch import nn
 
+from bench_int8 import LAYER, LM_HEAD
 from specserve.platform.cpu import small_gemm
 from specserve.platform.cpu.packing import pack_linears_for_cpu
 
 SHAPES = {  # (out, in) of a layer's linears (q/k/v as one, o, gate/up as one, down), layer count, the LM head
-    "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+    "smollm2": (LAYER, 30, LM_HEAD),
     "demo": ([(768, 256), (256, 256), (1536, 256), (256, 768)], 12, (4096, 256)),
 }
 DEFAULT_CONFIGS = "demo:EAGLE3:0.7,demo:EAGLE3:0,smollm2:EAGLE3:0,smollm2:plain:0"
