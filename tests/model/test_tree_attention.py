@@ -102,6 +102,44 @@ def test_a_row_sees_only_its_keys_bit_for_bit():
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_tree_rows_sharing_a_prefix_bit_for_bit(threads):
+    """Verify trees in a batch: every row sees its request's prefix (whose keys the kernel reads once for all the rows
+    it puts in one work item, however many threads split them) plus its own ancestors; each row still equals a one-row
+    call over just its keys, and padding rows (a shorter tree) come out zero."""
+    k_buf, v_buf = pool(1024, 2, 64, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    prefix, n_q = (150, 90), 12
+    slots = torch.randint(0, 1024, (2, max(prefix) + n_q), generator=gen)
+    qb = torch.randn(2, n_q, 4, 64, generator=gen).bfloat16()
+    mask = torch.zeros(2, 1, n_q, max(prefix) + n_q, dtype=torch.bool)
+    rows = (n_q, 7)  # the second request's tree has 7 nodes: 5 padding rows
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5, 6, 6, 4, 8]
+    for b in range(2):
+        for i in range(rows[b]):
+            mask[b, 0, i, : prefix[b]] = True
+            node = i
+            while node >= 0:  # the node and its ancestors
+                mask[b, 0, i, prefix[b] + node] = True
+                node = parents[node]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernel splits work items over this many threads
+    try:
+        out = tree_attention.tree_attention(qb, k_buf, v_buf, slots, mask, 0.125).view(2, n_q, -1)
+    finally:
+        torch.set_num_threads(before)
+    for b in range(2):
+        for i in range(n_q):
+            seen = mask[b, 0, i].nonzero().view(-1)
+            if i >= rows[b]:
+                assert torch.equal(out[b, i], torch.zeros_like(out[b, i]))
+                continue
+            alone = tree_attention.tree_attention(qb[b : b + 1, i : i + 1], k_buf, v_buf, slots[b : b + 1, seen], None,
+                                                  0.125)
+            assert torch.equal(alone[0], out[b, i])
+
+
+@needs_kernel
 def test_broadcast_mask_rows_and_compiled_op():
     """A decode batch's mask [B, 1, 1, K] (padded keys of shorter requests) broadcasts over the rows; the custom op in
     a compiled graph gives the eager call's result."""
