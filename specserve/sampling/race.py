@@ -144,9 +144,9 @@ def race_sample(probs: Tensor, seeds: Sequence[int], positions: Sequence[int]) -
     return race_argmax(probs, exponentials(keys, torch.arange(probs.shape[-1], device=probs.device)))
 
 
-def race_scores(logprobs: Tensor, expo: Tensor) -> Tensor:
-    """A draft's log-probabilities [R, Vd] and the target's noise expo [R, Vd] at the same positions, for the TARGET
-    token ids of the draft's columns (``exponentials``) -> log q - log E [R, Vd]: the Gumbel-perturbed scores whose
-    argmax is the draft's own race winner with the target's noise (the coupled proposal); softmax of them ranks
-    candidates."""
-    return logprobs - torch.log(expo)
+def race_scores(logprobs: Tensor, log_expo: Tensor) -> Tensor:
+    """A draft's log-probabilities [R, Vd] and the log of the target's noise log_expo [R, Vd] at the same positions,
+    for the TARGET token ids of the draft's columns (``exponentials``, then log) -> log q - log E [R, Vd]: the
+    Gumbel-perturbed scores whose argmax is the draft's own race winner with the target's noise (the coupled
+    proposal); softmax of them ranks candidates."""
+    return logprobs - log_expo

@@ -23,12 +23,12 @@ from specserve.sampling.sampler import filter_top_k_top_p_min_p, request_seeds
 
 @dataclass
 class RaceRows:
-    """The racing rows of one draft call's [R, Vd] logits: rows index [S'], their noise expo [S', Vd] over the
-    call's columns, and their filters: 1/T [S', 1], top_k [S'], top_p [S'], min_p [S'] (``on``: which filters any
-    row uses)."""
+    """The racing rows of one draft call's [R, Vd] logits: rows index [S'], the log of their noise log_expo [S', Vd]
+    over the call's columns, and their filters: 1/T [S', 1], top_k [S'], top_p [S'], min_p [S'] (``on``: which
+    filters any row uses)."""
 
     index: torch.Tensor
-    expo: torch.Tensor
+    log_expo: torch.Tensor
     inv_temps: torch.Tensor
     top_ks: torch.Tensor
     top_ps: torch.Tensor
@@ -38,10 +38,15 @@ class RaceRows:
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [R, Vd] -> [R, Vd] where the racing rows hold log q - log E, q their filtered distribution
         (-inf where a filter cut the token), the other rows unchanged; a softmax of either ranks them."""
-        q = torch.softmax(logits.index_select(0, self.index) * self.inv_temps, dim=-1)  # [S', Vd]
+        every_row = self.index.numel() == logits.shape[0]  # then index is 0 .. R-1: no gather, no scatter
+        scaled = (logits if every_row else logits.index_select(0, self.index)) * self.inv_temps  # [S', Vd]
         if any(self.on):
-            q = filter_top_k_top_p_min_p(q, self.top_ks, self.top_ps, self.min_ps, self.on)
-        return logits.index_copy(0, self.index, race_scores(torch.log(q), self.expo))
+            q = filter_top_k_top_p_min_p(torch.softmax(scaled, dim=-1), self.top_ks, self.top_ps, self.min_ps, self.on)
+            log_q = torch.log(q)
+        else:
+            log_q = torch.log_softmax(scaled, dim=-1)
+        scored = race_scores(log_q, self.log_expo)
+        return scored if every_row else logits.index_copy(0, self.index, scored)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class RaceBatch:
     top_ps: list[float]
     min_ps: list[float]
     levels: int
-    _expo: torch.Tensor | None = field(default=None, repr=False)  # [S, levels, Vd]
+    _log_expo: torch.Tensor | None = field(default=None, repr=False)  # [S, levels, Vd]
     _layouts: dict = field(default_factory=dict, repr=False)  # (rows per request, Vd) -> (index, filters...)
 
     @classmethod
@@ -72,19 +77,20 @@ class RaceBatch:
                    [p.top_k if p.top_k > 0 else 1 << 62 for p in params], [p.top_p for p in params],
                    [p.min_p for p in params], levels)
 
-    def noise(self, ids: torch.Tensor) -> torch.Tensor:
-        """[S, levels, Vd]: E at output positions position + level of each racing request, for the target token ids
-        ids [Vd] of the draft's columns (one hash call for the whole proposal)."""
-        if self._expo is None or self._expo.shape[-1] != ids.numel():
+    def log_noise(self, ids: torch.Tensor) -> torch.Tensor:
+        """[S, levels, Vd]: log E at output positions position + level of each racing request, for the target token
+        ids ids [Vd] of the draft's columns (one hash call and one log for the whole proposal)."""
+        if self._log_expo is None or self._log_expo.shape[-1] != ids.numel():
             keys = grid_keys(self.seeds, self.positions, self.levels, ids.device)  # [S, levels, 2]
-            self._expo = exponentials(keys.view(-1, 2), ids).view(len(self.rows), self.levels, ids.numel())
-        return self._expo
+            expo = exponentials(keys.view(-1, 2), ids).view(len(self.rows), self.levels, ids.numel())
+            self._log_expo = torch.log(expo)
+        return self._log_expo
 
     def at_level(self, level: int, rows_per_req: int, vocab_ids: torch.Tensor) -> RaceRows:
         """The racing rows of a draft call laid out request-major with rows_per_req rows per request, drafting the
         tokens of output position (next position) + level over the draft columns' target ids vocab_ids [Vd]."""
-        expo = self.noise(vocab_ids)[:, level].repeat_interleave(rows_per_req, dim=0)  # [S * rows_per_req, Vd]
-        return RaceRows(expo=expo, **self._layout(rows_per_req, vocab_ids))
+        log_expo = self.log_noise(vocab_ids)[:, level].repeat_interleave(rows_per_req, dim=0)  # [S * rows_per_req, Vd]
+        return RaceRows(log_expo=log_expo, **self._layout(rows_per_req, vocab_ids))
 
     def _layout(self, rows_per_req: int, vocab_ids: torch.Tensor) -> dict:
         """The rows' index, 1/T, top_k, top_p, min_p and filter switches for this layout (built once per proposal)."""

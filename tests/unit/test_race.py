@@ -105,6 +105,6 @@ def test_race_scores_argmax_is_the_drafts_race_winner_with_the_targets_noise():
     target[:, [1, 3, 5]] = 0.0
     draft_ids = torch.tensor([4, 0, 2])
     logq = torch.log(target[:, draft_ids] / target[:, draft_ids].sum(-1, keepdim=True))
-    drafted = draft_ids[race_scores(logq, exponentials(keys, draft_ids)).argmax(-1)]
+    drafted = draft_ids[race_scores(logq, torch.log(exponentials(keys, draft_ids))).argmax(-1)]
     full = race_argmax(target, exponentials(keys, torch.arange(6)))
     assert torch.equal(drafted, full)
