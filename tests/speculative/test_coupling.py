@@ -39,3 +39,19 @@ def test_scores_carry_verifications_noise_and_the_requests_filters():
     torch.testing.assert_close(out[3], out[2])
     torch.testing.assert_close(out[4], torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])) - torch.log(expo[1]))
     assert torch.isinf(out[2, :2]).all()  # a token the request's top_k cuts is never drafted for it
+
+
+def test_scores_when_every_row_races():
+    """A batch of sampled requests only (the rows need no gather or scatter) and no filter: each row is its
+    tempered log-softmax minus the log of verification's noise at its level."""
+    reqs = [req(0.5, 7, 4), req(1.0, 9, 1)]
+    batch = RaceBatch.of(reqs, levels=2)
+    ids = torch.tensor([3, 1, 2])
+    logits = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.0, 1.0], [1.0, 2.0, 3.0], [-2.0, 0.0, 0.5]])  # 2 rows each
+    rows = batch.at_level(1, 2, ids)
+    assert rows.index.tolist() == [0, 1, 2, 3] and not any(rows.on)
+    out = rows.scores(logits)
+    expo = exponentials(race_keys([7, 9], [5, 2], "cpu"), ids)  # positions 4 + 1 and 1 + 1
+    inv_t = torch.tensor([[2.0], [2.0], [1.0], [1.0]])
+    want = torch.log(torch.softmax(logits * inv_t, -1)) - torch.log(expo.repeat_interleave(2, dim=0))
+    torch.testing.assert_close(out, want)
