@@ -41,27 +41,6 @@ struct Shape {
     int64_t q_sb, q_sq, q_sh;  // q's strides (elements) over requests, rows and heads; its dimensions are contiguous
 };
 
-// scores[j] = scale * q . key j for the n keys at `seen` (D dimensions, bf16 pairs by vdpbf16ps, float32 sums)
-template <int D>
-static void scores(const uint16_t* q, const uint16_t* kbuf, const int64_t* seen, int64_t n, int64_t stride,
-                   float scale, float* out) {
-    __m512bh qv[D / 32];
-    for (int c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-        const int64_t m = n - j0 < 16 ? n - j0 : 16;
-        __m512 acc[16];
-        for (int64_t j = 0; j < 16; j++) {
-            acc[j] = _mm512_setzero_ps();
-            if (j >= m) continue;
-            const uint16_t* key = kbuf + seen[j0 + j] * stride;
-            for (int c = 0; c < D / 32; c++)
-                acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-        }
-        _mm512_mask_storeu_ps(out + j0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum16(acc), sc));
-    }
-}
-
 // the lanes of the block of 16 at j that lie below n
 static inline __mmask16 tail_mask(int64_t j, int64_t n) {
     return n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
@@ -139,16 +118,18 @@ static void weighted_upto(QueryVec* qv, int n, const uint16_t* vbuf, const int64
     weighted<D, NV>(qv, vbuf, shared, n_shared, stride);
 }
 
-// scores of every query vector over the shared keys, block by block: a block's 16 keys are read from the pool once
-// for all of them (then from L1)
+// p[col + j] = scale * q . key j of each of the nq query vectors, for the n keys at pool slots `slots` (D dimensions,
+// bf16 pairs by vdpbf16ps, float32 sums), block by block: a block's 16 keys are read from the pool once for all the
+// vectors (then from L1). The one place scores are computed: a key's score is the same whatever call, vector group or
+// block it is in.
 template <int D>
-static void shared_scores(QueryVec* qv, int64_t nq, const uint16_t* kbuf, const int64_t* shared, int64_t n,
-                          int64_t stride, float scale) {
+static void scores(QueryVec* qv, int64_t nq, const uint16_t* kbuf, const int64_t* slots, int64_t n, int64_t stride,
+                   float scale, int64_t col) {
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
         const uint16_t* keys[16];
-        for (int64_t j = 0; j < m; j++) keys[j] = kbuf + shared[j0 + j] * stride;
+        for (int64_t j = 0; j < m; j++) keys[j] = kbuf + slots[j0 + j] * stride;
         for (int64_t v = 0; v < nq; v++) {
             __m512bh qr[D / 32];
             for (int c = 0; c < D / 32; c++) qr[c] = (__m512bh)_mm512_loadu_si512(qv[v].q + 32 * c);
@@ -159,7 +140,7 @@ static void shared_scores(QueryVec* qv, int64_t nq, const uint16_t* kbuf, const 
                 for (int c = 0; c < D / 32; c++)
                     acc[j] = _mm512_dpbf16_ps(acc[j], qr[c], (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
             }
-            _mm512_mask_storeu_ps(qv[v].p + j0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum16(acc), sc));
+            _mm512_mask_storeu_ps(qv[v].p + col + j0, (__mmask16)((1u << m) - 1), _mm512_mul_ps(sum16(acc), sc));
         }
     }
 }
@@ -203,11 +184,12 @@ static void item(const uint16_t* q, const uint16_t* kbuf, const uint16_t* vbuf, 
     int64_t p_size = 0;
     for (int64_t i = i0; i < i1; i++) {
         const uint8_t* row = mask ? mask + b * mask_sb + i * mask_sq : nullptr;
+        const int64_t begin = (int64_t)w.rest.size();
         if (w.sees[i - i0])
             for (int64_t k = shared; k < s.kmax; k++)
                 if (!row || row[k]) w.rest.push_back(row_slots[k]);
         w.offsets.push_back((int64_t)w.rest.size());
-        p_size += g_count * (shared + (w.offsets.back() - w.offsets[w.offsets.size() - 2]) + 16);
+        p_size += g_count * (shared + (w.offsets.back() - begin) + 16);  // each vector's scores in whole blocks of 16
     }
     w.p.resize(p_size + 16);
     w.qv.clear();
@@ -227,9 +209,9 @@ static void item(const uint16_t* q, const uint16_t* kbuf, const uint16_t* vbuf, 
     }
     QueryVec* qv = w.qv.data();
     const int64_t nq = (int64_t)w.qv.size();
-    shared_scores<D>(qv, nq, kbuf + h * D, row_slots, shared, stride, scale);
+    scores<D>(qv, nq, kbuf + h * D, row_slots, shared, stride, scale, 0);
     for (int64_t v = 0; v < nq; v++) {
-        scores<D>(qv[v].q, kbuf + h * D, qv[v].rest, qv[v].n_rest, stride, scale, qv[v].p + shared);
+        scores<D>(qv + v, 1, kbuf + h * D, qv[v].rest, qv[v].n_rest, stride, scale, shared);
         qv[v].total = softmax_numerators(qv[v].p, shared + qv[v].n_rest);
     }
     constexpr int G = max_group<D>();
