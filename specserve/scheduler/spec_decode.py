@@ -86,6 +86,26 @@ class Backlog:
             self.start += 1
 
 
+def gather_rows(rows) -> ModelOutput:
+    """(forward output, row) pairs -> one ModelOutput of those rows' hidden states, in order ([T, h], and [T, h]
+    per captured layer): each distinct output's rows are read by one index, not a slice per row."""
+    outs: list[ModelOutput] = []
+    base: dict[int, int] = {}  # id(output) -> its first row in the concatenation
+    index, total = [], 0
+    for out, row in rows:
+        if id(out) not in base:
+            base[id(out)], total = total, total + out.hidden.shape[0]
+            outs.append(out)
+        index.append(base[id(out)] + row)
+    idx = torch.tensor(index, device=outs[0].hidden.device)
+
+    def pick(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(tensors).index_select(0, idx) if len(tensors) > 1 else tensors[0].index_select(0, idx)
+
+    aux = [pick([o.aux_hidden[i] for o in outs]) for i in range(len(outs[0].aux_hidden))]
+    return ModelOutput(None, pick([o.hidden for o in outs]), aux)
+
+
 @dataclass
 class SpecStats:
     """Counters of speculative decoding since start (all requests)."""
@@ -230,7 +250,7 @@ class SpecDecoder(DecodeStep):
         if self.overlap is not None:
             return self.overlap.run(reqs)
         kind = self.batch_kind(reqs)
-        shape = self.policy.choose(len(reqs), kind, self.most_new(reqs))
+        shape = self.choose_shape(reqs, kind)
         if shape is None:
             return self.timed_plain_step(reqs, kind)
         started = self.step_start()
@@ -254,6 +274,11 @@ class SpecDecoder(DecodeStep):
     def batch_kind(reqs: list[Req]) -> str:
         """The batch policy's kind of this batch (``batch_policy.batch_kind``: greedy, sampled or mixed)."""
         return batch_kind([r.params.is_greedy for r in reqs])
+
+    def choose_shape(self, reqs: list[Req], kind: str) -> TreeShape | None:
+        """The batch policy's tree for a step of `reqs` (a batch of this ``batch_kind``); None = a plain step."""
+        behind = any(r.spec_backlog is not None for r in reqs)  # the drafter has plain-decoded tokens to replay
+        return self.policy.choose(len(reqs), kind, self.most_new(reqs), behind)
 
     @staticmethod
     def most_new(reqs: list[Req]) -> int:
@@ -309,9 +334,7 @@ class SpecDecoder(DecodeStep):
             k = len(bl.tokens)
             steps.append(VerifiedStep(req, bl.start, list(range(k)), list(bl.tokens), len(rows)))
             rows.extend(bl.rows)
-        hidden = torch.stack([o.hidden[b] for o, b in rows])  # [T, h]
-        aux = [torch.stack([o.aux_hidden[i][b] for o, b in rows]) for i in range(len(rows[0][0].aux_hidden))]
-        self.proposer.after_verify(steps, ModelOutput(None, hidden, aux))
+        self.proposer.after_verify(steps, gather_rows(rows))
 
     # ------------------------------------------------------------------ speculative steps: the forward part
     def forward_step(self, reqs: list[Req], shape: TreeShape) -> StepRecord:

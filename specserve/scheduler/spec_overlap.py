@@ -54,7 +54,7 @@ class OverlapPipeline:
         spec = self.spec
         active = [r for r in reqs if not r.spec_stopped]
         kind = spec.batch_kind(active)
-        shape = spec.policy.choose(len(active), kind, spec.most_new(active)) if active else None
+        shape = spec.choose_shape(active, kind) if active else None
         if active and shape is None:  # a plain step (batch-aware speculation): it needs the pipeline empty
             outputs = self.drain()
             return outputs + spec.timed_plain_step([r for r in reqs if not r.finished])

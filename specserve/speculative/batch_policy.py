@@ -24,6 +24,11 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    16 took 7-10% longer than in a plain engine, which made a tie look like a win for whichever mode was running),
    and a step during which torch.compile built a graph is not measured either, and a try gets one more step for it
    (``--enable-torch-compile`` builds graphs for new shapes well after the first steps, seconds each).
+   A try does not start for a batch about to end (no request with MIN_TRY_TOKENS new tokens left, by
+   ``max_new_tokens``) whose drafter is behind (requests with plain-decoded tokens not replayed to it): its first
+   speculative step would replay them all, for a few tokens, and the batch could not use what the try measures.
+   A bucket not measured yet runs plain steps until a batch can start its try (a batch that shrinks as its requests
+   end, after plain steps at its full size, reaches sizes met for the first time with a few tokens left).
    Speculative steps must beat plain ones by more than SPEC_MARGIN to run: speculation has costs its steps do not
    show (the drafter's catch-up on every prompt, and requests that finish at different steps, so their successors
    arrive one by one and prefill in more, smaller forwards), so a tie between the two rates is a loss for it.
@@ -52,6 +57,7 @@ EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently 
 MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the winner, up to this
 WARMUP_STEPS = 2  # the first steps of every try run unmeasured (cold caches, lazy compilation)
 SPEC_MARGIN = 0.03  # speculation wins only when faster than plain decoding by more than this fraction
+MIN_TRY_TOKENS = 16  # new tokens left, below which a batch whose drafter is behind starts no try
 
 
 @dataclass(frozen=True)
@@ -165,13 +171,14 @@ class BatchPolicy:
         b = (bucket_of(batch), kind)
         if b not in self.rates:
             self.rates[b] = _Bucket(self.explore_every, self.explore_every)
-            self.rates[b].start_try(True, self.warmup_steps)  # measure speculation first, then plain
         return self.rates[b]
 
-    def choose(self, batch: int, kind: str = GREEDY, most_new: int | None = None) -> TreeShape | None:
+    def choose(self, batch: int, kind: str = GREEDY, most_new: int | None = None,
+               drafter_behind: bool = False) -> TreeShape | None:
         """The tree for the next step of `batch` requests of this kind (``batch_kind``), or None for a plain
         step. most_new: the most new tokens any of them may still make (None: unbounded); a step that cannot use a
-        draft is plain without being counted as a choice of the bucket (``fit_to_remaining``)."""
+        draft is plain without being counted as a choice of the bucket (``fit_to_remaining``). drafter_behind: some
+        of them have plain-decoded tokens the drafter has not caught up on."""
         shape = shape_for_batch(batch, self.full, self.token_budget, self.disable_batch_size)
         if shape is not None and most_new is not None:
             shape = fit_to_remaining(shape, most_new)
@@ -179,14 +186,22 @@ class BatchPolicy:
             return shape
         r = self._bucket(batch, kind)
         r.steps += 1
-        if r.trying is None and r.winner() is None:  # speculation measured, plain not yet
-            r.start_try(False, self.warmup_steps)
-        elif r.trying is None and r.steps >= r.next_try:  # refresh the loser's estimate now and then
-            r.start_try(not r.winner(), self.warmup_steps)
+        if r.trying is None and not (drafter_behind and most_new is not None and most_new < MIN_TRY_TOKENS):
+            self._maybe_start_try(r)
         if r.trying is not None and r.try_choices > 0:
             r.try_choices -= 1
             return shape if r.trying else None
-        return shape if r.winner() is not False else None
+        return shape if r.winner() else None  # unmeasured (no try could start yet): plain
+
+    def _maybe_start_try(self, r: _Bucket) -> None:
+        """Start the try a bucket needs now, if any: speculation first, then plain steps, then the losing mode's
+        refresh every ``interval`` steps."""
+        if r.spec.rate is None:
+            r.start_try(True, self.warmup_steps)
+        elif r.plain.rate is None:
+            r.start_try(False, self.warmup_steps)
+        elif r.steps >= r.next_try:
+            r.start_try(not r.winner(), self.warmup_steps)
 
     def record(self, batch: int, speculative: bool, seconds: float, tokens: int, compiled: bool = False,
                kind: str = GREEDY) -> None:
@@ -203,6 +218,8 @@ class BatchPolicy:
         if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, not measured
             r.try_skip -= 1
             return
+        if r.trying != speculative and (r.spec if speculative else r.plain).rate is None:
+            return  # an estimate starts from a try (after its warm-up), never from steps outside one
         if r.trying == speculative and r.try_records == TRY_STEPS:  # a try's first measured step: a fresh estimate
             setattr(r, "spec" if speculative else "plain", _Mode())
         (r.spec if speculative else r.plain).add(tokens, seconds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specserve.speculative.batch_policy import (
+    MIN_TRY_TOKENS,
     SPEC_MARGIN,
     TRY_STEPS,
     WARMUP_STEPS,
@@ -53,6 +54,34 @@ def test_a_step_that_cannot_use_a_draft_is_not_a_choice_of_its_bucket():
     p = BatchPolicy(FULL)
     assert p.choose(3, most_new=1) is None and not p.rates  # plain, and no bucket measured or counted
     assert p.choose(3, most_new=3) == TreeShape(2, 4, 8) and p.rates[(3, "greedy")].steps == 1
+
+
+def test_a_batch_about_to_end_with_its_drafter_behind_starts_no_try():
+    """A shrinking batch's last requests, after plain steps, reach a bucket not measured yet with a few tokens
+    left: plain steps, which do not start its estimates; the first batch of that size with MIN_TRY_TOKENS left, or
+    with its drafter caught up, measures it."""
+    p = _policy(explore_every=1000)
+    for left in range(MIN_TRY_TOKENS - 1, 1, -1):
+        assert p.choose(3, most_new=left, drafter_behind=True) is None
+        p.record(3, False, 1.0, 50)
+    assert p.rates[(3, "greedy")].plain.rate is None and p.rates[(3, "greedy")].spec.rate is None
+    assert p.choose(3, most_new=MIN_TRY_TOKENS - 1) is not None  # drafter up to date: the try starts
+    p = _policy(explore_every=1000)
+    flags = []
+    for _ in range(2 * TRY_STEPS + 2):
+        speculative = p.choose(3, most_new=MIN_TRY_TOKENS, drafter_behind=True) is not None
+        p.record(3, speculative, 1.0, 300 if speculative else 200)
+        flags.append(speculative)
+    assert flags == [True] * TRY_STEPS + [False] * TRY_STEPS + [True] * 2
+
+
+def test_a_due_refresh_of_speculation_waits_for_a_batch_that_can_use_it():
+    p = _policy(explore_every=10)
+    assert _run(p, 8, spec_rate=100, plain_rate=200) == [True] * 4 + [False] * 4  # both measured: plain wins
+    for _ in range(20):  # speculation's refresh is due from step 10 on, but these steps have 5 tokens left
+        assert p.choose(1, most_new=5, drafter_behind=True) is None
+        p.record(1, False, 1.0, 200)
+    assert p.choose(1, most_new=MIN_TRY_TOKENS, drafter_behind=True) is not None  # now it starts
 
 
 def test_buckets():

@@ -92,8 +92,8 @@ def test_auto_off_switching_mid_request_keeps_the_tokens(target, setups, monkeyp
     flips = iter(range(10**6))
     real = batch_policy.BatchPolicy.choose
 
-    def alternate(self, batch, kind="greedy", most_new=None):
-        shape = real(self, batch, kind, most_new)
+    def alternate(self, batch, kind="greedy", most_new=None, drafter_behind=False):
+        shape = real(self, batch, kind, most_new, drafter_behind)
         return None if next(flips) % 3 == 2 else (shape or self.full)
 
     monkeypatch.setattr(batch_policy.BatchPolicy, "choose", alternate)
