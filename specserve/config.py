@@ -208,8 +208,8 @@ class ServerArgs:
     speculative_draft_model_revision: str | None = field(default=None, metadata={"help": "Draft revision."})
     speculative_draft_dtype: str = field(default="auto", metadata={
         "help": "auto|float32|float16|bfloat16: the dtype a separate draft model (EAGLE, EAGLE3, STANDALONE) runs "
-                "in. auto = the target's, except float32 on CPU for a bf16/fp16 target with a draft of at most 8M "
-                "parameters (faster there; docs/benchmarks.md). Outputs stay exact either way."})
+                "in. auto = the target's. float32 under a bf16/fp16 target on CPU runs its small calls in float32 and "
+                "the larger ones on packed bf16 copies. Outputs stay exact either way."})
     speculative_num_steps: int | None = field(default=None, metadata={"help": "Draft depth S."})
     speculative_eagle_topk: int | None = field(default=None, metadata={"help": "Branching per draft step K."})
     speculative_num_draft_tokens: int | None = field(

@@ -7,6 +7,7 @@
     specserve bench-speculative --steps 6 --topk 4 --num-draft-tokens 16 \\
         --stop-threshold 0,0.02 --score-temperature 1,0.6           # our two tree-shaping flags swept too
     specserve bench-speculative --temperature 0.7 --coupled-drafting on,off      # sampled, coupled drafting or not
+    specserve bench-speculative --draft-dtype float32,bfloat16         # the draft model's dtype
 
 Every (``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``) combination of
 the grid goes through ``ServerArgs.validate``: the ones it rejects are skipped with its message, and the ones it
@@ -14,7 +15,8 @@ normalizes into an earlier one (topk 1 forces draft tokens = steps + 1) are skip
 (the same server flags, no speculation) is always measured too. ``--stop-threshold`` and ``--score-temperature`` add
 ``--speculative-draft-stop-threshold`` and ``--speculative-draft-score-temperature`` to the grid, and
 ``--coupled-drafting on,off`` the coupling of sampled requests' drafts (``--disable-speculative-coupled-drafting``
-for off) (EAGLE-family trees; given once as server flags instead, they hold for every point). One Engine is built
+for off) (EAGLE-family trees; given once as server flags instead, they hold for every point), and ``--draft-dtype``
+the dtypes of the draft model (``--speculative-draft-dtype``; methods with a separate draft model). One Engine is built
 per configuration, warmed up once, and runs every batch size; a batch of size b is b prompts submitted in one
 ``generate`` call, ``ignore_eos`` so each request makes exactly ``--max-new-tokens`` tokens. Per batch size the
 prompts (the target family's held-out ones, cycled: ``held_out_prompts_for``) are ``max(--num-prompts, b)`` rounded
@@ -81,6 +83,7 @@ class TreeShape:
     stop_threshold: float | None = None  # None: not swept (the server flag's value)
     score_temperature: float | None = None
     coupled: bool | None = None  # coupled drafting of sampled requests; None: not swept
+    draft_dtype: str | None = None  # --speculative-draft-dtype; None: not swept
 
     @property
     def is_baseline(self) -> bool:
@@ -99,6 +102,8 @@ class TreeShape:
             label += f" T {self.score_temperature:g}"
         if self.coupled is not None:
             label += " coupled" if self.coupled else " uncoupled"
+        if self.draft_dtype is not None:
+            label += f" {self.draft_dtype}"
         return label
 
 
@@ -141,6 +146,18 @@ def parse_on_off_list(text: str | None, flag: str) -> list[bool | None]:
     return list(dict.fromkeys(w == "on" for w in words))
 
 
+def parse_dtype_list(text: str | None) -> list[str | None]:
+    """'float32,bfloat16' -> ['float32', 'bfloat16'] (order kept, duplicates dropped); None -> [None]."""
+    from specserve.config import DTYPES
+
+    if text is None:
+        return [None]
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if not words or any(w not in DTYPES for w in words):
+        raise ConfigError(f"--draft-dtype takes a comma list of {' / '.join(DTYPES)}, got {text!r}")
+    return list(dict.fromkeys(words))
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from specserve.args import add_server_args
 
@@ -159,6 +176,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--coupled-drafting", default=None,
                    help="on,off: sampled requests' drafts ranked with their verification's noise or not "
                         "(--disable-speculative-coupled-drafting; default: not swept)")
+    g.add_argument("--draft-dtype", default=None,
+                   help="comma list of --speculative-draft-dtype values to sweep, e.g. float32,bfloat16 (default: "
+                        "not swept)")
     g.add_argument("--num-prompts", type=int, default=8,
                    help="held-out prompts per batch size (at least the batch size; they cycle; default: 8)")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -194,7 +214,8 @@ def check_args(ns: argparse.Namespace) -> dict[str, list]:
             "score_temperature": parse_float_list(ns.score_temperature, "--score-temperature",
                                                   lambda v: 0 < v <= MAX_SCORE_TEMPERATURE,
                                                   f"(0, {MAX_SCORE_TEMPERATURE:g}]"),
-            "coupled": parse_on_off_list(ns.coupled_drafting, "--coupled-drafting")}
+            "coupled": parse_on_off_list(ns.coupled_drafting, "--coupled-drafting"),
+            "draft_dtype": parse_dtype_list(ns.draft_dtype)}
 
 
 def base_args(ns: argparse.Namespace) -> ServerArgs:
@@ -213,17 +234,19 @@ def base_args(ns: argparse.Namespace) -> ServerArgs:
 # ---------------------------------------------------------------------------------------------- grid
 def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: list[int],
                 thresholds: list[float | None] = (None,), temperatures: list[float | None] = (None,),
-                coupled: list[bool | None] = (None,)) -> tuple[list[tuple[TreeShape, ServerArgs]], list[dict]]:
+                coupled: list[bool | None] = (None,), dtypes: list[str | None] = (None,)
+                ) -> tuple[list[tuple[TreeShape, ServerArgs]], list[dict]]:
     """Validated (shape, server args) per distinct grid point, in grid order, and the skipped points with why.
-    A None threshold / temperature / coupling keeps `base`'s value and is left out of the label."""
+    A None threshold / temperature / coupling / draft dtype keeps `base`'s value and is left out of the label."""
     configs: list[tuple[TreeShape, ServerArgs]] = []
     skipped: list[dict] = []
     seen: dict[TreeShape, str] = {}
     ngram = base.speculative_algorithm == "NGRAM"
-    for s, k, n, thr, temp, cpl in itertools.product(steps, topks, tokens, thresholds, temperatures, coupled):
+    for s, k, n, thr, temp, cpl, dt in itertools.product(steps, topks, tokens, thresholds, temperatures, coupled,
+                                                         dtypes):
         asked = {"steps": s, "topk": k, "num_draft_tokens": n, "stop_threshold": thr, "score_temperature": temp,
-                 "coupled": cpl}
-        asked_label = TreeShape(s, k, n, thr, temp, cpl).label
+                 "coupled": cpl, "draft_dtype": dt}
+        asked_label = TreeShape(s, k, n, thr, temp, cpl, dt).label
         try:
             args = dataclasses.replace(
                 base, speculative_num_steps=None if ngram else s, speculative_eagle_topk=None if ngram else k,
@@ -232,13 +255,15 @@ def expand_grid(base: ServerArgs, steps: list[int], topks: list[int], tokens: li
                 speculative_draft_score_temperature=base.speculative_draft_score_temperature if temp is None else temp,
                 disable_speculative_coupled_drafting=(base.disable_speculative_coupled_drafting if cpl is None
                                                       else not cpl),
+                speculative_draft_dtype=base.speculative_draft_dtype if dt is None else dt,
             ).validate()
         except ConfigError as e:
             skipped.append({**asked, "reason": str(e)})
             continue
         # NGRAM has no draft probabilities: none of these flags shapes its tree
         shape = TreeShape(args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-                          None if ngram else thr, None if ngram else temp, None if ngram else cpl)
+                          None if ngram else thr, None if ngram else temp, None if ngram else cpl,
+                          None if ngram else dt)
         if shape in seen:
             skipped.append({**asked, "reason": f"validation makes it {shape.label}, already measured "
                                                f"(from {seen[shape]})"})
@@ -433,6 +458,7 @@ def row_head(shape: TreeShape, args: ServerArgs, batch_size: int, prompts: list[
             "stop_threshold": args.speculative_draft_stop_threshold if spec else None,
             "score_temperature": args.speculative_draft_score_temperature if spec else None,
             "coupled_drafting": not args.disable_speculative_coupled_drafting if spec else None,
+            "draft_dtype": args.speculative_draft_dtype if spec else None,
             "batch_size": batch_size, "num_prompts": len(prompts)}
 
 
@@ -535,10 +561,11 @@ def sweep(ns: argparse.Namespace, grid: dict[str, list[int]], args: ServerArgs) 
     from specserve.bench.eval_acceptance import held_out_prompts_for, plain_args
 
     configs, skipped = expand_grid(args, grid["steps"], grid["topk"], grid["num_draft_tokens"],
-                                   grid["stop_threshold"], grid["score_temperature"], grid["coupled"])
+                                   grid["stop_threshold"], grid["score_temperature"], grid["coupled"],
+                                   grid["draft_dtype"])
     for s in skipped:
         shape = TreeShape(s["steps"], s["topk"], s["num_draft_tokens"], s["stop_threshold"], s["score_temperature"],
-                          s["coupled"])
+                          s["coupled"], s["draft_dtype"])
         print(f"skip {shape.label}: {s['reason']}", file=sys.stderr)
     pool = held_out_prompts_for(args.model_path, max(ns.num_prompts, *grid["batch_sizes"]))
     batches = {b: prompts_for_batch(pool, b, ns.num_prompts) for b in grid["batch_sizes"]}

@@ -1,7 +1,7 @@
-"""``--speculative-draft-dtype``: a separate draft model may run in another dtype than the target (auto: float32
-for a small draft under a bf16/fp16 target on CPU). The draft only proposes, so greedy output stays plain
-decoding's: the lossless gate with its vacuity guard for each kind of draft, both ways round, and the auto rule on
-hand-picked cases."""
+"""``--speculative-draft-dtype``: a separate draft model may run in another dtype than the target (auto: the
+target's). The draft only proposes, so greedy output stays plain decoding's: the lossless gate with its vacuity
+guard for each kind of draft, both ways round (a float32 draft under a bf16 target on CPU with its mixed linears),
+and the auto rule."""
 
 from __future__ import annotations
 
@@ -13,22 +13,19 @@ from specserve.config import ServerArgs
 from specserve.models.loader import count_parameters, load_model
 from specserve.platform import platform_policy
 from specserve.platform.cpu.packing import MixedLinear, PackedLinear
-from specserve.platform.cpu.policy import CPU_FP32_DRAFT_MAX_PARAMS
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-LIMIT = CPU_FP32_DRAFT_MAX_PARAMS
 
 
 @pytest.mark.parametrize("target,device,params,want", [
-    (BF16, "cpu", 2_000_000, F32),  # a small draft under a bf16 target on CPU: float32
-    (F16, "cpu", LIMIT, F32),  # the limit itself is still small
-    (BF16, "cpu", LIMIT + 1, BF16),  # a larger draft streams its weights: half the bytes in bf16
-    (BF16, "cuda", 1000, BF16),  # GPUs run half precision natively
-    (F32, "cpu", 1000, F32),  # never below the target's precision
+    (BF16, "cpu", 2_000_000, BF16),  # on CPU a small draft too: its forwards take the bf16 kernels
+    (F16, "cpu", 20_000_000, F16),
+    (BF16, "cuda", 1000, BF16),
+    (F32, "cpu", 1000, F32),
 ])
 def test_auto_draft_dtype(target, device, params, want):
     assert platform_policy(ServerArgs(), torch.device(device)).draft_dtype(target, params) == want
@@ -95,16 +92,17 @@ def test_bf16_draft_under_a_float32_target_is_lossless(target, self_head, bigram
     _gate(target, kw, BF16, min_accept_length=1.2)
 
 
-def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
-    """bf16 target on CPU, auto: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's LM head
-    rows, a MixedLinear like the head's linears) run in float32, the head's KV in bf16; the target's own LM head
-    stays packed bf16."""
+def test_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
+    """bf16 target on CPU, a float32 draft: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's
+    LM head rows, a MixedLinear like the head's linears) run in float32, the head's KV in bf16; the target's own LM
+    head stays packed bf16."""
     from specserve.speculative.token_map import save_token_map
 
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
     head = make_eagle_head_dir(str(tmp_path / "head"), path, kind="self")
     save_token_map(torch.arange(64), str(tmp_path / "map.pt"))
-    kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"))
+    kw = spec_kwargs("EAGLE", head, 4, 3, 8, speculative_token_map=str(tmp_path / "map.pt"),
+                     speculative_draft_dtype="float32")
     _gate(path, kw, F32, min_accept_length=1.2, kv_dtype=BF16)
     with Engine(model_path=path, max_total_tokens=4096, **kw) as e:
         assert isinstance(e.scheduler.runner.model.lm_head, PackedLinear)
@@ -113,13 +111,13 @@ def test_auto_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_p
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory, compiled):
+def test_float32_standalone_under_a_bf16_target_is_lossless(model_factory, compiled):
     """The float32 draft's linears are MixedLinear (float32 up to FP32_MAX_ROWS rows, packed bf16 beyond): a
     batch of 8 drafts 24 rows per level, a lone request 3; both paths, eager and compiled (compared with compiled
     plain decoding: in bf16 a compiled forward may round differently from an eager one)."""
     path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=BF16)
     target_kw = {"enable_torch_compile": compiled}
-    kw = spec_kwargs("STANDALONE", path, 4, 3, 8)
+    kw = spec_kwargs("STANDALONE", path, 4, 3, 8, speculative_draft_dtype="float32")
     _gate(path, kw, F32, min_accept_length=1.5, **target_kw)
     with Engine(model_path=path, max_total_tokens=4096, **target_kw) as e:
         want = e.generate(PROMPTS[0], greedy(24))["output_ids"]
@@ -132,14 +130,14 @@ def test_auto_float32_standalone_under_a_bf16_target_is_lossless(model_factory, 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_path, compiled):
-    """A float32 EAGLE-3 head under a bf16 target (auto) keeps its KV in bf16 and runs forwards of more than
+    """A float32 EAGLE-3 head under a bf16 target keeps its KV in bf16 and runs forwards of more than
     FP32_MAX_ROWS tokens in bf16 (prompt catch-ups; at batch 8 the tree levels of 8 x 3 rows and the catch-ups after
     verification), smaller ones (a lone request's levels of 3 rows) in float32. Both kinds must have run, and the
     greedy output is plain decoding's at batch 8 and for a lone request, eager and compiled."""
     target = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True, dtype=BF16)
     head = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
     target_kw = {"enable_torch_compile": compiled}
-    kw = spec_kwargs("EAGLE3", head, 4, 3, 8)
+    kw = spec_kwargs("EAGLE3", head, 4, 3, 8, speculative_draft_dtype="float32")
     with Engine(model_path=target, max_total_tokens=4096, **target_kw) as e:
         plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
         lone = e.generate(PROMPTS[0], greedy(24))["output_ids"]
@@ -183,7 +181,8 @@ def test_engine_probes_the_float32_crossover(model_factory, tmp_path, monkeypatc
     monkeypatch.setenv(mixed_probe.ENV, "auto")
     target = model_factory("llama", num_hidden_layers=2, unit_embeddings=True, dtype=BF16)
     head = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
-    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE3", head, 4, 3, 8)) as e:
+    kw = spec_kwargs("EAGLE3", head, 4, 3, 8, speculative_draft_dtype="float32")
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         verdict = e.get_server_info()["cpu_draft_fp32_rows"]
         proposer = e.scheduler.decoder.proposer
         mixed = [m for m in proposer.head.modules() if isinstance(m, MixedLinear)]
@@ -214,7 +213,8 @@ def test_a_crossover_of_zero_runs_every_draft_call_in_bf16_losslessly(model_fact
     real = packing.F.linear
     monkeypatch.setattr(packing.F, "linear",  # a float32 weight's call is a MixedLinear's float32 path
                         lambda x, w, b=None: (w.dtype == F32 and fp32_calls.append(x.shape)) or real(x, w, b))
-    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs(algo, draft, 4, 3, 8)) as e:
+    kw = spec_kwargs(algo, draft, 4, 3, 8, speculative_draft_dtype="float32")
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         proposer = e.scheduler.decoder.proposer
         assert e.get_server_info()["cpu_draft_fp32_rows"] == {"fp32_max_rows": 0, "source": mixed_probe.ENV}
         assert proposer.draft_dtype == F32

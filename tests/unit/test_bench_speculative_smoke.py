@@ -68,6 +68,18 @@ def test_parse_on_off_list_and_the_coupling_axis():
     assert [a.disable_speculative_coupled_drafting for _, a in configs] == [False, True]
 
 
+def test_the_draft_dtype_axis():
+    assert bs.parse_dtype_list(None) == [None]
+    assert bs.parse_dtype_list("float32, bfloat16,float32") == ["float32", "bfloat16"]
+    for bad in ("float32,int8", "", "fp8"):
+        with pytest.raises(ConfigError, match="--draft-dtype"):
+            bs.parse_dtype_list(bad)
+    base = ServerArgs(speculative_algorithm="EAGLE").validate()
+    configs, _ = bs.expand_grid(base, [2], [2], [4], dtypes=["float32", "bf16"])
+    assert [c.label for c, _ in configs] == ["steps 2 topk 2 draft 4 float32", "steps 2 topk 2 draft 4 bf16"]
+    assert [a.speculative_draft_dtype for _, a in configs] == ["float32", "bfloat16"]  # validated: bf16's long name
+
+
 def test_expand_grid_ngram_ignores_threshold_and_temperature():
     base = ServerArgs(speculative_algorithm="NGRAM").validate()
     configs, skipped = bs.expand_grid(base, [1], [1], [4], [None], [1.0, 0.5])
@@ -262,7 +274,8 @@ def test_run_interleaved_alternates_configurations_batch_by_batch(monkeypatch):
                     {"config": "A", "batch_size": 2, "mark": "A", "passes": [(1.0, [{"n": 2}] * 2)] * 2},
                     {"config": "B", "batch_size": 2, "mark": "B", "passes": [(1.0, [{"n": 2}] * 2)] * 2}]
     assert skipped == [{"steps": 2, "topk": 1, "num_draft_tokens": 3, "stop_threshold": None,
-                        "score_temperature": None, "coupled": None, "reason": "draft vocabulary mismatch"}]
+                        "score_temperature": None, "coupled": None, "draft_dtype": None,
+                        "reason": "draft vocabulary mismatch"}]
     assert shut == ["A", "B"]
 
 

@@ -1,4 +1,5 @@
-"""CpuPolicy: where the CPU tweaks apply (the allocator, threads, oneDNN packing, float32 drafts, query-head folding).
+"""CpuPolicy: where the CPU tweaks apply (the allocator, threads, oneDNN packing, float32 drafts' mixed linears,
+query-head folding).
 
 Each constant below carries the measurement behind it; the mechanisms live beside this file (``malloc.py``,
 ``omp.py``, ``packing.py``) and in attention's ``_attend_folded``.
@@ -30,13 +31,6 @@ from specserve.platform.policy import PlatformPolicy
 from specserve.sampling import race
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-#: ``--speculative-draft-dtype auto`` runs a draft of at most this many parameters in float32 on CPU under a
-#: bf16/fp16 target. Its float32 weights (32 MiB at most) stay in a server CPU's caches, so its forwards are bound
-#: by per-op costs, which half-precision ops raise on CPU with their conversions (docs/benchmarks.md: at batch 1
-#: the demo drafts give STANDALONE 9% and EAGLE-3 1.5-3% more tokens/s). Larger drafts stream their weights, half
-#: as many bytes in bf16, so they keep the target's dtype.
-CPU_FP32_DRAFT_MAX_PARAMS = 8 * 2**20
 
 #: A float32 draft with MixedLinears keeps its KV in this dtype and runs its forwards of more rows than its linears'
 #: crossover (``mixed_probe.py``) in it (``EagleProposer.compute_dtype``): at batch 32 its catch-ups gather half the
@@ -195,12 +189,6 @@ class CpuPolicy(PlatformPolicy):
         return packable_bytes(module) <= PLAIN_COPY_MAX_MEMORY_SHARE * (physical_ram_bytes() or 0)
 
     # ------------------------------------------------------------------ draft models
-    def draft_dtype(self, target_dtype: torch.dtype, num_params: int) -> torch.dtype:
-        """float32 for a draft of at most CPU_FP32_DRAFT_MAX_PARAMS under a bf16/fp16 target, else the target's."""
-        if target_dtype in HALF_DTYPES and num_params <= CPU_FP32_DRAFT_MAX_PARAMS:
-            return torch.float32
-        return target_dtype
-
     def mixed_linears(self, draft_dtype: torch.dtype, target_dtype: torch.dtype) -> bool:
         """A float32 draft under a half-precision target gets MixedLinears (packed bf16 for large calls), unless
         packing is off."""
