@@ -136,26 +136,27 @@ def parse_float_list(text: str | None, flag: str, ok: Callable[[float], bool], b
     return list(dict.fromkeys(values))
 
 
-def parse_on_off_list(text: str | None, flag: str) -> list[bool | None]:
-    """'on,off' -> [True, False] (order kept, duplicates dropped); None (the flag not given) -> [None]."""
+def parse_choice_list(text: str | None, flag: str, choices: tuple[str, ...]) -> list[str | None]:
+    """'a, b,a' -> ['a', 'b'] (order kept, duplicates dropped), each one of `choices`; None (the flag not given)
+    -> [None]. ConfigError naming the flag otherwise."""
     if text is None:
         return [None]
     words = [w.strip() for w in text.split(",") if w.strip()]
-    if not words or any(w not in ("on", "off") for w in words):
-        raise ConfigError(f"{flag} takes a comma list of on / off, got {text!r}")
-    return list(dict.fromkeys(w == "on" for w in words))
+    if not words or any(w not in choices for w in words):
+        raise ConfigError(f"{flag} takes a comma list of {' / '.join(choices)}, got {text!r}")
+    return list(dict.fromkeys(words))
+
+
+def parse_on_off_list(text: str | None, flag: str) -> list[bool | None]:
+    """'on,off' -> [True, False] (order kept, duplicates dropped); None (the flag not given) -> [None]."""
+    return [None if w is None else w == "on" for w in parse_choice_list(text, flag, ("on", "off"))]
 
 
 def parse_dtype_list(text: str | None) -> list[str | None]:
-    """'float32,bfloat16' -> ['float32', 'bfloat16'] (order kept, duplicates dropped); None -> [None]."""
+    """--draft-dtype 'float32,bfloat16' -> ['float32', 'bfloat16']; None -> [None]."""
     from specserve.config import DTYPES
 
-    if text is None:
-        return [None]
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if not words or any(w not in DTYPES for w in words):
-        raise ConfigError(f"--draft-dtype takes a comma list of {' / '.join(DTYPES)}, got {text!r}")
-    return list(dict.fromkeys(words))
+    return parse_choice_list(text, "--draft-dtype", DTYPES)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

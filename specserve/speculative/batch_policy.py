@@ -149,6 +149,10 @@ class _Bucket:
         self.try_skip = warmup
         self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS + self.try_skip, TRY_STEPS
 
+    def mode(self, speculative: bool) -> _Mode:
+        """The estimate of speculative (True) or plain (False) steps."""
+        return self.spec if speculative else self.plain
+
     def winner(self) -> bool | None:
         """True = speculative steps are faster than plain ones by more than SPEC_MARGIN, False = they are not (plain
         runs), None = not both measured yet."""
@@ -186,7 +190,8 @@ class BatchPolicy:
             return shape
         r = self._bucket(batch, kind)
         r.steps += 1
-        if r.trying is None and not (drafter_behind and most_new is not None and most_new < MIN_TRY_TOKENS):
+        ends_soon = most_new is not None and most_new < MIN_TRY_TOKENS
+        if r.trying is None and not (ends_soon and drafter_behind):
             self._maybe_start_try(r)
         if r.trying is not None and r.try_choices > 0:
             r.try_choices -= 1
@@ -218,11 +223,11 @@ class BatchPolicy:
         if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, not measured
             r.try_skip -= 1
             return
-        if r.trying != speculative and (r.spec if speculative else r.plain).rate is None:
+        if r.trying != speculative and r.mode(speculative).rate is None:
             return  # an estimate starts from a try (after its warm-up), never from steps outside one
         if r.trying == speculative and r.try_records == TRY_STEPS:  # a try's first measured step: a fresh estimate
             setattr(r, "spec" if speculative else "plain", _Mode())
-        (r.spec if speculative else r.plain).add(tokens, seconds)
+        r.mode(speculative).add(tokens, seconds)
         if r.trying is None or speculative != r.trying:
             return
         r.try_records -= 1
