@@ -20,7 +20,11 @@ constrained token's mask built before it is drawn; the same outputs). Tokens/s i
 round's summed wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round
 by round. EAGLE-3 rows add
 the accept length (completion tokens per verify step), the same without the grammar-forced tokens ("drafted"), and
-the forced tokens accepted per verify step.
+the forced tokens accepted per verify step. "g. share" is the share of the constrained run's wall time that the
+engine's grammar work took on its scheduler thread (``grammar_mask_seconds`` of the server info: the masks of
+sampling, verify trees and drafting, and check-first sampling's token checks; not a redrawn row's argmax), the
+median over rounds: the grammar's own cost, which a neighbour's load on a shared machine moves far less than it
+moves two tokens/s figures taken seconds apart.
 
     python benchmarks/bench_structured.py --rounds 3 [--model smollm2]
 """
@@ -85,16 +89,23 @@ def prompts(engine: Engine, model: str) -> list[str]:
         tokenize=False, add_generation_prompt=True) for c in SCHEMA_CASES]
 
 
+def grammar_seconds(engine: Engine) -> float:
+    """The seconds the engine's grammar work (masks, checks, forced tokens) has taken on its scheduler so far."""
+    return engine.get_server_info()["grammar_mask_seconds"]
+
+
 def run(engine: Engine, texts: list[str], group: range, lengths: list[int] | None, max_new: int
-        ) -> tuple[float, list[int], int, int]:
+        ) -> tuple[float, list[int], int, int, float]:
     """The cases of `group` (their prompts `texts`) at once; constrained when `lengths` is None, else free with those
     output lengths (one per case of the group) -> (seconds, completion tokens per case, verify steps, grammar-forced
-    tokens accepted)."""
+    tokens accepted, seconds of grammar work)."""
     ps = [params(SCHEMA_CASES[k], lengths is None, max_new if lengths is None else lengths[i])
           for i, k in enumerate(group)]
+    grammar_before = grammar_seconds(engine)
     start = time.perf_counter()
     outs = engine.generate([texts[k] for k in group], ps)
     secs = time.perf_counter() - start
+    grammar = grammar_seconds(engine) - grammar_before
     tokens, verify, forced = [], 0, 0
     for o in outs:
         tokens.append(o["meta_info"]["completion_tokens"])
@@ -102,7 +113,7 @@ def run(engine: Engine, texts: list[str], group: range, lengths: list[int] | Non
         forced += o["meta_info"].get("spec_forced_tokens", 0)
         if lengths is None and o["meta_info"]["finish_reason"]["type"] == "stop":
             json.loads(o["text"])  # a finished constrained output is JSON
-    return secs, tokens, verify, forced
+    return secs, tokens, verify, forced, grammar
 
 
 def run_round(eng: dict[tuple[str, str], Engine], texts: list[str], batch: int, max_new: int
@@ -120,12 +131,10 @@ def run_round(eng: dict[tuple[str, str], Engine], texts: list[str], batch: int, 
             runs = {True: con}
             if algo in ("plain", "eagle3"):  # without a grammar, the variants change nothing
                 runs[False] = run(engine, texts, group, con[1], max_new)
-            for constrained, (secs, toks, ver, forced) in runs.items():
-                t = totals.setdefault((algo, backend, constrained), [0.0, 0, 0, 0])
-                t[0] += secs
-                t[1] += sum(toks)
-                t[2] += ver
-                t[3] += forced
+            for constrained, (secs, toks, ver, forced, grammar) in runs.items():
+                t = totals.setdefault((algo, backend, constrained), [0.0, 0, 0, 0, 0.0])
+                for i, x in enumerate((secs, sum(toks), ver, forced, grammar)):
+                    t[i] += x
     return totals
 
 
@@ -161,10 +170,11 @@ def main(argv: list[str] | None = None) -> None:
             totals = run_round(eng, texts, batch, args.max_new_tokens)
             if rnd == 0:
                 continue  # warm-up
-            for (algo, backend, constrained), (secs, toks, ver, forced) in totals.items():
+            for (algo, backend, constrained), (secs, toks, ver, forced, grammar) in totals.items():
                 r = rows.setdefault((batch, algo, backend, constrained),
-                                    {"tps": [], "accept": [], "drafted": [], "forced": []})
+                                    {"tps": [], "accept": [], "drafted": [], "forced": [], "share": []})
                 r["tps"].append(toks / secs)
+                r["share"].append(grammar / secs)
                 if ver:
                     r["accept"].append(toks / ver)
                     r["drafted"].append((toks - forced) / ver)
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model} (bf16), {len(texts)} JSON-schema prompts, greedy, max {args.max_new_tokens} new tokens, "
           f"{space}; median of {args.rounds} rounds (ratio: round by round)")
     print(f"{'batch':>5} {'algo':>12} {'grammar':>11} {'free tok/s':>11} {'tok/s':>9} {'vs free':>8} "
-          f"{'vs plain':>9} {'accept free':>12} {'accept':>7} {'drafted':>8} {'forced':>7}")
+          f"{'vs plain':>9} {'g. share':>8} {'accept free':>12} {'accept':>7} {'drafted':>8} {'forced':>7}")
     for (batch, algo, backend, constrained), r in rows.items():
         if not constrained:
             continue
@@ -190,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         vs_free = "-" if free is None else \
             f"{statistics.median(a / b for a, b in zip(r['tps'], free['tps'], strict=True)):.2f}"
         print(f"{batch:>5} {algo:>12} {backend:>11} {med(free, 'tps', '.1f'):>11} {med(r, 'tps', '.1f'):>9} "
-              f"{vs_free:>8} {vs_plain:>9.2f} {med(free, 'accept'):>12} {med(r, 'accept'):>7} {med(r, 'drafted'):>8} "
-              f"{med(r, 'forced'):>7}")
+              f"{vs_free:>8} {vs_plain:>9.2f} {med(r, 'share', '.1%'):>8} {med(free, 'accept'):>12} "
+              f"{med(r, 'accept'):>7} {med(r, 'drafted'):>8} {med(r, 'forced'):>7}")
     for (algo, backend), info in checks.items():
         if info.get("grammar_checked_tokens"):
             print(f"{algo} {backend}: {info['grammar_check_refusals']} of {info['grammar_checked_tokens']} tokens "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
+from torch import nn
 
 from specserve import Engine
 
@@ -85,3 +87,14 @@ def record_rows(monkeypatch, module, name: str, dim: int = 0) -> list[int]:
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda x, *a: calls.append(x.shape[dim]) or real(x, *a))
     return calls
+
+
+def onednn_packs_bf16() -> bool:
+    """oneDNN packs bf16 weights on this CPU (it needs AVX512; on an AVX2-only CPU the engine keeps plain linears,
+    with float32 copies for calls of several rows)."""
+    from specserve.platform.cpu.packing import _pack
+
+    return _pack(nn.Linear(64, 64).to(torch.bfloat16)) is not None
+
+
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_packs_bf16(), reason="oneDNN cannot pack bf16 weights on this CPU")

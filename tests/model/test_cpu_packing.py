@@ -1,4 +1,5 @@
-"""oneDNN-packed bf16 linears: same results as plain linears, same greedy output through the engine."""
+"""oneDNN-packed bf16 linears: same results as plain linears, same greedy output through the engine; where oneDNN
+packs none, float32 copies for calls of several rows."""
 
 from __future__ import annotations
 
@@ -10,21 +11,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import Engine
-from specserve.platform.cpu import one_row_probe, packing
+from specserve.platform.cpu import one_row_probe, packing, upcast_probe
 from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
     GEMV_MAX_ROWS,
     MixedLinear,
     PackedLinear,
+    UpcastLinear,
     cpu_gemv,
     mix_linears_for_cpu,
     pack_linears_for_cpu,
     packable_bytes,
+    upcast_linears_for_cpu,
 )
 from specserve.platform.cpu.policy import CpuPolicy
-from tests.engine.helpers import PROMPTS, force_one_row_kernel, greedy
+from tests.engine.helpers import PROMPTS, force_one_row_kernel, greedy, needs_onednn_bf16
 
 
+@needs_onednn_bf16
 def test_packed_linear_matches_plain_linear():
     """Decode-sized and prefill-sized calls alike (the packed layout is chosen for one row count)."""
     torch.manual_seed(0)
@@ -37,6 +41,7 @@ def test_packed_linear_matches_plain_linear():
         torch.testing.assert_close(model(x).float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_onednn_bf16
 def test_one_row_calls_take_the_plain_weight_when_kept(monkeypatch):
     """keep_plain: a one-row call runs cpu_gemv on the plain weight (PyTorch's kernel, oneDNN off for the call
     only); larger calls the packed kernel; both agree with nn.Linear, eager and compiled."""
@@ -93,6 +98,7 @@ def test_fp32_is_left_alone():
     assert pack_linears_for_cpu(model) == 0 and isinstance(model[0], nn.Linear)
 
 
+@needs_onednn_bf16
 def test_engine_greedy_same_with_and_without_packing(model_factory, monkeypatch):
     path = model_factory("qwen2", dtype=torch.bfloat16)
     force_one_row_kernel(monkeypatch, "gemv")
@@ -106,6 +112,7 @@ def test_engine_greedy_same_with_and_without_packing(model_factory, monkeypatch)
     assert outs[0] == outs[1]
 
 
+@needs_onednn_bf16
 def test_packed_one_row_kernel_keeps_no_plain_copies(model_factory, monkeypatch):
     """Where the packed kernel wins one-row calls (the probe's verdict, forced here), no plain copy is kept, the
     server info says which kernel runs, and greedy outputs equal unpacked decoding's."""
@@ -126,6 +133,7 @@ def test_packed_one_row_kernel_keeps_no_plain_copies(model_factory, monkeypatch)
     assert outs[0] == outs[1] and calls == []
 
 
+@needs_onednn_bf16
 def test_engine_probes_the_one_row_kernel(model_factory, monkeypatch):
     """With SPECSERVE_ONE_ROW_KERNEL=auto the engine times both kernels on its target's linears: the server info gives
     the verdict and the times, and the plain copies are kept exactly where the verdict is gemv."""
@@ -152,6 +160,7 @@ def test_probed_linears_stop_at_the_byte_budget():
     assert one_row_probe.probed_linears(lins, max_bytes=10**6) == lins
 
 
+@needs_onednn_bf16
 def test_probe_times_both_kernels_on_the_models_linears(monkeypatch):
     """The probe runs one row through the linears with each kernel and picks by its own timings; the packed verdict
     drops the plain weights, gemv keeps them; SPECSERVE_ONE_ROW_KERNEL skips the probe; a bad value names it."""
@@ -190,6 +199,7 @@ def test_packed_linear_under_torch_compile():
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_onednn_bf16
 def test_mixed_linear_float32_for_few_rows_packed_bf16_for_many():
     """A float32 draft's linears: up to FP32_MAX_ROWS rows exactly F.linear in float32; more rows the packed bf16
     matmul (so bf16 rounding, float32 out), also compiled."""
@@ -214,6 +224,7 @@ def test_mixed_linear_float32_for_few_rows_packed_bf16_for_many():
                 torch.testing.assert_close(torch.compile(model)(x), got)
 
 
+@needs_onednn_bf16
 def test_engine_moves_its_weights_onto_huge_pages(model_factory, monkeypatch):
     """The engine moves the target's weights (and the plain copies the one-row kernel reads) into one mapping
     advised for huge pages and says how much in the server info; SPECSERVE_KEEP_WEIGHT_PAGES=1 leaves them on the
@@ -240,3 +251,68 @@ def test_engine_moves_its_weights_onto_huge_pages(model_factory, monkeypatch):
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             assert info["cpu_weights_on_huge_pages_mib"] >= weights / 2**20 and len(storages) == 1 and "hg" in flags
     assert outs[0] == outs[1]
+
+
+def test_upcast_linear_runs_several_rows_on_its_float32_copy():
+    """An UpcastLinear (a CPU where oneDNN packs no half-precision weight): calls of min_rows rows or more are exactly
+    F.linear in float32 over the upcast weight, rounded to bf16; fewer rows, or min_rows 0, exactly bf16 F.linear."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    up = UpcastLinear(lin, min_rows=4)
+    w, b = lin.weight.detach(), lin.bias.detach()
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            half = F.linear(x, w, b)
+            wide = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+            got = up(x)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, wide if rows >= 4 else half)
+        x = torch.randn(2, 3, 64).to(torch.bfloat16)  # 6 rows in a 3-d input
+        assert torch.equal(up(x), F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+        torch.testing.assert_close(torch.compile(up)(x), up(x))  # inside a compiled graph too
+        up.min_rows = 0
+        assert torch.equal(up(x), F.linear(x, w, b))
+    assert "wide" not in up.state_dict()  # the copy is no checkpoint tensor
+
+
+def _fake_times(float32_wins_from: int | None):
+    """interleaved_times' stand-in: the float32 pass takes half the bf16 pass's time from that row count up (None:
+    never), double below it."""
+    def times(passes, reps):
+        rows = next(iter(passes["half"].__defaults__[0].values())).shape[0]
+        fast = float32_wins_from is not None and rows >= float32_wins_from
+        return {"half": [1.0] * reps, "float32": [0.5 if fast else 2.0] * reps}
+    return times
+
+
+@pytest.mark.parametrize("wins_from, want", [(4, 4), (2, 2), (None, 0)])
+def test_upcast_probe_takes_the_copy_from_where_it_wins(monkeypatch, wins_from, want):
+    """The probe's verdict: the fewest probed rows from which the float32 copy won at every larger count; where it
+    won nowhere, no linear keeps its copy and every call reads the half-precision weight."""
+    monkeypatch.setenv(upcast_probe.ENV, "auto")
+    monkeypatch.setattr(upcast_probe, "interleaved_times", _fake_times(wins_from))
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    assert upcast_linears_for_cpu(model) == 2
+    verdict = upcast_probe.choose_upcast_rows(list(model))
+    assert verdict["min_rows"] == want and verdict["source"] == "probe"
+    assert sorted(verdict["half_float32_ms"]) == list(upcast_probe.PROBE_ROWS)
+    assert all(m.min_rows == want and (m.wide is None) == (want == 0) for m in model)
+
+
+def test_policy_upcasts_where_onednn_packs_nothing(model_factory, monkeypatch):
+    """On a CPU whose oneDNN cannot pack bf16 weights (simulated), the engine's bf16 linears get float32 copies for
+    calls of several rows; the server info gives the verdict, and greedy decoding runs."""
+    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    monkeypatch.setenv(upcast_probe.ENV, "on")
+    with Engine(model_path=model_factory("qwen2", dtype=torch.bfloat16), max_total_tokens=2048) as e:
+        model = e.scheduler.runner.model
+        ups = [m for m in model.modules() if isinstance(m, UpcastLinear)]
+        assert ups and not any(isinstance(m, PackedLinear) for m in model.modules())
+        assert all(m.min_rows == packing.UPCAST_MIN_ROWS for m in ups)
+        assert e.get_server_info()["cpu_upcast_linears"]["Qwen2ForCausalLM"]["source"] == upcast_probe.ENV
+        assert len(e.generate(PROMPTS[:3], greedy(6))[0]["output_ids"]) == 6
+    monkeypatch.setenv(upcast_probe.ENV, "off")
+    with Engine(model_path=model_factory("qwen2", dtype=torch.bfloat16), max_total_tokens=2048) as e:
+        assert not any(isinstance(m, UpcastLinear) for m in e.scheduler.runner.model.modules())
+        assert "cpu_upcast_linears" not in e.get_server_info()

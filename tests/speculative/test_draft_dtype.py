@@ -15,7 +15,7 @@ from specserve.platform import platform_policy
 from specserve.platform.cpu.packing import MixedLinear, PackedLinear
 from specserve.speculative.heads.eagle3 import Eagle3Head
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
-from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy, needs_onednn_bf16
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -92,6 +92,7 @@ def test_bf16_draft_under_a_float32_target_is_lossless(target, self_head, bigram
     _gate(target, kw, BF16, min_accept_length=1.2)
 
 
+@needs_onednn_bf16
 def test_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
     """bf16 target on CPU, a float32 draft: the EAGLE head and its FR-Spec hot head (a float32 copy of the target's
     LM head rows, a MixedLinear like the head's linears) run in float32, the head's KV in bf16; the target's own LM
@@ -111,6 +112,7 @@ def test_float32_draft_under_a_bf16_target_is_lossless(model_factory, tmp_path):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+@needs_onednn_bf16
 def test_float32_standalone_under_a_bf16_target_is_lossless(model_factory, compiled):
     """The float32 draft's linears are MixedLinear (float32 up to FP32_MAX_ROWS rows, packed bf16 beyond): a
     batch of 8 drafts 24 rows per level, a lone request 3; both paths, eager and compiled (compared with compiled
@@ -129,6 +131,7 @@ def test_float32_standalone_under_a_bf16_target_is_lossless(model_factory, compi
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+@needs_onednn_bf16
 def test_float32_head_runs_large_calls_in_bf16_losslessly(model_factory, tmp_path, compiled):
     """A float32 EAGLE-3 head under a bf16 target keeps its KV in bf16 and runs forwards of more than
     FP32_MAX_ROWS tokens in bf16 (prompt catch-ups; at batch 8 the tree levels of 8 x 3 rows and the catch-ups after
@@ -173,6 +176,7 @@ def test_pick_crossover(fp32_ms, bf16_ms, want):
     assert pick_crossover(passes(fp32_ms), passes(bf16_ms)) == want
 
 
+@needs_onednn_bf16
 def test_engine_probes_the_float32_crossover(model_factory, tmp_path, monkeypatch):
     """With SPECSERVE_DRAFT_FP32_MAX_ROWS=auto the first float32 draft times its own linears at 1..8 rows both ways:
     the server info gives the crossover and the times, every MixedLinear and the draft's forwards follow it."""
@@ -197,6 +201,7 @@ def test_engine_probes_the_float32_crossover(model_factory, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("algo", ["EAGLE3", "STANDALONE"])
+@needs_onednn_bf16
 def test_a_crossover_of_zero_runs_every_draft_call_in_bf16_losslessly(model_factory, tmp_path, monkeypatch, algo):
     """SPECSERVE_DRAFT_FP32_MAX_ROWS=0 (what the probe picks where bf16 wins from one row): a float32 draft's
     linears run their packed bf16 copies at every row count, the EAGLE-3 head's forwards in bf16 throughout, and

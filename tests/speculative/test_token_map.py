@@ -28,7 +28,7 @@ from specserve.speculative.token_map import (
     validate_token_map,
 )
 from specserve.test.tiny import corpus_text, make_eagle_head_dir
-from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
+from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy, needs_onednn_bf16
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 FLAG = "--speculative-token-map"
@@ -176,6 +176,7 @@ def _checkpoint_tensor(model_dir: str, name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tied", [False, True])
+@needs_onednn_bf16
 def test_hot_rows_of_a_packed_bf16_head(model_factory, tied):
     """On CPU a bf16 LM head is replaced by a PackedLinear without a plain weight: the hot rows come from the
     checkpoint (untied) or the input embedding (tied), equal to the checkpoint's rows."""
@@ -277,6 +278,7 @@ def test_token_map_smaller_than_topk_fails_at_start_up(target, self_head, tmp_pa
                **spec_kwargs("EAGLE", self_head, 4, 3, 8, speculative_token_map=path))
 
 
+@needs_onednn_bf16
 def test_gate_bf16_target_with_packed_lm_head(model_factory, tmp_path):
     """bf16 on CPU with a bf16 draft: the target's LM head is a oneDNN PackedLinear (no plain weight), so the hot
     rows are read from the checkpoint and the hot head is packed too; output still equals plain decoding. (With
@@ -335,6 +337,7 @@ def test_gate_standalone_draft_restricted_to_the_map(target, plain, tmp_path):
 
 
 @pytest.mark.parametrize("disable", [False, True])
+@needs_onednn_bf16
 def test_standalone_hot_head_follows_the_packing_flag(model_factory, tmp_path, disable):
     """STANDALONE's hot head (from the draft model's own LM head) is packed like every other bf16 linear on CPU, and
     left plain under --disable-cpu-weight-packing."""

@@ -13,7 +13,8 @@ def test_bench_structured_runs_every_configuration(capsys):
     for r in rows:
         assert float(r[4]) > 0  # constrained tok/s
         assert (r[3] == "-") == (r[1] not in ("plain", "eagle3"))  # free baselines: plain and eagle3
-        assert (r[8] == "-") == r[1].startswith("plain")  # accept lengths: EAGLE-3's rows
+        assert r[7].endswith("%") and 0 <= float(r[7][:-1]) < 100  # the grammar's share of the constrained run
+        assert (r[9] == "-") == r[1].startswith("plain")  # accept lengths: EAGLE-3's rows
     checks = [line for line in lines if line.startswith(("plain", "eagle3"))]
     assert checks and checks[0].startswith("plain llguidance: ")  # check-first counts, plain's first
     assert not any(line.startswith("plain-masked") for line in checks)  # nothing drawn check-first there

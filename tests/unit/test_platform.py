@@ -12,7 +12,7 @@ from specserve.config import ServerArgs
 from specserve.platform import CpuPolicy, PlatformPolicy, platform_policy
 from specserve.platform.cpu.packing import PackedLinear
 from specserve.test.tiny import make_eagle_head_dir
-from tests.engine.helpers import PROMPTS, greedy
+from tests.engine.helpers import PROMPTS, greedy, needs_onednn_bf16
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -34,6 +34,7 @@ def test_the_plain_policy_declines_every_cpu_tweak():
     assert not policy.folds_query_heads(torch.zeros(8, 4, 4, 2, dtype=BF16), 2, masked=True)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("disable", [False, True])
 def test_cpu_policy_packs_unless_disabled(disable):
     policy = platform_policy(ServerArgs(disable_cpu_weight_packing=disable), torch.device("cpu"))

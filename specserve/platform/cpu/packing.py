@@ -138,6 +138,49 @@ class MixedLinear(DirectCall):
         return _packed_matmul(x, self.packed, self.bias_bf16)
 
 
+#: the fewest rows whose calls an UpcastLinear runs on its float32 copy
+UPCAST_MIN_ROWS = 2
+
+
+class UpcastLinear(DirectCall):
+    """A half-precision Linear on a CPU where oneDNN cannot pack half-precision weights, when asked for
+    (``SPECSERVE_CPU_UPCAST``, ``upcast_probe.py``; no AVX512: e.g. an AMD EPYC
+    of the Zen 3 generation, AVX2 only). PyTorch's bf16 matmul there re-reads the weight for every row, so a call's
+    cost grows with its rows: a 12-row verify through a 1536x576 linear took 1.4 ms against 0.12 ms for one row, while
+    float32 (MKL's sgemm) multiplies many rows for one read of the weight. Calls of ``min_rows`` rows or more run in
+    float32 on a float32 copy of the weight (``wide``) and round their result to the weight's dtype; smaller calls
+    (a batch-1 decode step's) read the half-precision weight, half the bytes. ``min_rows`` 0: every call does
+    (``upcast_probe.py`` found the copy no faster here and dropped it)."""
+
+    def __init__(self, linear: nn.Linear, min_rows: int = UPCAST_MIN_ROWS) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("wide", linear.weight.detach().float(), persistent=False)  # [out, in] float32
+        self.register_buffer("wide_bias", None if linear.bias is None else linear.bias.detach().float(),
+                             persistent=False)  # [out] float32
+        self.min_rows = min_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], x's dtype
+        if self.min_rows and x.numel() >= self.min_rows * self.in_features:
+            return self.upcast(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def upcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32 path, whatever the row count (the probe times it)."""
+        return F.linear(x.float(), self.wide, self.wide_bias).to(x.dtype)
+
+
+def upcast_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every half-precision CPU nn.Linear of model (those oneDNN did not pack) by an UpcastLinear; returns
+    how many."""
+    count = _replace_linears(model, PACKABLE_DTYPES, UpcastLinear, need_onednn=False)
+    if count:
+        logger.info("%d half-precision linear layers get a float32 copy for calls of %d rows or more", count,
+                    UPCAST_MIN_ROWS)
+    return count
+
+
 def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """linear's weight in oneDNN's packed layout (in ``dtype``, default its own), checked against F.linear on a
     random input; None where oneDNN cannot pack it."""
@@ -171,9 +214,9 @@ def packable_bytes(model: nn.Module) -> int:
     return total
 
 
-def _replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], make) -> int:
+def _replace_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...], make, need_onednn: bool = True) -> int:
     """Replace every CPU nn.Linear of model whose weight has one of ``dtypes`` by make(linear) (unless None)."""
-    if not torch.backends.mkldnn.is_available():
+    if need_onednn and not torch.backends.mkldnn.is_available():
         return 0
     count = 0
     for parent in list(model.modules()):

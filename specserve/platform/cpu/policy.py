@@ -12,7 +12,7 @@ import os
 import torch
 from torch import nn
 
-from specserve.platform.cpu import elementwise, int8_gemm, native, small_gemm, tree_attention
+from specserve.platform.cpu import elementwise, int8_gemm, native, small_gemm, tree_attention, upcast_probe
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -23,10 +23,13 @@ from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
     MixedLinear,
     PackedLinear,
+    UpcastLinear,
     mix_linears_for_cpu,
     pack_linears_for_cpu,
     packable_bytes,
+    upcast_linears_for_cpu,
 )
+from specserve.platform.cpu.upcast_probe import choose_upcast_rows
 from specserve.platform.policy import PlatformPolicy
 from specserve.sampling import race
 
@@ -64,6 +67,7 @@ class CpuPolicy(PlatformPolicy):
         self.one_row: dict[str, dict] = {}  # packed module's class name -> its one-row kernel verdict
         self.small_rows: dict[str, dict] = {}  # packed module's class name -> the few-row kernel's verdict
         self.mixed: dict | None = None  # the float32 draft linears' crossover verdict, once a draft is mixed
+        self.upcast: dict[str, dict] = {}  # module's class name -> its half-precision linears' float32-copy verdict
         self.huge_page_bytes = 0  # weights moved onto huge pages (hugepages.py), all models together
         self.int8_linears = 0  # int8 quantized linears on specserve's int8 kernel (int8_gemm.py), all models
         # specserve's few-query attention kernel (tree_attention.py), unless SPECSERVE_CPU_ATTENTION=off
@@ -135,6 +139,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_small_gemm"] = self.small_rows
         if self.mixed is not None:
             extra["cpu_draft_fp32_rows"] = self.mixed
+        if self.upcast:
+            extra["cpu_upcast_linears"] = self.upcast
         if self.tree_attention:
             extra["cpu_tree_attention"] = True
         if self.int8_linears:
@@ -164,6 +170,8 @@ class CpuPolicy(PlatformPolicy):
         keep = self.keeps_plain_weights(module)
         small = self.packs_weights and keep and small_gemm.available()
         packed = pack_linears_for_cpu(module, keep_plain=keep, keep_small=small) if self.packs_weights else 0
+        if self.packs_weights and not packed:
+            self.upcast_linears(module)
         kept = [m for m in module.modules() if isinstance(m, PackedLinear) and m.plain is not None]
         if kept:  # gemv or the packed kernel for one row: whichever is faster here (one_row_probe.py)
             self.one_row[type(module).__name__] = choose_one_row_kernel(kept)
@@ -172,6 +180,19 @@ class CpuPolicy(PlatformPolicy):
             self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
         return packed
+
+    def upcast_linears(self, module: nn.Module) -> None:
+        """Where oneDNN packed none of module's half-precision linears (a CPU without AVX512), each gets a float32
+        copy of its weight for calls of several rows, where the probe finds it faster (``upcast_probe.py``), if the
+        copies fit in PLAIN_COPY_MAX_MEMORY_SHARE of the memory."""
+        if upcast_probe.mode() == "off":
+            return
+        if 2 * packable_bytes(module) > PLAIN_COPY_MAX_MEMORY_SHARE * (physical_ram_bytes() or 0):
+            return
+        upcast_linears_for_cpu(module)
+        linears = [m for m in module.modules() if isinstance(m, UpcastLinear)]
+        if linears:
+            self.upcast[type(module).__name__] = choose_upcast_rows(linears)
 
     def kv_store(self):
         """specserve's one-call K and V write (``elementwise.kv_store``) where the element-wise operators run."""
