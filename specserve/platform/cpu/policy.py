@@ -182,9 +182,9 @@ class CpuPolicy(PlatformPolicy):
         return packed
 
     def upcast_linears(self, module: nn.Module) -> None:
-        """Where oneDNN packed none of module's half-precision linears (a CPU without AVX512), each gets a float32
-        copy of its weight for calls of several rows, where the probe finds it faster (``upcast_probe.py``), if the
-        copies fit in PLAIN_COPY_MAX_MEMORY_SHARE of the memory."""
+        """Where oneDNN packed none of module's half-precision linears (a CPU without AVX512) and SPECSERVE_CPU_UPCAST
+        asks for it (auto or on), each gets a float32 copy of its weight for calls of several rows, where the probe
+        finds it faster (``upcast_probe.py``), if the copies fit in PLAIN_COPY_MAX_MEMORY_SHARE of the memory."""
         if upcast_probe.mode() == "off":
             return
         if 2 * packable_bytes(module) > PLAIN_COPY_MAX_MEMORY_SHARE * (physical_ram_bytes() or 0):
