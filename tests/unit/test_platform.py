@@ -34,8 +34,7 @@ def test_the_plain_policy_declines_every_cpu_tweak():
     assert not policy.folds_query_heads(torch.zeros(8, 4, 4, 2, dtype=BF16), 2, masked=True)
 
 
-@needs_onednn_bf16
-@pytest.mark.parametrize("disable", [False, True])
+@pytest.mark.parametrize("disable", [pytest.param(False, marks=needs_onednn_bf16), True])
 def test_cpu_policy_packs_unless_disabled(disable):
     policy = platform_policy(ServerArgs(disable_cpu_weight_packing=disable), torch.device("cpu"))
     model = nn.Sequential(nn.Linear(8, 8).to(BF16), nn.Linear(8, 8))  # bf16 packs, float32 does not
