@@ -139,14 +139,15 @@ def evaluate(ns: argparse.Namespace) -> tuple[Agreement, int]:
     finally:
         engine.shutdown()
     seqs = [p + list(o["output_ids"]) for p, o in zip(ids, outs, strict=True)]
-    target, _, _ = load_model(target_dir, dtype="bfloat16", device="cpu")
+    bf16 = bf16_supported("cpu")  # else no autocast: the float32 head then needs a float32 target's outputs
+    target, _, _ = load_model(target_dir, dtype="bfloat16" if bf16 else "float32", device="cpu")
     head, _, _ = load_model(head_dir, dtype="float32", device="cpu", registry=head_architectures())
     algorithm = "EAGLE3" if isinstance(head, Eagle3Head) else "EAGLE"
     trainer = EagleTrainer(target, read_config(target_dir), EagleOptions(algorithm, ttt_steps=ns.steps), None, 0, [],
                            head=head)
     cache = build_feature_cache(target, seqs, trainer.capture, progress=False)
     spans = [(len(s), len(p)) for s, p in zip(seqs, ids, strict=True)]
-    return head_agreement(trainer, cache, spans, bf16_supported("cpu")), len(seqs)
+    return head_agreement(trainer, cache, spans, bf16), len(seqs)
 
 
 def head_architectures() -> dict:
