@@ -16,6 +16,7 @@ from specserve.bench.bench_ngram import Tally
 from specserve.bench.report import read_jsonl
 from specserve.cli import main as cli_main
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from tests.engine.helpers import needs_onednn_bf16
 
 ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle", "ours_eagle3", "ours_standalone", "hf_lookup",
        "ours_ngram"]
@@ -236,6 +237,7 @@ def test_setup_lines_name_the_float32_draft_crossover():
         "(SPECSERVE_DRAFT_FP32_MAX_ROWS)"]
 
 
+@needs_onednn_bf16
 def test_bench_compare_one_row_kernel_in_bf16(tmp_path, llama_dir, monkeypatch, capsys):
     """A bf16 run records the kernel its packed target runs one row on, as the engine's server info says."""
     monkeypatch.setenv("SPECSERVE_ONE_ROW_KERNEL", "packed")
