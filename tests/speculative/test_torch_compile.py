@@ -15,6 +15,7 @@ from tests.engine.helpers import (
     assert_no_kv_leak,
     force_one_row_kernel,
     greedy,
+    needs_onednn_bf16,
 )
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
@@ -49,6 +50,7 @@ def test_compiled_eagle_tree_equals_plain(target, self_head, plain):
     assert info["torch_compile_graphs"] >= 2  # the target's verify and the head's draft steps at least
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("kernel", ["gemv", "packed"])
 def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch, kernel):
     """bf16 on CPU: the oneDNN-packed linears stay packed under torch.compile (this used to fail in inductor's
