@@ -1,13 +1,13 @@
 """specserve's own C++ kernels for CPUs with AVX512-BF16 (``small_gemm.cpp``, ``int8_gemm.cpp``,
-``tree_attention.cpp``, ``elementwise.cpp``; helpers shared in ``simd.h``): built once per machine and loaded through
-ctypes, and their operators' C++ CPU implementations (``ops.cpp``, ``native_ops``), built with PyTorch's headers and
-loaded into PyTorch's dispatcher.
+``tree_attention.cpp``, ``elementwise.cpp``; helpers shared in ``simd.h``) and for CPUs with AVX2 and FMA only
+(``avx2_gemm.cpp``): built once per machine and loaded through ctypes, and the AVX512 kernels' operators' C++ CPU
+implementations (``ops.cpp``, ``native_ops``), built with PyTorch's headers and loaded into PyTorch's dispatcher.
 
 Each source is compiled with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
 (``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``) under a name hashed from the source, the
 flags, the compiler and the OpenMP runtime, and linked to PyTorch's own libgomp so that its threads are PyTorch's.
-Where the CPU lacks AVX512-BF16, no compiler is found or the build fails, ``function`` returns None (the reason
-logged) and the callers keep PyTorch's kernels.
+Where the CPU lacks a kernel's instructions (its ``ISAS`` entry), no compiler is found or the build fails,
+``function`` returns None (the reason logged) and the callers keep PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ from specserve.models.gguf import cache_root
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-fPIC"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+FLAGS = ["-O3", "-fopenmp", "-fPIC"]
+#: instruction set -> (its compiler flags, the /proc/cpuinfo flags a CPU needs to run it)
+ISAS = {
+    "avx512bf16": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+}
 
 
 def env_mode(env: str, modes: tuple[str, ...]) -> str:
@@ -53,15 +58,15 @@ def kernel_ready(env: str, modes: tuple[str, ...], kernel: Callable[[], object])
     return True
 
 
-def cpu_supports(cpuinfo: str | None = None) -> bool:
-    """The CPU has the instructions the kernels use (Linux's /proc/cpuinfo flags; False where it cannot tell)."""
+def cpu_supports(cpuinfo: str | None = None, isa: str = "avx512bf16") -> bool:
+    """The CPU has the instructions of ``isa`` (Linux's /proc/cpuinfo flags; False where it cannot tell)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return False
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in CPU_FLAGS)
+    return all(f in flags for f in ISAS[isa][1])
 
 
 def torch_openmp() -> str | None:
@@ -72,10 +77,12 @@ def torch_openmp() -> str | None:
 
 
 def build(source: Path, compiler: str, openmp: str, out_dir: Path, extra: tuple[Path, ...] = (),
-          compile_flags: tuple[str, ...] = (), link_flags: tuple[str, ...] = ()) -> Path:
-    """Compile ``source`` (and the ``extra`` sources beside it, into the same library) into a shared library (once:
-    the file is named by a hash of the sources, the headers beside them, flags, compiler and runtime) -> its path.
-    Written to a temporary name and renamed, so processes building at once each see a whole file."""
+          compile_flags: tuple[str, ...] = (), link_flags: tuple[str, ...] = (), isa: str = "avx512bf16") -> Path:
+    """Compile ``source`` (and the ``extra`` sources beside it, into the same library) for the instruction set
+    ``isa`` into a shared library (once: the file is named by a hash of the sources, the headers beside them, flags,
+    compiler and runtime) -> its path. Written to a temporary name and renamed, so processes building at once each see
+    a whole file."""
+    compile_flags = (*ISAS[isa][0], *compile_flags)
     sources = (source, *extra)
     headers = sorted(source.parent.glob("*.h"))  # included by the sources (simd.h): a change rebuilds
     text = b"".join(src.read_bytes() for src in (*sources, *headers))
@@ -97,10 +104,11 @@ def build(source: Path, compiler: str, openmp: str, out_dir: Path, extra: tuple[
     return target
 
 
-def _toolchain(what: str) -> tuple[str, str] | None:
-    """(the compiler, PyTorch's libgomp) where the kernels can be built and run here, else None (reason logged)."""
-    if not cpu_supports():
-        logger.info("%s: the CPU lacks AVX512-BF16", what)
+def _toolchain(what: str, isa: str = "avx512bf16") -> tuple[str, str] | None:
+    """(the compiler, PyTorch's libgomp) where the kernels for ``isa`` can be built and run here, else None (reason
+    logged)."""
+    if not cpu_supports(isa=isa):
+        logger.info("%s: the CPU lacks %s", what, isa.upper())
         return None
     compiler, openmp = shutil.which(os.environ.get("CXX", "g++")), torch_openmp()
     if compiler is None or openmp is None:
@@ -120,15 +128,17 @@ def _built(what: str, build_it) -> Path | None:
 
 
 @functools.cache
-def function(source_name: str, symbol: str, argtypes: tuple, compile_flags: tuple[str, ...] = ()):
-    """The C function ``symbol`` of this folder's ``source_name``, built on the first call (with ``compile_flags``
-    too: benchmarks build variants), as a ctypes function (no return value), or None where it cannot run here."""
-    tools = _toolchain(source_name)
+def function(source_name: str, symbol: str, argtypes: tuple, compile_flags: tuple[str, ...] = (),
+             isa: str = "avx512bf16", restype=None):
+    """The C function ``symbol`` of this folder's ``source_name``, built for the instruction set ``isa`` on the first
+    call (with ``compile_flags`` too: benchmarks build variants), as a ctypes function returning ``restype`` (None:
+    nothing), or None where it cannot run here."""
+    tools = _toolchain(source_name, isa)
     if tools is None:
         return None
     source = Path(__file__).with_name(source_name)
     path = _built(source_name, lambda: build(source, *tools, Path(cache_root()) / "kernels",
-                                             compile_flags=compile_flags))
+                                             compile_flags=compile_flags, isa=isa))
     if path is None:
         return None
     try:
@@ -136,7 +146,7 @@ def function(source_name: str, symbol: str, argtypes: tuple, compile_flags: tupl
     except (OSError, AttributeError) as e:
         logger.warning("%s not loaded: %s", source_name, e)
         return None
-    fn.restype = None
+    fn.restype = restype
     fn.argtypes = list(argtypes)
     return fn
 

@@ -181,6 +181,18 @@ def upcast_linears_for_cpu(model: nn.Module) -> int:
     return count
 
 
+def avx2_linears_for_cpu(model: nn.Module) -> int:
+    """Replace every bf16 CPU nn.Linear of model that specserve's AVX2 kernel takes (``avx2_gemm.takes``) by an
+    ``Avx2Linear``; returns how many."""
+    from specserve.platform.cpu.avx2_gemm import Avx2Linear, takes
+
+    count = _replace_linears(model, (torch.bfloat16,), lambda lin: Avx2Linear(lin) if takes(lin) else None,
+                             need_onednn=False)
+    if count:
+        logger.info("%d bf16 linear layers run on specserve's AVX2 kernel", count)
+    return count
+
+
 def _pack(linear: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """linear's weight in oneDNN's packed layout (in ``dtype``, default its own), checked against F.linear on a
     random input; None where oneDNN cannot pack it."""

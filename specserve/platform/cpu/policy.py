@@ -12,7 +12,15 @@ import os
 import torch
 from torch import nn
 
-from specserve.platform.cpu import elementwise, int8_gemm, native, small_gemm, tree_attention, upcast_probe
+from specserve.platform.cpu import (
+    avx2_gemm,
+    elementwise,
+    int8_gemm,
+    native,
+    small_gemm,
+    tree_attention,
+    upcast_probe,
+)
 from specserve.platform.cpu.cpus import physical_ram_bytes, usable_cpus
 from specserve.platform.cpu.governor import ThreadGovernor, batch_key
 from specserve.platform.cpu.hugepages import place_on_huge_pages
@@ -24,6 +32,7 @@ from specserve.platform.cpu.packing import (
     MixedLinear,
     PackedLinear,
     UpcastLinear,
+    avx2_linears_for_cpu,
     mix_linears_for_cpu,
     pack_linears_for_cpu,
     packable_bytes,
@@ -70,6 +79,7 @@ class CpuPolicy(PlatformPolicy):
         self.upcast: dict[str, dict] = {}  # module's class name -> its half-precision linears' float32-copy verdict
         self.huge_page_bytes = 0  # weights moved onto huge pages (hugepages.py), all models together
         self.int8_linears = 0  # int8 quantized linears on specserve's int8 kernel (int8_gemm.py), all models
+        self.avx2_linears = 0  # bf16 linears on specserve's AVX2 kernel (avx2_gemm.py), all models
         # specserve's few-query attention kernel (tree_attention.py), unless SPECSERVE_CPU_ATTENTION=off
         self.tree_attention = device.type == "cpu" and tree_attention.available()
         # RMSNorm, SiLU-and-multiply and RoPE in one call each (elementwise.py), unless SPECSERVE_CPU_ELEMENTWISE=off
@@ -145,6 +155,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_tree_attention"] = True
         if self.int8_linears:
             extra["cpu_int8_gemm_linears"] = self.int8_linears
+        if self.avx2_linears:
+            extra["cpu_avx2_gemm_linears"] = self.avx2_linears
         if self.fused_modules:
             extra["cpu_fused_elementwise_modules"] = self.fused_modules
         if self.small_rows or self.tree_attention or self.int8_linears or self.fused_modules:
@@ -160,7 +172,9 @@ class CpuPolicy(PlatformPolicy):
         """bf16/fp16 linears -> oneDNN-packed ``PackedLinear`` (``packing.py``), keeping their plain weights for
         one-row calls where that copy is small enough (``keeps_plain_weights``) and gemv is the faster one-row kernel
         for them on this machine (``one_row_probe.py``), and a copy for specserve's few-row kernel for the row counts
-        where it is faster still (``small_gemm.py``; same size rule); then the weights move onto huge pages
+        where it is faster still (``small_gemm.py``; same size rule). Where oneDNN packs nothing (no AVX512), bf16
+        linears run on specserve's AVX2 kernel instead (``avx2_gemm.py``), and the half-precision ones left on a
+        float32 copy if SPECSERVE_CPU_UPCAST asks for it (``upcast_linears``). Then the weights move onto huge pages
         (``place_weights``). Before that, int8 quantized linears hand their few-row calls to specserve's int8 kernel
         (``int8_gemm.py``), and its norms, SiLU gated MLPs and rotary embeddings get one-call operators for their
         eager bf16 forwards (``elementwise.py``)."""
@@ -170,8 +184,9 @@ class CpuPolicy(PlatformPolicy):
         keep = self.keeps_plain_weights(module)
         small = self.packs_weights and keep and small_gemm.available()
         packed = pack_linears_for_cpu(module, keep_plain=keep, keep_small=small) if self.packs_weights else 0
-        if self.packs_weights and not packed:
-            self.upcast_linears(module)
+        if self.packs_weights and not packed:  # a CPU without AVX512: oneDNN packs no half-precision weight
+            packed = self.avx2_kernel_linears(module)
+            self.upcast_linears(module)  # the half-precision linears left (fp16 ones, odd shapes), if asked for
         kept = [m for m in module.modules() if isinstance(m, PackedLinear) and m.plain is not None]
         if kept:  # gemv or the packed kernel for one row: whichever is faster here (one_row_probe.py)
             self.one_row[type(module).__name__] = choose_one_row_kernel(kept)
@@ -180,6 +195,15 @@ class CpuPolicy(PlatformPolicy):
             self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
         return packed
+
+    def avx2_kernel_linears(self, module: nn.Module) -> int:
+        """Where oneDNN packed none of module's half-precision linears, its bf16 ones run on specserve's AVX2 kernel
+        (``avx2_gemm.py``) where it builds, unless SPECSERVE_CPU_AVX2_GEMM=off -> how many."""
+        if not avx2_gemm.available():
+            return 0
+        count = avx2_linears_for_cpu(module)
+        self.avx2_linears += count
+        return count
 
     def upcast_linears(self, module: nn.Module) -> None:
         """Where oneDNN packed none of module's half-precision linears (a CPU without AVX512) and SPECSERVE_CPU_UPCAST
