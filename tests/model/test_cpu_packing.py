@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import Engine
-from specserve.platform.cpu import one_row_probe, packing, upcast_probe
+from specserve.platform.cpu import avx2_gemm, one_row_probe, packing, upcast_probe
 from specserve.platform.cpu.packing import (
     FP32_MAX_ROWS,
     GEMV_MAX_ROWS,
@@ -301,9 +301,11 @@ def test_upcast_probe_takes_the_copy_from_where_it_wins(monkeypatch, wins_from, 
 
 
 def test_policy_upcasts_where_onednn_packs_nothing(model_factory, monkeypatch):
-    """On a CPU whose oneDNN cannot pack bf16 weights (simulated), the engine's bf16 linears get float32 copies for
-    calls of several rows; the server info gives the verdict, and greedy decoding runs."""
+    """On a CPU whose oneDNN cannot pack bf16 weights (simulated), with specserve's AVX2 kernel off, the engine's bf16
+    linears get float32 copies for calls of several rows; the server info gives the verdict, and greedy decoding
+    runs."""
     monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    monkeypatch.setenv(avx2_gemm.ENV, "off")
     monkeypatch.setenv(upcast_probe.ENV, "on")
     with Engine(model_path=model_factory("qwen2", dtype=torch.bfloat16), max_total_tokens=2048) as e:
         model = e.scheduler.runner.model
