@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 import time
+from unittest import mock
 
 from specserve import Engine
 from specserve.bench.eval_acceptance import held_out_prompts_for
@@ -37,16 +38,8 @@ def engine(model: str, setting: str, eagle3: bool, threads: int | None) -> Engin
     """An engine loaded with the variables of ``setting``."""
     kw = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=bundled_drafter(model),
               disable_speculative_auto_off=True) if eagle3 else {}
-    before = {name: os.environ.get(name) for name in SETTINGS[setting]}
-    os.environ.update(SETTINGS[setting])
-    try:
+    with mock.patch.dict(os.environ, SETTINGS[setting]):  # restored (or removed) once the engine is loaded
         return Engine(model_path=MODELS[model], dtype="bfloat16", num_threads=threads, **kw)
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def kernels(info: dict) -> str:

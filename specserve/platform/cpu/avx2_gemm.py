@@ -24,7 +24,7 @@ import torch
 from specserve.models.direct_call import DirectCall
 from specserve.platform.cpu import native
 from specserve.platform.cpu.ops import cpu_op
-from specserve.platform.cpu.small_gemm import COLS, pack, packable
+from specserve.platform.cpu.small_gemm import COLS, pack
 
 ENV = "SPECSERVE_CPU_AVX2_GEMM"
 MODES = ("auto", "off")
@@ -84,8 +84,3 @@ class Avx2Linear(DirectCall):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         mm = avx2_gemm if torch.compiler.is_compiling() else _avx2_mm
         return mm(rows, self.packed, self.bias).view(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
-def takes(linear: torch.nn.Linear) -> bool:
-    """A CPU bf16 linear of the kernel's shapes (``small_gemm.packable``: out a multiple of 64, in even)."""
-    return packable(linear.weight)

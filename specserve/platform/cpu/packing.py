@@ -34,6 +34,7 @@ from torch import nn
 from specserve.models.direct_call import DirectCall
 from specserve.models.one_row import GEMV_MAX_ROWS, onednn_off
 from specserve.platform.cpu import small_gemm
+from specserve.platform.cpu.avx2_gemm import Avx2Linear
 from specserve.platform.cpu.ops import cpu_op
 
 logger = logging.getLogger(__name__)
@@ -182,11 +183,10 @@ def upcast_linears_for_cpu(model: nn.Module) -> int:
 
 
 def avx2_linears_for_cpu(model: nn.Module) -> int:
-    """Replace every bf16 CPU nn.Linear of model that specserve's AVX2 kernel takes (``avx2_gemm.takes``) by an
-    ``Avx2Linear``; returns how many."""
-    from specserve.platform.cpu.avx2_gemm import Avx2Linear, takes
-
-    count = _replace_linears(model, (torch.bfloat16,), lambda lin: Avx2Linear(lin) if takes(lin) else None,
+    """Replace every bf16 CPU nn.Linear of model of the shapes specserve's AVX2 kernel takes (its layout's, the
+    few-row kernel's: ``small_gemm.packable``) by an ``Avx2Linear``; returns how many."""
+    count = _replace_linears(model, (torch.bfloat16,),
+                             lambda lin: Avx2Linear(lin) if small_gemm.packable(lin.weight) else None,
                              need_onednn=False)
     if count:
         logger.info("%d bf16 linear layers run on specserve's AVX2 kernel", count)
