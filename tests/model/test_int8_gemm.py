@@ -1,6 +1,7 @@
-"""specserve's int8 weight-only kernel (platform/cpu/int8_gemm.py): its layout, its results against float32 matmuls,
-row independence, how a quantized linear hands its calls to it (eager and compiled), and engines on it: greedy
-output as with PyTorch's int8 kernel, and speculative decoding over an int8 bf16 target equal to plain decoding."""
+"""specserve's int8 weight-only kernels (platform/cpu/int8_gemm.py; AVX512-BF16, else AVX2): the layout, results
+against float32 matmuls, the AVX2 kernel's exact sums, row independence, how a quantized linear hands its calls to
+the kernel (eager and compiled), and engines on it: greedy output as with PyTorch's int8 kernel, and speculative
+decoding over an int8 bf16 target equal to plain decoding."""
 
 from __future__ import annotations
 
@@ -12,9 +13,16 @@ from specserve import Engine
 from specserve.models import quantize as Q
 from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
 from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
-from tests.speculative.helpers import REPEATING_PROMPTS, assert_ngram_equals_plain
+from tests.speculative.helpers import (
+    REPEATING_PROMPTS,
+    assert_drafting_happened,
+    assert_ngram_equals_plain,
+    spec_kwargs,
+)
 
-needs_kernel = pytest.mark.skipif(int8_gemm.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
+needs_kernel = pytest.mark.skipif(int8_gemm.kernel() is None,
+                                  reason="neither AVX512-BF16 nor AVX2 and FMA, or no C++ compiler here")
+needs_avx2 = pytest.mark.skipif(int8_gemm.avx2_kernel() is None, reason="no AVX2 and FMA or no C++ compiler here")
 
 
 def test_packed_layout_by_hand():
@@ -48,6 +56,35 @@ def test_kernel_matches_a_float32_matmul(bias):
         want = F.linear(x.float(), q.float() * scales[:, None], b)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def scaled_sequential_sums(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """The AVX2 kernel's arithmetic written out: each output's float32 sum starts from 0 and adds q[n, k] * x[m, k]
+    for k = 0, 1, ... (an int8 times a bf16 is exact in float32, so each add rounds as the kernel's FMA or add does),
+    then sum * scale + bias with one rounding (float64 holds the product exactly), rounded to bf16."""
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    xf, qf = x.float(), q.float()
+    for k in range(x.shape[1]):
+        acc = acc + xf[:, k:k + 1] * qf[:, k]
+    out = acc.double() * scales.double() + (0.0 if bias is None else bias.double())
+    return out.float().to(torch.bfloat16)
+
+
+@needs_avx2
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_kernel_sums_in_order(bias, monkeypatch):
+    """The AVX2 kernel (run here even where the AVX512 one would be chosen): exactly the sequential sums above, for
+    1-16 rows (every 4-row tile remainder, the one-row path) and a strided input."""
+    monkeypatch.setattr(int8_gemm, "kernel", int8_gemm.avx2_kernel)
+    gen = torch.Generator().manual_seed(3)
+    q, scales = Q.quantize_int8(torch.randn(96, 98, generator=gen))
+    q[0, :4] = torch.tensor([127, -127, -128, 0], dtype=torch.int8)
+    b = torch.randn(96, generator=gen) if bias else None
+    packed = int8_gemm.pack(q)
+    for rows in range(1, int8_gemm.SMALL_MAX_ROWS + 1):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)[:, 16:114]  # a row stride of 128
+        assert torch.equal(int8_gemm._int8_mm(x, packed, scales, b), scaled_sequential_sums(x, q, scales, b))
 
 
 @needs_kernel
@@ -112,6 +149,8 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
             assert info["cpu_ops_in_cpp"] is native.native_ops()
     assert_greedy_equal_up_to_ties([o["output_ids"] for o in plain["on"]], plain["off"])
     assert len(prompts) in calls  # the batch's decode steps
+    if not tree_attention.available():  # then verify rows attend in another order than decode rows
+        return
     monkeypatch.setenv(int8_gemm.ENV, "on")
     monkeypatch.setenv(tree_attention.ENV, "on")
     monkeypatch.setenv(small_gemm.ENV, "on")
@@ -119,3 +158,22 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     calls.clear()
     assert_ngram_equals_plain(prompts, model_path=path, max_total_tokens=2048, torchao_config="int8wo")
     assert max(calls) > 1  # verify trees ran on the int8 weights
+
+
+@needs_kernel
+def test_speculation_over_an_int8_target_is_lossless(model_factory, monkeypatch):
+    """Wherever the int8 kernel runs (the AVX2 one included, with PyTorch's attention): an int8 bf16 target whose
+    decode and verify rows both run on the kernel; a STANDALONE draft (the same model, unquantized) gives greedy
+    output equal to plain decoding's, with drafts accepted. A one-layer model with unit embeddings keeps its logits
+    apart by more than bf16's rounding, so attention's summation order cannot flip a token."""
+    path = model_factory("llama", num_hidden_layers=1, unit_embeddings=True, dtype=torch.bfloat16)
+    calls = record_rows(monkeypatch, int8_gemm, "int8_mm")
+    with Engine(model_path=path, max_total_tokens=4096, torchao_config="int8wo") as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+    calls.clear()
+    with Engine(model_path=path, max_total_tokens=4096, torchao_config="int8wo",
+                **spec_kwargs("STANDALONE", path, 4, 3, 8)) as e:
+        outs = e.generate(PROMPTS, greedy(24))
+    assert [o["output_ids"] for o in outs] == plain
+    assert_drafting_happened(outs, 1.5)
+    assert any(1 < rows <= int8_gemm.SMALL_MAX_ROWS for rows in calls)  # verify trees ran on the int8 weights

@@ -14,6 +14,8 @@
 // from the core's caches; rows come in blocks of ROW_BLOCK so that a block's inputs (converted to float32 once per
 // call) stay in the core's L2 while the column blocks pass over them. Threads split the column blocks (OpenMP: the
 // runtime PyTorch itself uses, linked by the loader).
+//
+// The same file holds the AVX2 kernel for int8 weights (``avx2_int8_gemm_bf16``, below; int8_gemm.py calls it).
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,6 +42,19 @@ static inline void store16(uint16_t* y, __m256 a, __m256 b) {
     // packus interleaves the 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute puts them back in order
     const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));
     _mm256_storeu_si256((__m256i*)y, _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
+// x: m rows of k bf16 (row stride ldx) -> xf: m rows of k floats (row stride k). Inside a parallel region: the
+// threads share the rows, and the implicit barrier at its end lets every thread read all of xf after it.
+static void to_floats(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, float* xf) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) {
+            const uint32_t bits = (uint32_t)x[r * ldx + i] << 16;  // bf16 is float32's upper half
+            float f;
+            __builtin_memcpy(&f, &bits, sizeof(f));
+            xf[r * k + i] = f;
+        }
 }
 
 // One row (x: k2 pairs as floats) times one group's 64 columns.
@@ -105,14 +120,7 @@ extern "C" int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t l
     if (xf == nullptr) return -1;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < k; i++) {
-                const uint32_t bits = (uint32_t)x[r * ldx + i] << 16;
-                float f;
-                __builtin_memcpy(&f, &bits, sizeof(f));
-                xf[r * k + i] = f;
-            }
+        to_floats(x, m, k, ldx, xf);
         if (m == 1) {
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; g++)
@@ -126,6 +134,114 @@ extern "C" int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t l
                     block_rows(xf + r0 * k, k, rows, w + g * k * COLS + 32 * c, k2, bias ? bias + 16 * b : nullptr,
                                y + r0 * ldy + 16 * b, ldy);
                 }
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------- int8 weights
+// y[M, N] = (x[M, K] @ Q[N, K]^T) * scale[N] (+ bias[N]) for an int8 weight with one scale per output column, in
+// int8_gemm.cpp's layout [N / 32][K / 2][2][32]: per group of 32 output columns, K / 2 steps holding the columns'
+// weights at k = 2j (32 bytes), then at k = 2j + 1. 8 weights widen to 8 floats (vpmovsxbd, vcvtdq2ps; exact).
+// Each output's sum starts from 0 and adds q[n, k] * x[m, k] for k = 0, 1, 2, ..., whatever the call's row count;
+// then one FMA applies the scale and the bias, and the result rounds to bf16. An int8 times a bf16 is exact in
+// float32, so an FMA onto the sum and a multiply followed by an add round alike: a row's result has the same bits in
+// any call.
+//
+// One row streams each group once (4 sums, its products computed apart from them: FMAs chained on 4 sums waited on
+// each other's latency, 1.2x slower over SmolLM2's linears). More rows go 4 at a time over half a group (16 columns;
+// 8 sums, a step's 4 widened weight vectors shared by the 4 rows; FMAs), the group's bytes then re-read from the
+// core's L1 (K x 32 bytes). Threads split the groups, or the half groups.
+static const int64_t Q_COLS = 32;  // output columns per packed int8 group
+#ifndef SPECSERVE_Q_PREFETCH_BYTES
+#define SPECSERVE_Q_PREFETCH_BYTES 4096
+#endif
+static const int64_t Q_PREFETCH_BYTES = SPECSERVE_Q_PREFETCH_BYTES;  // how far ahead a row asks for the weights
+
+static inline __m256 widen8(const int8_t* q) {  // 8 int8 -> 8 floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
+
+// 16 sums (columns 0-7, 8-15) -> times scale, plus bias (16 floats each, bias possibly null) -> 16 bf16 at y
+static inline void store16_scaled(uint16_t* y, __m256 a, __m256 b, const float* scale, const float* bias) {
+    const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    store16(y, _mm256_fmadd_ps(a, _mm256_loadu_ps(scale), b0), _mm256_fmadd_ps(b, _mm256_loadu_ps(scale + 8), b1));
+}
+
+// One row (x as floats) times one group's 32 columns.
+static void q_row_group(const float* x, const int8_t* qg, int64_t k2, const float* scale, const float* bias,
+                        uint16_t* y) {
+    __m256 acc[4];
+    for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k2; j++) {
+        const int8_t* s = qg + j * 2 * Q_COLS;
+        _mm_prefetch((const char*)s + Q_PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256 xe = _mm256_broadcast_ss(x + 2 * j), xo = _mm256_broadcast_ss(x + 2 * j + 1);
+        __m256 e[4], o[4];  // the products (exact), computed off the sums' dependency chains
+        for (int c = 0; c < 4; c++) e[c] = _mm256_mul_ps(widen8(s + 8 * c), xe);
+        for (int c = 0; c < 4; c++) o[c] = _mm256_mul_ps(widen8(s + Q_COLS + 8 * c), xo);
+        for (int c = 0; c < 4; c++) acc[c] = _mm256_add_ps(_mm256_add_ps(acc[c], e[c]), o[c]);
+    }
+    store16_scaled(y, acc[0], acc[1], scale, bias);
+    store16_scaled(y + 16, acc[2], acc[3], scale + 16, bias ? bias + 16 : nullptr);
+}
+
+// R rows (x: row stride ldx floats) times 16 columns: half h of a group (qh = the group's first step + 16 h).
+template <int R>
+static void q_rows_half(const float* x, int64_t ldx, const int8_t* qh, int64_t k2, const float* scale,
+                        const float* bias, uint16_t* y, int64_t ldy) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k2; j++) {
+        const int8_t* s = qh + j * 2 * Q_COLS;
+        const __m256 e0 = widen8(s), e1 = widen8(s + 8), o0 = widen8(s + Q_COLS), o1 = widen8(s + Q_COLS + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 xe = _mm256_broadcast_ss(x + r * ldx + 2 * j), xo = _mm256_broadcast_ss(x + r * ldx + 2 * j + 1);
+            acc[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[r][0]));
+            acc[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[r][1]));
+        }
+    }
+    for (int r = 0; r < R; r++) store16_scaled(y + r * ldy, acc[r][0], acc[r][1], scale, bias);
+}
+
+static void q_half_rows(const float* x, int64_t ldx, int64_t m, const int8_t* qh, int64_t k2, const float* scale,
+                        const float* bias, uint16_t* y, int64_t ldy) {
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const float* xs = x + r0 * ldx;
+        uint16_t* ys = y + r0 * ldy;
+        switch (m - r0 < 4 ? m - r0 : 4) {
+            case 1: q_rows_half<1>(xs, ldx, qh, k2, scale, bias, ys, ldy); break;
+            case 2: q_rows_half<2>(xs, ldx, qh, k2, scale, bias, ys, ldy); break;
+            case 3: q_rows_half<3>(xs, ldx, qh, k2, scale, bias, ys, ldy); break;
+            default: q_rows_half<4>(xs, ldx, qh, k2, scale, bias, ys, ldy); break;
+        }
+    }
+}
+
+// x: m rows of k bf16 (row stride ldx), k even; q: packed, n a multiple of 32; scale: n floats; bias: n floats or
+// null; y: m rows of n bf16 (row stride ldy). Returns 0, or -1 where the float32 copy of x could not be allocated.
+extern "C" int avx2_int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
+                                   const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+    const int64_t groups = n / Q_COLS, k2 = k / 2;
+    float* xf = (float*)malloc((size_t)(m * k) * sizeof(float));  // x as floats, row stride k
+    if (xf == nullptr) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        to_floats(x, m, k, ldx, xf);
+        if (m == 1) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++)
+                q_row_group(xf, q + g * k * Q_COLS, k2, scale + g * Q_COLS, bias ? bias + g * Q_COLS : nullptr,
+                            y + g * Q_COLS);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < 2 * groups; u++) {  // half groups
+                const int64_t g = u / 2, c0 = 16 * (u % 2);
+                q_half_rows(xf, k, m, q + g * k * Q_COLS + c0, k2, scale + g * Q_COLS + c0,
+                            bias ? bias + g * Q_COLS + c0 : nullptr, y + g * Q_COLS + c0, ldy);
             }
         }
     }

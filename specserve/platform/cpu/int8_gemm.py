@@ -1,4 +1,5 @@
-"""Weight-only int8 matmuls for a few bf16 rows on CPUs with AVX512-BF16: specserve's own kernel (``int8_gemm.cpp``).
+"""Weight-only int8 matmuls for a few bf16 rows: specserve's own kernels, for CPUs with AVX512-BF16 (``int8_gemm.cpp``)
+and for those with AVX2 and FMA (``avx2_gemm.cpp``).
 
 ``--torchao-config int8wo`` keeps each linear's weight as int8 with one scale per output column
 (``models/quantize.py``). PyTorch's kernel for it (``torch._weight_int8pack_mm``) takes up to QUANT_MAX_ROWS rows,
@@ -38,8 +39,15 @@ def available() -> bool:
 
 
 def kernel():
-    """The compiled kernel as a ctypes function (built on the first call), or None where it cannot run here."""
-    return native.function("int8_gemm.cpp", "int8_gemm_bf16", ARGTYPES)
+    """The compiled kernel as a ctypes function (built on the first call): the AVX512-BF16 one, else the AVX2 one
+    (``avx2_kernel``); None where neither can run here."""
+    return native.function("int8_gemm.cpp", "int8_gemm_bf16", ARGTYPES) or avx2_kernel()
+
+
+def avx2_kernel():
+    """``avx2_gemm.cpp``'s int8 kernel for CPUs with AVX2 and FMA (the same arguments; it returns 0, or -1 where it had
+    no memory for its float32 copy of x), or None where it cannot run here."""
+    return native.function("avx2_gemm.cpp", "avx2_int8_gemm_bf16", ARGTYPES, isa="avx2", restype=ctypes.c_int)
 
 
 def fits(q: torch.Tensor) -> bool:
@@ -70,8 +78,10 @@ def _int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: 
     m, k = x.shape
     n = packed.shape[0] * COLS
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    kernel()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, scales.data_ptr(),
-             None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    status = kernel()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, scales.data_ptr(),
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    if status:  # the AVX2 kernel's -1 (the AVX512 one returns nothing: None)
+        raise MemoryError(f"int8_gemm: no memory for a float32 copy of a {m}x{k} input")
     return y
 
 
