@@ -6,7 +6,7 @@ Per call: each operator and its eager composite on SmolLM2-135M's shapes (hidden
 heads of 64) at 1 and 16 rows, median us of 5 batches of ``--calls`` calls. End to end: one engine on ``--model-path``
 (default: the bundled SmolLM2) in bf16 decodes ``--max-new-tokens`` greedy tokens of one prompt with the operators
 installed and with them taken off its modules and KV pool, alternating ``--rounds`` times; printed: tokens/s of each
-(median) and the ratio of each round. Needs AVX512-BF16, a C++ compiler and PyTorch's headers.
+(median) and the ratio of each round. Needs AVX512-BF16 or AVX2, a C++ compiler and PyTorch's headers.
 
     python benchmarks/bench_elementwise.py --rounds 5
 """
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-threads", type=int, default=2)
     args = p.parse_args(argv)
     if not ew.available():
-        raise SystemExit("the fused operators do not run here (no AVX512-BF16, C++ compiler or PyTorch headers)")
+        raise SystemExit("the fused operators do not run here (neither AVX512-BF16 nor AVX2, or no C++ compiler or "
+                         "PyTorch headers)")
     torch.set_num_threads(args.num_threads)
     with torch.inference_mode():
         per_call(args.calls)

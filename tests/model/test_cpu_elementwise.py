@@ -19,7 +19,8 @@ from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
 BF16 = torch.bfloat16
-needs_ops = pytest.mark.skipif(not ew.available(), reason="no AVX512-BF16, no C++ compiler or no PyTorch headers")
+needs_ops = pytest.mark.skipif(not ew.available(),
+                               reason="neither AVX512-BF16 nor AVX2, or no C++ compiler or no PyTorch headers")
 
 
 def bf16(values) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The C++ implementations of specserve's CPU operators (platform/cpu/ops.cpp, loaded by native.native_ops): they
-take the operators' CPU calls and give the same bits as the Python implementations (ctypes), which stay the
-fallback (SPECSERVE_CPU_OPS=python)."""
+"""The C++ implementations of specserve's CPU operators (platform/cpu/ops.cpp, loaded by native.native_ops, built
+for AVX512-BF16 or, without it, for AVX2): they take the operators' CPU calls and give the same bits as the Python
+implementations (ctypes), which stay the fallback (SPECSERVE_CPU_OPS=python)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve.models.quantize import quantize_int8
-from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
+from specserve.platform.cpu import avx2_gemm, int8_gemm, native, small_gemm, tree_attention
 
 needs_native = pytest.mark.skipif(not (small_gemm.kernel() is not None and native.native_ops()),
                                   reason="no AVX512-BF16, no C++ compiler or no PyTorch headers here")
@@ -35,6 +35,32 @@ def test_gemms_give_the_python_implementations_bits(rows):
         for amx in (0, 1):  # the vector loop; the tile unit where it runs
             assert torch.equal(small_gemm.small_gemm(x, packed, b, amx), small_gemm._small_mm(x, packed, b, amx))
             assert torch.equal(small_gemm.small_mm(x, packed, b, amx), small_gemm._small_mm(x, packed, b, amx))
+        assert torch.equal(int8_gemm.int8_gemm(x, packed8, scales, b), int8_gemm._int8_mm(x, packed8, scales, b))
+
+
+needs_avx2_native = pytest.mark.skipif(not (small_gemm.kernel() is None and avx2_gemm.kernel() is not None
+                                             and native.native_ops()),
+                                       reason="not the AVX2 build: AVX512-BF16 here, or no AVX2, compiler or headers")
+
+
+@needs_avx2_native
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_avx2_build_takes_its_kernels_calls_with_the_same_bits(rows):
+    """On a CPU with AVX2 but no AVX512-BF16 the library registers the AVX2 kernels' operators (avx2_gemm, int8_gemm)
+    and leaves small_gemm and tree_attention, whose kernels do not run there, to Python; both gemms give the ctypes
+    calls' bits."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("specserve::avx2_gemm", "CPU")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("specserve::int8_gemm", "CPU")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("specserve::small_gemm", "CPU")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)[:, 16:144]  # a row stride of 160
+    w = torch.randn(128, 128, generator=gen)
+    bias = torch.randn(128, generator=gen)
+    packed = small_gemm.pack(w.to(torch.bfloat16))
+    q, scales = quantize_int8(w)
+    packed8 = int8_gemm.pack(q)
+    for b in (None, bias):
+        assert torch.equal(avx2_gemm.avx2_gemm(x, packed, b), avx2_gemm._avx2_mm(x, packed, b))
         assert torch.equal(int8_gemm.int8_gemm(x, packed8, scales, b), int8_gemm._int8_mm(x, packed8, scales, b))
 
 

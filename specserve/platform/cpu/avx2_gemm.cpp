@@ -16,9 +16,9 @@
 // runtime PyTorch itself uses, linked by the loader).
 //
 // The same file holds the AVX2 kernel for int8 weights (``avx2_int8_gemm_bf16``, below; int8_gemm.py calls it).
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
+
+#include "simd_avx2.h"
 
 static const int64_t COLS = 64;       // output columns per packed group
 static const int64_t ROW_BLOCK = 64;  // rows whose float32 inputs stay in L2 while the column blocks pass over them
@@ -26,15 +26,6 @@ static const int64_t ROW_BLOCK = 64;  // rows whose float32 inputs stay in L2 wh
 static inline __m256 low_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }  // k = 2j
 static inline __m256 high_half(__m256i v) {                                                        // k = 2j + 1
     return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
-// 8 floats -> 8 bf16 bits (round to nearest even, as PyTorch's float -> bf16 cast; NaN -> 0x7FC0) in 32-bit lanes
-static inline __m256i bf16_bits(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
 }
 
 // 16 floats (a, b: columns 0-7, 8-15) -> 16 bf16 at y

@@ -82,5 +82,6 @@ class Avx2Linear(DirectCall):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], x's dtype (bf16 inside)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        mm = avx2_gemm if torch.compiler.is_compiling() else _avx2_mm
+        # the operator where its C++ implementation is loaded (``native.native_ops``) or inside a compiled graph
+        mm = avx2_gemm if torch.compiler.is_compiling() or native.native_ops() else _avx2_mm
         return mm(rows, self.packed, self.bias).view(*x.shape[:-1], self.out_features).to(x.dtype)

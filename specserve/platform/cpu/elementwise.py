@@ -11,7 +11,8 @@ does not depend on how many rows share the call (a verify tree's row equals its 
 bit for bit; RMSNorm's sum of squares and SiLU's exponential are computed their own way, so a value can differ from
 PyTorch's by one bf16 step where the float32 result sits next to a rounding boundary.
 
-Their C++ implementations load with the other operators' (``native.native_ops``); without them (no AVX512-BF16, no
+Their C++ implementations load with the other operators' (``native.native_ops``; AVX512-BF16 kernels in
+``elementwise.cpp``, AVX2 ones in ``elementwise_avx2.cpp``); without them (neither AVX512-BF16 nor AVX2, no
 compiler, ``SPECSERVE_CPU_OPS=python``) or with ``SPECSERVE_CPU_ELEMENTWISE=off`` the layers run PyTorch's operators.
 The Python implementations below are the eager composites the layers would run, for the operators' tests.
 """

@@ -154,18 +154,24 @@ def function(source_name: str, symbol: str, argtypes: tuple, compile_flags: tupl
 OPS_ENV = "SPECSERVE_CPU_OPS"
 OPS_MODES = ("native", "python")
 KERNEL_SOURCES = ("small_gemm.cpp", "int8_gemm.cpp", "tree_attention.cpp", "elementwise.cpp")
+#: what ``ops.cpp`` is linked with on a CPU with AVX2 and FMA but no AVX512-BF16 (built with SPECSERVE_OPS_AVX2)
+AVX2_KERNEL_SOURCES = ("avx2_gemm.cpp", "elementwise_avx2.cpp")
 
 
 @functools.cache
 def native_ops() -> bool:
     """Load ``ops.cpp`` (built on the first call with PyTorch's headers, linked with the kernels' sources), whose
-    C++ CPU kernels for specserve::small_gemm, int8_gemm, tree_attention, rms_norm, silu_mul and rope then take
-    those operators' calls instead of their Python implementations (a call through the dispatcher costs about 2.5 us
-    less) -> whether it is loaded. Not where SPECSERVE_CPU_OPS=python, the kernels cannot run here, or PyTorch's
-    headers are missing."""
+    C++ CPU kernels for specserve::small_gemm, int8_gemm, tree_attention, rms_norm, silu_mul, rope, race_exponentials
+    and kv_store (on a CPU with AVX2 but no AVX512-BF16: avx2_gemm, int8_gemm and the element-wise ones, built from
+    AVX2_KERNEL_SOURCES) then take those operators' calls instead of their Python implementations (a call through the
+    dispatcher costs about 2.5 us less) -> whether it is loaded. Not where SPECSERVE_CPU_OPS=python, the kernels
+    cannot run here, or PyTorch's headers are missing."""
     if env_mode(OPS_ENV, OPS_MODES) == "python":
         return False
-    tools = _toolchain("ops.cpp")
+    isa, sources, defines = "avx512bf16", KERNEL_SOURCES, ()
+    if not cpu_supports(isa=isa):  # the AVX2 build: its kernels and the element-wise operators
+        isa, sources, defines = "avx2", AVX2_KERNEL_SOURCES, ("-DSPECSERVE_OPS_AVX2",)
+    tools = _toolchain("ops.cpp", isa)
     if tools is None:
         return False
     from torch.utils import cpp_extension
@@ -175,12 +181,12 @@ def native_ops() -> bool:
     # SPECSERVE_TORCH is read by no source: it puts PyTorch's version into the library's hashed name, so an upgrade
     # in the same environment (same header paths) rebuilds against the new headers
     compile_flags = ("-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *includes,
-                     f"-DSPECSERVE_TORCH={torch.__version__}")
+                     f"-DSPECSERVE_TORCH={torch.__version__}", *defines)
     libdirs = cpp_extension.library_paths()
     link_flags = (*(f"-L{d}" for d in libdirs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{d}" for d in libdirs))
     path = _built("ops.cpp", lambda: build(here / "ops.cpp", *tools, Path(cache_root()) / "kernels",
-                                           tuple(here / name for name in KERNEL_SOURCES), compile_flags,
-                                           link_flags))
+                                           tuple(here / name for name in sources), compile_flags, link_flags,
+                                           isa=isa))
     if path is None:
         return False
     try:

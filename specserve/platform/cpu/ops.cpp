@@ -12,7 +12,17 @@
 #include <utility>
 #include <vector>
 
+// Built for AVX512-BF16 with small_gemm.cpp, int8_gemm.cpp, tree_attention.cpp and elementwise.cpp, or, with
+// SPECSERVE_OPS_AVX2 defined, for AVX2 and FMA with avx2_gemm.cpp and elementwise_avx2.cpp: then it registers the
+// AVX2 kernels (avx2_gemm, int8_gemm) and the element-wise operators, and small_gemm and tree_attention keep their
+// Python implementations (their kernels need AVX512-BF16; the engine does not call them there).
 extern "C" {
+#ifdef SPECSERVE_OPS_AVX2
+int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
+                   const float* bias, uint16_t* y, int64_t ldy, int threads);
+int avx2_int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
+                        const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads);
+#else
 void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                      const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from);
 void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
@@ -21,6 +31,7 @@ void tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int64_t 
                          const uint16_t* vbuf, const int64_t* slots, const uint8_t* mask, int64_t mask_sb,
                          int64_t mask_sq, int64_t batch, int64_t qmax, int64_t heads, int64_t kv_heads, int64_t dim,
                          int64_t kmax, float scale, uint16_t* out, int threads);
+#endif
 void rms_norm_bf16(const uint16_t* x, int64_t rows, int64_t d, int64_t ldx, const uint16_t* weight, float eps,
                    uint16_t* out);
 void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t n, int64_t ldg, uint16_t* out);
@@ -48,6 +59,32 @@ at::Tensor rows_contiguous(const at::Tensor& x) {
     return x.stride(-1) == 1 ? x : x.contiguous();
 }
 
+#ifdef SPECSERVE_OPS_AVX2
+// x [M, K] bf16 @ a packed bf16 weight [N / 64, K / 2, 64, 2] (+ a float32 bias [N]) -> [M, N] bf16
+at::Tensor avx2_gemm(const at::Tensor& x_, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+    const at::Tensor x = rows_contiguous(x_);
+    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * SMALL_COLS;
+    at::Tensor y = at::empty({m, n}, x.options());
+    if (m == 0) return y;
+    const int status = avx2_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<uint16_t>(packed), n, bias_ptr(bias),
+                                      static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
+    TORCH_CHECK(status == 0, "avx2_gemm: no memory for a float32 copy of the input");
+    return y;
+}
+
+// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N])
+at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias) {
+    const at::Tensor x = rows_contiguous(x_);
+    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * INT8_COLS;
+    at::Tensor y = at::empty({m, n}, x.options());
+    const int status = avx2_int8_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<int8_t>(packed), n,
+                                           scales.data_ptr<float>(), bias_ptr(bias),
+                                           static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
+    TORCH_CHECK(status == 0, "int8_gemm: no memory for a float32 copy of the input");
+    return y;
+}
+#else
 // x [M, K] bf16 @ a packed bf16 weight [N / 64, K / 2, 64, 2] (+ a float32 bias [N]) -> [M, N] bf16; calls of
 // amx_from rows or more on the tile unit where it runs (0: never)
 at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
@@ -94,6 +131,7 @@ at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const 
                         static_cast<uint16_t*>(out.data_ptr()), at::get_num_threads());
     return out;
 }
+#endif
 
 // Rows per thread of the element-wise operators: a row of a few thousand values takes about a microsecond, so calls
 // of fewer rows than two chunks (decode steps, small trees) stay on the calling thread
@@ -186,9 +224,13 @@ void kv_store(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
+#ifdef SPECSERVE_OPS_AVX2
+    m.impl("avx2_gemm", TORCH_FN(avx2_gemm));
+#else
     m.impl("small_gemm", TORCH_FN(small_gemm));
-    m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("tree_attention", TORCH_FN(tree_attention));
+#endif
+    m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("rms_norm", TORCH_FN(rms_norm));
     m.impl("silu_mul", TORCH_FN(silu_mul));
     m.impl("rope", TORCH_FN(rope));
