@@ -48,6 +48,25 @@ static void to_floats(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, floa
         }
 }
 
+// x (m rows of k bf16, row stride ldx) as float32 rows (row stride k) in a buffer of this call, then one_row(xf) where
+// m == 1, else rows(xf), run by every thread of one parallel region (their loops split the work with omp for) ->
+// 0, or -1 where the buffer could not be allocated (nothing run).
+template <typename OneRow, typename Rows>
+static int on_float_rows(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, int threads, OneRow one_row, Rows rows) {
+    float* xf = (float*)malloc((size_t)(m * k) * sizeof(float));
+    if (xf == nullptr) return -1;
+#pragma omp parallel num_threads(threads)
+    {
+        to_floats(x, m, k, ldx, xf);
+        if (m == 1)
+            one_row(xf);
+        else
+            rows(xf);
+    }
+    free(xf);
+    return 0;
+}
+
 // One row (x: k2 pairs as floats) times one group's 64 columns.
 static void row_group(const float* x, const uint16_t* wg, int64_t k2, const float* bias, uint16_t* y) {
     __m256 acc[8];
@@ -107,29 +126,23 @@ static void block_rows(const float* x, int64_t ldx, int64_t m, const uint16_t* w
 extern "C" int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                               const float* bias, uint16_t* y, int64_t ldy, int threads) {
     const int64_t groups = n / COLS, k2 = k / 2, blocks = n / 16;
-    float* xf = (float*)malloc((size_t)(m * k) * sizeof(float));  // x as floats, row stride k
-    if (xf == nullptr) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        to_floats(x, m, k, ldx, xf);
-        if (m == 1) {
+    auto one_row = [&](const float* xf) {
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++)
-                row_group(xf, w + g * k * COLS, k2, bias ? bias + g * COLS : nullptr, y + g * COLS);
-        } else {
-            for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
-                const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+        for (int64_t g = 0; g < groups; g++)
+            row_group(xf, w + g * k * COLS, k2, bias ? bias + g * COLS : nullptr, y + g * COLS);
+    };
+    auto rows = [&](const float* xf) {
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            const int64_t count = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
 #pragma omp for schedule(static)
-                for (int64_t b = 0; b < blocks; b++) {
-                    const int64_t g = b / 4, c = b % 4;
-                    block_rows(xf + r0 * k, k, rows, w + g * k * COLS + 32 * c, k2, bias ? bias + 16 * b : nullptr,
-                               y + r0 * ldy + 16 * b, ldy);
-                }
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t g = b / 4, c = b % 4;
+                block_rows(xf + r0 * k, k, count, w + g * k * COLS + 32 * c, k2, bias ? bias + 16 * b : nullptr,
+                           y + r0 * ldy + 16 * b, ldy);
             }
         }
-    }
-    free(xf);
-    return 0;
+    };
+    return on_float_rows(x, m, k, ldx, threads, one_row, rows);
 }
 
 // ---------------------------------------------------------------------------------------------- int8 weights
@@ -217,25 +230,19 @@ static void q_half_rows(const float* x, int64_t ldx, int64_t m, const int8_t* qh
 extern "C" int avx2_int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
                                    const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
     const int64_t groups = n / Q_COLS, k2 = k / 2;
-    float* xf = (float*)malloc((size_t)(m * k) * sizeof(float));  // x as floats, row stride k
-    if (xf == nullptr) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        to_floats(x, m, k, ldx, xf);
-        if (m == 1) {
+    auto one_row = [&](const float* xf) {
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++)
-                q_row_group(xf, q + g * k * Q_COLS, k2, scale + g * Q_COLS, bias ? bias + g * Q_COLS : nullptr,
-                            y + g * Q_COLS);
-        } else {
+        for (int64_t g = 0; g < groups; g++)
+            q_row_group(xf, q + g * k * Q_COLS, k2, scale + g * Q_COLS, bias ? bias + g * Q_COLS : nullptr,
+                        y + g * Q_COLS);
+    };
+    auto rows = [&](const float* xf) {
 #pragma omp for schedule(static)
-            for (int64_t u = 0; u < 2 * groups; u++) {  // half groups
-                const int64_t g = u / 2, c0 = 16 * (u % 2);
-                q_half_rows(xf, k, m, q + g * k * Q_COLS + c0, k2, scale + g * Q_COLS + c0,
-                            bias ? bias + g * Q_COLS + c0 : nullptr, y + g * Q_COLS + c0, ldy);
-            }
+        for (int64_t u = 0; u < 2 * groups; u++) {  // half groups
+            const int64_t g = u / 2, c0 = 16 * (u % 2);
+            q_half_rows(xf, k, m, q + g * k * Q_COLS + c0, k2, scale + g * Q_COLS + c0,
+                        bias ? bias + g * Q_COLS + c0 : nullptr, y + g * Q_COLS + c0, ldy);
         }
-    }
-    free(xf);
-    return 0;
+    };
+    return on_float_rows(x, m, k, ldx, threads, one_row, rows);
 }

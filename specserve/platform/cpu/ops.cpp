@@ -72,18 +72,6 @@ at::Tensor avx2_gemm(const at::Tensor& x_, const at::Tensor& packed, const std::
     return y;
 }
 
-// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N])
-at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias) {
-    const at::Tensor x = rows_contiguous(x_);
-    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * INT8_COLS;
-    at::Tensor y = at::empty({m, n}, x.options());
-    const int status = avx2_int8_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<int8_t>(packed), n,
-                                           scales.data_ptr<float>(), bias_ptr(bias),
-                                           static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
-    TORCH_CHECK(status == 0, "int8_gemm: no memory for a float32 copy of the input");
-    return y;
-}
 #else
 // x [M, K] bf16 @ a packed bf16 weight [N / 64, K / 2, 64, 2] (+ a float32 bias [N]) -> [M, N] bf16; calls of
 // amx_from rows or more on the tile unit where it runs (0: never)
@@ -94,17 +82,6 @@ at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std:
     at::Tensor y = at::empty({m, n}, x.options());
     small_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<uint16_t>(packed), n, bias_ptr(bias),
                     static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads(), amx_from);
-    return y;
-}
-
-// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N])
-at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias) {
-    const at::Tensor x = rows_contiguous(x_);
-    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * INT8_COLS;
-    at::Tensor y = at::empty({m, n}, x.options());
-    int8_gemm_bf16(ptr<uint16_t>(x), m, k, x.stride(0), ptr<int8_t>(packed), n, scales.data_ptr<float>(),
-                   bias_ptr(bias), static_cast<uint16_t*>(y.data_ptr()), n, at::get_num_threads());
     return y;
 }
 
@@ -132,6 +109,30 @@ at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const 
     return out;
 }
 #endif
+
+// this build's int8 kernel -> 0, or -1 where the AVX2 one had no memory for its float32 copy of x
+int int8_kernel(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n, const float* scale,
+                const float* bias, uint16_t* y, int64_t ldy, int threads) {
+#ifdef SPECSERVE_OPS_AVX2
+    return avx2_int8_gemm_bf16(x, m, k, ldx, q, n, scale, bias, y, ldy, threads);
+#else
+    int8_gemm_bf16(x, m, k, ldx, q, n, scale, bias, y, ldy, threads);
+    return 0;
+#endif
+}
+
+// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N])
+at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias) {
+    const at::Tensor x = rows_contiguous(x_);
+    const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * INT8_COLS;
+    at::Tensor y = at::empty({m, n}, x.options());
+    const int status = int8_kernel(ptr<uint16_t>(x), m, k, x.stride(0), ptr<int8_t>(packed), n,
+                                   scales.data_ptr<float>(), bias_ptr(bias), static_cast<uint16_t*>(y.data_ptr()), n,
+                                   at::get_num_threads());
+    TORCH_CHECK(status == 0, "int8_gemm: no memory for a float32 copy of the input");
+    return y;
+}
 
 // Rows per thread of the element-wise operators: a row of a few thousand values takes about a microsecond, so calls
 // of fewer rows than two chunks (decode steps, small trees) stay on the calling thread
