@@ -1,8 +1,8 @@
 // elementwise.cpp's kernels for CPUs with AVX2 and FMA but no AVX512: RMSNorm, SiLU times up, rotary embedding and
 // the exponential race's noise, each in one pass, 8 lanes at a time (a row's last n < 8 values through a small
 // buffer). Same contracts and the same rounding points as there: each row on its own, float32 arithmetic, bf16
-// where the eager operators store bf16. SiLU, RoPE and the race noise compute what the AVX512 kernels compute, lane
-// for lane (simd_avx2.h); RMSNorm sums its squares in 8 lanes, so its sum may round differently from theirs.
+// where the eager operators store bf16. SiLU, RoPE and the race noise take the AVX512 kernels' operations in the same
+// order (simd_avx2.h); RMSNorm sums its squares in 8 lanes, so its sum may round differently from theirs.
 #include "simd_avx2.h"
 
 // the 8 lanes' sum

@@ -1,6 +1,6 @@
 // AVX2 helpers shared by specserve's AVX2 kernels (avx2_gemm.cpp, elementwise_avx2.cpp): bf16 <-> float32, e^x and
-// ln x on 8 lanes, and loads and stores of a row's last n < 8 values. Each computes what simd.h's AVX512 helper
-// computes, lane for lane (the same operations in the same order), so a kernel built on them gives the same bits.
+// ln x on 8 lanes, and loads and stores of a row's last n < 8 values. e^x and ln x take simd.h's AVX512 helpers'
+// operations in the same order, lane by lane (not checked against them bit for bit: no machine here runs both).
 #pragma once
 
 #include <immintrin.h>
