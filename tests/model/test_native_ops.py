@@ -20,17 +20,21 @@ def test_the_operators_have_cpu_kernels_of_their_own():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specserve::{name}", "CPU")
 
 
+def gemm_inputs(rows: int):
+    """(x [rows, 128] bf16 with a row stride of 160, a bias [128], a 128x128 weight packed in bf16, its int8 scales,
+    the int8 weight packed) for comparing the gemms' two implementations."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)[:, 16:144]
+    w = torch.randn(128, 128, generator=gen)
+    bias = torch.randn(128, generator=gen)
+    q, scales = quantize_int8(w)
+    return x, bias, small_gemm.pack(w.to(torch.bfloat16)), scales, int8_gemm.pack(q)
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_gemms_give_the_python_implementations_bits(rows):
-    gen = torch.Generator().manual_seed(rows)
-    wide = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
-    x = wide[:, 16:144]  # a row stride of 160
-    w = torch.randn(128, 128, generator=gen)
-    bias = torch.randn(128, generator=gen)
-    packed = small_gemm.pack(w.to(torch.bfloat16))
-    q, scales = quantize_int8(w)
-    packed8 = int8_gemm.pack(q)
+    x, bias, packed, scales, packed8 = gemm_inputs(rows)
     for b in (None, bias):
         for amx in (0, 1):  # the vector loop; the tile unit where it runs
             assert torch.equal(small_gemm.small_gemm(x, packed, b, amx), small_gemm._small_mm(x, packed, b, amx))
@@ -52,13 +56,8 @@ def test_the_avx2_build_takes_its_kernels_calls_with_the_same_bits(rows):
     assert torch._C._dispatch_has_kernel_for_dispatch_key("specserve::avx2_gemm", "CPU")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("specserve::int8_gemm", "CPU")
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("specserve::small_gemm", "CPU")
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)[:, 16:144]  # a row stride of 160
-    w = torch.randn(128, 128, generator=gen)
-    bias = torch.randn(128, generator=gen)
-    packed = small_gemm.pack(w.to(torch.bfloat16))
-    q, scales = quantize_int8(w)
-    packed8 = int8_gemm.pack(q)
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("specserve::tree_attention", "CPU")
+    x, bias, packed, scales, packed8 = gemm_inputs(rows)
     for b in (None, bias):
         assert torch.equal(avx2_gemm.avx2_gemm(x, packed, b), avx2_gemm._avx2_mm(x, packed, b))
         assert torch.equal(int8_gemm.int8_gemm(x, packed8, scales, b), int8_gemm._int8_mm(x, packed8, scales, b))

@@ -162,7 +162,9 @@ static const int64_t Q_COLS = 32;  // output columns per packed int8 group
 #ifndef SPECSERVE_Q_PREFETCH_BYTES
 #define SPECSERVE_Q_PREFETCH_BYTES 4096
 #endif
-static const int64_t Q_PREFETCH_BYTES = SPECSERVE_Q_PREFETCH_BYTES;  // how far ahead a row asks for the weights
+// how far ahead a lone row asks for the weights (0: the line it reads): a pass over SmolLM2's int8 linears at one row
+// took 4.75 ms against 5.46 without it (0), median of 11 alternating passes
+static const int64_t Q_PREFETCH_BYTES = SPECSERVE_Q_PREFETCH_BYTES;
 
 static inline __m256 widen8(const int8_t* q) {  // 8 int8 -> 8 floats
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
