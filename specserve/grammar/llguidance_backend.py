@@ -34,8 +34,9 @@ class LLGuidanceMatcher(Matcher):
         self.scratch = new_bitmask(1, vocab_size)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        v = bitmask[row]  # int32 [W], a contiguous row of a CPU bitmask
-        self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        # row `row` of a CPU int32 bitmask [R, W] with contiguous rows, by address (indexing the tensor cost more)
+        words = bitmask.shape[1]
+        self.m.unsafe_compute_mask_ptr(bitmask.data_ptr() + 4 * row * bitmask.stride(0), 4 * words)
 
     def accept(self, token: int) -> bool:
         if token == self.eos:  # the grammar's stop token: consume_token takes it where the grammar may end

@@ -477,6 +477,7 @@ class SpecDecoder(DecodeStep):
         tokens its grammar forces appended (``jump_forward``), up to ``forced_width`` nodes for a full-size tree
         (pruning only with --disable-grammar-jump-forward). -> (the tree to verify, {b: request b's ForcedTree})."""
         rows = [b for b, r in enumerate(reqs) if r.grammar is not None]
+        walks, self.proposer.grammar_walks = self.proposer.grammar_walks, None  # the drafting's grammar states
         if not rows:
             return tree, {}
         tokens, parents, sizes = tree.tokens.tolist(), tree.parents.tolist(), tree.num_nodes.tolist()
@@ -486,7 +487,8 @@ class SpecDecoder(DecodeStep):
             for b in rows:
                 n, req = sizes[b], reqs[b]
                 out[b] = jump_forward(req.grammar, tokens[b][:n], parents[b][:n], req.stop_ids,
-                                      0 if self.no_jump_forward else room, self.runner.spec.vocab_size)
+                                      0 if self.no_jump_forward else room, self.runner.spec.vocab_size,
+                                      None if walks is None else walks[b])
         if all(out[b].tokens == tokens[b][:sizes[b]] for b in rows):
             return tree, out  # nothing dropped, nothing forced: the drafted tree as it is
         for b in rows:

@@ -88,6 +88,10 @@ class Proposer(ABC):
     #: steps - 1 per tree, fewer where drafting stopped early; both stay 0 for drafters without levels (NGRAM)
     draft_trees: int = 0
     draft_forwards: int = 0
+    #: structured outputs: the grammar states the last ``propose`` drafted through, one per request of that call
+    #: (``PathStates``; None for a request drafted without its grammar, or the whole list None), which the verify
+    #: step's tree reshaping (``masks.jump_forward``) reuses; the scheduler clears it after the step
+    grammar_walks: list | None = None
 
     #: --speculative-draft-model-path must be given
     needs_draft_model: bool = False

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_token_rows
@@ -85,6 +86,7 @@ class EagleProposer(Proposer):
         self.couples = (args.speculative_accept_threshold_single == 1.0 and args.speculative_accept_threshold_acc == 1.0
                         and not args.disable_speculative_coupled_drafting)
         self.grammar_aware = not args.disable_grammar_aware_drafting  # draft only what a request's grammar allows
+        self._columns: tuple[torch.Tensor, np.ndarray] | None = None  # ``_draft_columns``' conversion
         self.draft = self.draft_model(args, runner, self.topk)
         self.draft.module.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.draft.spec
@@ -233,8 +235,8 @@ class EagleProposer(Proposer):
         if ban is None:
             p, ids = torch.softmax(logits, dim=-1).topk(k or self.topk, dim=-1)
         else:  # a row with nothing allowed gets probabilities 0 (its candidates rank last), not NaN
-            probs = torch.softmax(logits.masked_fill(ban, float("-inf")), dim=-1).nan_to_num(0.0)
-            p, ids = probs.topk(k or self.topk, dim=-1)
+            p, ids = torch.softmax(logits.masked_fill(ban, float("-inf")), dim=-1).topk(k or self.topk, dim=-1)
+            p = p.nan_to_num(0.0)
         return p, (ids if to_target is None else to_target[ids])
 
     def _grammar_ban(self, walks: list[PathStates | None], paths: list[list[list[int]] | None],
@@ -255,8 +257,15 @@ class EagleProposer(Proposer):
                 rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
                 accepting[rows] = walks[b].fill(paths[b], bitmask, b * rows_per_req)
                 stops[rows] = [walks[b].stop_ids] * rows_per_req
-            ban = ban_mask(bitmask, accepting, stops, self.runner.spec.vocab_size, self.device)  # [R, V]
-        return ban if to_target is None else ban[:, to_target]
+            # [R, V], or [R, Vd] over the draft vocabulary's tokens
+            return ban_mask(bitmask, accepting, stops, self.runner.spec.vocab_size, self.device,
+                            None if to_target is None else self._draft_columns(to_target))
+
+    def _draft_columns(self, to_target: torch.Tensor) -> np.ndarray:
+        """The draft vocabulary's target ids (``to_target`` [Vd]) as a CPU array, converted once."""
+        if self._columns is None or self._columns[0] is not to_target:
+            self._columns = (to_target, to_target.cpu().numpy())
+        return self._columns[1]
 
     def _score_scale(self, reqs, rows_per_req: int) -> float | torch.Tensor | None:
         """The factor each draft row's logits are scaled by before scoring: 1 / --speculative-draft-score-temperature
@@ -356,6 +365,7 @@ class EagleProposer(Proposer):
         walks = [PathStates(r.grammar, r.stop_ids) if r.grammar is not None and self.grammar_aware else None
                  for r in reqs]
         grammar = [b for b, w in enumerate(walks) if w is not None]
+        self.grammar_walks = walks if grammar else None
         if grammar:  # the root's children again, over what each grammar allows now
             with torch.inference_mode():
                 p, ids = self._topk(torch.stack([states[b].hidden for b in grammar]), K,

@@ -7,6 +7,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -80,6 +81,14 @@ def test_ban_mask_adds_the_stop_ids_where_the_grammar_accepts():
     assert (~ban).nonzero().tolist() == [[0, 1], [0, 2], [1, 1], [1, 2], [1, 5], [1, 7]]
 
 
+def test_ban_mask_over_columns_bans_those_tokens_in_column_order():
+    bm = new_bitmask(2, 8)
+    bm[:] = 0b0110  # tokens 1 and 2
+    columns = np.array([7, 2, 5, 1])  # a draft vocabulary's four tokens
+    ban = ban_mask(bm, [False, True], [{5}, {5, 7}], 8, "cpu", columns)
+    assert ban.tolist() == [[True, False, True, False], [False, False, False, False]]  # row 1 accepts: 5, 7 allowed
+
+
 def test_jump_forward_drops_forbidden_nodes_and_keeps_each_nodes_row():
     m = WordsMatcher([[1, 2], [1, 3, 4], [5]])
     # tree: 0 root; 1: tok 1 (ok); 2: tok 2 under 1 (ok, a complete word); 3: tok 3 under 1; 4: tok 4 under 3;
@@ -111,6 +120,38 @@ def test_jump_forward_appends_the_forced_run_after_the_deepest_leaf():
     assert jump_forward(m, tokens, parents, {0}, width=6, vocab_size=4).tokens == [9, 1, 2, 3]  # 4, 5: no logits
     alone = jump_forward(WordsMatcher([[3, 4]]), [9, 5], [-1, 0], {0}, width=4, vocab_size=8)
     assert alone.tokens == [9, 3, 4] and alone.forced_from == 1  # from the root itself, the drafted node dropped
+    assert m.path == []
+
+
+def test_jump_forward_reuses_the_drafting_states_and_rows():
+    forks, fills = [], []
+
+    class Counting(WordsMatcher):
+        def fork(self):
+            forks.append(tuple(self.path))
+            twin = Counting(self.words, self.vocab_size)
+            twin.path = list(self.path)
+            return twin
+
+        def fill(self, bitmask, row):
+            fills.append(tuple(self.path))
+            super().fill(bitmask, row)
+
+    tokens, parents = [9, 1, 2, 3, 4, 6, 0], [-1, 0, 1, 1, 3, 0, 2]
+    fresh = jump_forward(Counting([[1, 2], [1, 3, 4], [5]]), tokens, parents, {0}, width=8, vocab_size=8)
+    m = Counting([[1, 2], [1, 3, 4], [5]])
+    walk = PathStates(m, stop_ids={0})
+    for level in ([[]], [[1], [6]], [[1, 3]]):  # what a drafter walked: the root, level 1, level 2
+        walk.fill(level, new_bitmask(len(level), 8), 0)
+    forks.clear(), fills.clear()
+    t = jump_forward(m, tokens, parents, {0}, width=8, vocab_size=8, walk=walk)
+    assert (t.tokens, t.parents, t.accepting, t.forced_from) == \
+        (fresh.tokens, fresh.parents, fresh.accepting, fresh.forced_from)
+    assert torch.equal(t.bitmask, fresh.bitmask)
+    # only the nodes the drafting did not reach are walked: [1, 2] and [1, 3, 4] (forked from their parents, and
+    # filled); the root, [1] and [1, 3] rows are copies, [6] was refused while drafting; then the deepest leaf's
+    # state is forked once more to look for forced tokens after it
+    assert forks == [(1,), (1, 3), (1, 3, 4)] and fills == [(1, 2), (1, 3, 4)]
     assert m.path == []
 
 
