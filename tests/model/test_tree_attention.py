@@ -11,7 +11,8 @@ from specserve.platform.cpu import small_gemm, tree_attention
 from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
 from tests.speculative.helpers import REPEATING_PROMPTS, assert_ngram_equals_plain
 
-needs_kernel = pytest.mark.skipif(tree_attention.kernel() is None, reason="no AVX512-BF16 or no C++ compiler here")
+needs_kernel = pytest.mark.skipif(tree_attention.kernel() is None,
+                                  reason="no AVX512-BF16 or AVX2, or no C++ compiler here")
 
 
 def reference(qb, k_buf, v_buf, slots, mask, scale):

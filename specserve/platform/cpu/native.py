@@ -1,7 +1,8 @@
 """specserve's own C++ kernels for CPUs with AVX512-BF16 (``small_gemm.cpp``, ``int8_gemm.cpp``,
 ``tree_attention.cpp``, ``elementwise.cpp``; helpers shared in ``simd.h``) and for CPUs with AVX2 and FMA only
-(``avx2_gemm.cpp``): built once per machine and loaded through ctypes, and the AVX512 kernels' operators' C++ CPU
-implementations (``ops.cpp``, ``native_ops``), built with PyTorch's headers and loaded into PyTorch's dispatcher.
+(``avx2_gemm.cpp``, ``tree_attention_avx2.cpp``, ``elementwise_avx2.cpp``; helpers in ``simd_avx2.h``): built once
+per machine and loaded through ctypes, and the kernels' operators' C++ CPU implementations (``ops.cpp``,
+``native_ops``), built with PyTorch's headers and loaded into PyTorch's dispatcher.
 
 Each source is compiled with the compiler inductor uses (``$CXX``, else ``g++``) into the cache folder
 (``$SPECSERVE_CACHE_DIR/kernels``, else ``~/.cache/specserve/kernels``) under a name hashed from the source, the
@@ -155,17 +156,17 @@ OPS_ENV = "SPECSERVE_CPU_OPS"
 OPS_MODES = ("native", "python")
 KERNEL_SOURCES = ("small_gemm.cpp", "int8_gemm.cpp", "tree_attention.cpp", "elementwise.cpp")
 #: what ``ops.cpp`` is linked with on a CPU with AVX2 and FMA but no AVX512-BF16 (built with SPECSERVE_OPS_AVX2)
-AVX2_KERNEL_SOURCES = ("avx2_gemm.cpp", "elementwise_avx2.cpp")
+AVX2_KERNEL_SOURCES = ("avx2_gemm.cpp", "tree_attention_avx2.cpp", "elementwise_avx2.cpp")
 
 
 @functools.cache
 def native_ops() -> bool:
     """Load ``ops.cpp`` (built on the first call with PyTorch's headers, linked with the kernels' sources), whose
     C++ CPU kernels for specserve::small_gemm, int8_gemm, tree_attention, rms_norm, silu_mul, rope, race_exponentials
-    and kv_store (on a CPU with AVX2 but no AVX512-BF16: avx2_gemm, int8_gemm and the element-wise ones, built from
-    AVX2_KERNEL_SOURCES) then take those operators' calls instead of their Python implementations (a call through the
-    dispatcher costs about 2.5 us less) -> whether it is loaded. Not where SPECSERVE_CPU_OPS=python, the kernels
-    cannot run here, or PyTorch's headers are missing."""
+    and kv_store (on a CPU with AVX2 but no AVX512-BF16: avx2_gemm, int8_gemm, tree_attention and the element-wise
+    ones, built from AVX2_KERNEL_SOURCES) then take those operators' calls instead of their Python implementations
+    (a call through the dispatcher costs about 2.5 us less) -> whether it is loaded. Not where
+    SPECSERVE_CPU_OPS=python, the kernels cannot run here, or PyTorch's headers are missing."""
     if env_mode(OPS_ENV, OPS_MODES) == "python":
         return False
     isa, sources, defines = "avx512bf16", KERNEL_SOURCES, ()

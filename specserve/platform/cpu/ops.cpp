@@ -13,15 +13,19 @@
 #include <vector>
 
 // Built for AVX512-BF16 with small_gemm.cpp, int8_gemm.cpp, tree_attention.cpp and elementwise.cpp, or, with
-// SPECSERVE_OPS_AVX2 defined, for AVX2 and FMA with avx2_gemm.cpp and elementwise_avx2.cpp: then it registers the
-// AVX2 kernels (avx2_gemm, int8_gemm) and the element-wise operators, and small_gemm and tree_attention keep their
-// Python implementations (their kernels need AVX512-BF16; the engine does not call them there).
+// SPECSERVE_OPS_AVX2 defined, for AVX2 and FMA with avx2_gemm.cpp, tree_attention_avx2.cpp and elementwise_avx2.cpp:
+// then it registers the AVX2 kernels (avx2_gemm, int8_gemm, tree_attention) and the element-wise operators, and
+// small_gemm keeps its Python implementation (its kernel needs AVX512-BF16; the engine does not call it there).
 extern "C" {
 #ifdef SPECSERVE_OPS_AVX2
 int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                    const float* bias, uint16_t* y, int64_t ldy, int threads);
 int avx2_int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
                         const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads);
+void avx2_tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int64_t q_sh, const uint16_t* kbuf,
+                              const uint16_t* vbuf, const int64_t* slots, const uint8_t* mask, int64_t mask_sb,
+                              int64_t mask_sq, int64_t batch, int64_t qmax, int64_t heads, int64_t kv_heads,
+                              int64_t dim, int64_t kmax, float scale, uint16_t* out, int threads);
 #else
 void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                      const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from);
@@ -85,29 +89,6 @@ at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std:
     return y;
 }
 
-// qb [B, Qmax, H, D] bf16 over the pools k_buf / v_buf [S, Hkv, D]; kv_slots [B, Kmax]; mask [B, 1, Qmax, Kmax]
-// bool or broadcastable ([B, 1, 1, Kmax]), None: every column visible -> [B * Qmax, H * D] bf16
-at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                          const at::Tensor& kv_slots_, const std::optional<at::Tensor>& mask_, double scale) {
-    const at::Tensor qb = rows_contiguous(qb_);
-    const at::Tensor kv_slots = kv_slots_.to(at::kLong).contiguous();
-    const int64_t bsz = qb.size(0), max_q = qb.size(1), heads = qb.size(2), dim = qb.size(3);
-    at::Tensor out = at::empty({bsz * max_q, heads * dim}, qb.options());
-    const uint8_t* mask_ptr = nullptr;
-    int64_t stride_b = 0, stride_q = 0;
-    at::Tensor mask;
-    if (mask_.has_value()) {
-        mask = rows_contiguous(*mask_);
-        mask_ptr = static_cast<const uint8_t*>(mask.data_ptr());  // bool: one byte each
-        stride_b = mask.size(0) > 1 ? mask.stride(0) : 0;
-        stride_q = mask.size(2) > 1 ? mask.stride(2) : 0;
-    }
-    tree_attention_bf16(ptr<uint16_t>(qb), qb.stride(0), qb.stride(1), qb.stride(2), ptr<uint16_t>(k_buf),
-                        ptr<uint16_t>(v_buf), kv_slots.data_ptr<int64_t>(), mask_ptr, stride_b, stride_q, bsz, max_q,
-                        heads, k_buf.size(1), dim, kv_slots.size(1), static_cast<float>(scale),
-                        static_cast<uint16_t*>(out.data_ptr()), at::get_num_threads());
-    return out;
-}
 #endif
 
 // this build's int8 kernel -> 0, or -1 where the AVX2 one had no memory for its float32 copy of x
@@ -134,6 +115,33 @@ at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::T
     return y;
 }
 
+// qb [B, Qmax, H, D] bf16 over the pools k_buf / v_buf [S, Hkv, D]; kv_slots [B, Kmax]; mask [B, 1, Qmax, Kmax]
+// bool or broadcastable ([B, 1, 1, Kmax]), None: every column visible -> [B * Qmax, H * D] bf16
+at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                          const at::Tensor& kv_slots_, const std::optional<at::Tensor>& mask_, double scale) {
+    const at::Tensor qb = rows_contiguous(qb_);
+    const at::Tensor kv_slots = kv_slots_.to(at::kLong).contiguous();
+    const int64_t bsz = qb.size(0), max_q = qb.size(1), heads = qb.size(2), dim = qb.size(3);
+    at::Tensor out = at::empty({bsz * max_q, heads * dim}, qb.options());
+    const uint8_t* mask_ptr = nullptr;
+    int64_t stride_b = 0, stride_q = 0;
+    at::Tensor mask;
+    if (mask_.has_value()) {
+        mask = rows_contiguous(*mask_);
+        mask_ptr = static_cast<const uint8_t*>(mask.data_ptr());  // bool: one byte each
+        stride_b = mask.size(0) > 1 ? mask.stride(0) : 0;
+        stride_q = mask.size(2) > 1 ? mask.stride(2) : 0;
+    }
+#ifdef SPECSERVE_OPS_AVX2
+    const auto kernel = avx2_tree_attention_bf16;
+#else
+    const auto kernel = tree_attention_bf16;
+#endif
+    kernel(ptr<uint16_t>(qb), qb.stride(0), qb.stride(1), qb.stride(2), ptr<uint16_t>(k_buf), ptr<uint16_t>(v_buf),
+           kv_slots.data_ptr<int64_t>(), mask_ptr, stride_b, stride_q, bsz, max_q, heads, k_buf.size(1), dim,
+           kv_slots.size(1), static_cast<float>(scale), static_cast<uint16_t*>(out.data_ptr()), at::get_num_threads());
+    return out;
+}
 // Rows per thread of the element-wise operators: a row of a few thousand values takes about a microsecond, so calls
 // of fewer rows than two chunks (decode steps, small trees) stay on the calling thread
 const int64_t ROW_GRAIN = 16;
@@ -229,8 +237,8 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("avx2_gemm", TORCH_FN(avx2_gemm));
 #else
     m.impl("small_gemm", TORCH_FN(small_gemm));
-    m.impl("tree_attention", TORCH_FN(tree_attention));
 #endif
+    m.impl("tree_attention", TORCH_FN(tree_attention));
     m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("rms_norm", TORCH_FN(rms_norm));
     m.impl("silu_mul", TORCH_FN(silu_mul));

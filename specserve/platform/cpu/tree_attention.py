@@ -1,5 +1,6 @@
-"""Attention of a few queries per request (decode rows, verify trees, draft levels) on CPUs with AVX512-BF16:
-specserve's own kernel (``tree_attention.cpp``).
+"""Attention of a few queries per request (decode rows, verify trees, draft levels) on CPUs with AVX512-BF16 or with
+AVX2 and FMA: specserve's own kernel (``tree_attention.cpp``, ``tree_attention_avx2.cpp``; the work items they share
+in ``tree_attention_items.h``).
 
 The eager SDPA path gathers each request's keys and values from the pool into copies, then runs PyTorch's SDPA,
 at a cost that hardly depends on the work at these sizes; it took several times the kernel's time a layer's call
@@ -10,7 +11,7 @@ decode of the same token gets (``tree_attention.cpp``).
 
 It takes bf16 queries and pools, head dimensions of 32, 64, 128 or 256 and up to MAX_QUERIES queries per request
 (longer ones, prefill chunks, stay on SDPA's flash kernel, which is built for them). ``SPECSERVE_CPU_ATTENTION=off``
-keeps SDPA everywhere; where the kernel cannot be built (no AVX512-BF16, no compiler) SDPA runs as before.
+keeps SDPA everywhere; where the kernel cannot be built (neither instruction set, no compiler) SDPA runs as before.
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ def mode() -> str:
 
 
 def kernel():
-    """The compiled kernel as a ctypes function (built on the first call), or None where it cannot run here."""
-    return native.function("tree_attention.cpp", "tree_attention_bf16", ARGTYPES)
+    """The compiled kernel as a ctypes function (built on the first call): the AVX512-BF16 one, else the AVX2 one
+    (``avx2_kernel``); None where neither can run here."""
+    return native.function("tree_attention.cpp", "tree_attention_bf16", ARGTYPES) or avx2_kernel()
+
+
+def avx2_kernel():
+    """``tree_attention_avx2.cpp``: the same kernel for CPUs with AVX2 and FMA (the same arguments and rules, 8-lane
+    arithmetic), or None where it cannot run here."""
+    return native.function("tree_attention_avx2.cpp", "avx2_tree_attention_bf16", ARGTYPES, isa="avx2")
 
 
 def available() -> bool:
