@@ -64,6 +64,26 @@ class WordsMatcher(Matcher):
         return bool(self.path) and self.path[-1] == 0
 
 
+class CountingMatcher(WordsMatcher):
+    """WordsMatcher that records, in lists shared by its forks, the path each fork and each fill starts from."""
+
+    def __init__(self, words: list[list[int]], vocab: int = 8, forks: list | None = None,
+                 fills: list | None = None) -> None:
+        super().__init__(words, vocab)
+        self.forks = [] if forks is None else forks
+        self.fills = [] if fills is None else fills
+
+    def fork(self):
+        self.forks.append(tuple(self.path))
+        twin = CountingMatcher(self.words, self.vocab_size, self.forks, self.fills)
+        twin.path = list(self.path)
+        return twin
+
+    def fill(self, bitmask, row):
+        self.fills.append(tuple(self.path))
+        super().fill(bitmask, row)
+
+
 def rows_as_sets(bitmask: torch.Tensor, vocab: int) -> list[set[int]]:
     return [set(torch.nonzero(r).flatten().tolist()) for r in allowed_tokens(bitmask, vocab)]
 
@@ -124,25 +144,13 @@ def test_jump_forward_appends_the_forced_run_after_the_deepest_leaf():
 
 
 def test_jump_forward_reuses_the_drafting_states_and_rows():
-    forks, fills = [], []
-
-    class Counting(WordsMatcher):
-        def fork(self):
-            forks.append(tuple(self.path))
-            twin = Counting(self.words, self.vocab_size)
-            twin.path = list(self.path)
-            return twin
-
-        def fill(self, bitmask, row):
-            fills.append(tuple(self.path))
-            super().fill(bitmask, row)
-
     tokens, parents = [9, 1, 2, 3, 4, 6, 0], [-1, 0, 1, 1, 3, 0, 2]
-    fresh = jump_forward(Counting([[1, 2], [1, 3, 4], [5]]), tokens, parents, {0}, width=8, vocab_size=8)
-    m = Counting([[1, 2], [1, 3, 4], [5]])
+    fresh = jump_forward(WordsMatcher([[1, 2], [1, 3, 4], [5]]), tokens, parents, {0}, width=8, vocab_size=8)
+    m = CountingMatcher([[1, 2], [1, 3, 4], [5]])
     walk = PathStates(m, stop_ids={0})
     for level in ([[]], [[1], [6]], [[1, 3]]):  # what a drafter walked: the root, level 1, level 2
         walk.fill(level, new_bitmask(len(level), 8), 0)
+    forks, fills = m.forks, m.fills
     forks.clear(), fills.clear()
     t = jump_forward(m, tokens, parents, {0}, width=8, vocab_size=8, walk=walk)
     assert (t.tokens, t.parents, t.accepting, t.forced_from) == \
@@ -406,16 +414,8 @@ def test_path_states_fill_each_paths_row_and_empty_refused_ones():
 
 
 def test_path_states_walk_each_path_once_from_its_parent():
-    forks = []
-
-    class Counting(WordsMatcher):
-        def fork(self):
-            forks.append(tuple(self.path))
-            twin = Counting(self.words, self.vocab_size)
-            twin.path = list(self.path)
-            return twin
-
-    m = Counting([[1, 2, 7], [1, 3, 4], [5]])
+    m = CountingMatcher([[1, 2, 7], [1, 3, 4], [5]])
+    forks = m.forks
     walks = PathStates(m, stop_ids={0})
     levels = [[[1], [5]], [[1, 2], [1, 3], [5, 0]], [[1, 2, 7], [1, 3, 4], [1, 3, 6]]]
     # what the words allow after each path (0 where a word is complete; nothing after a stop id or a refused path)

@@ -126,13 +126,11 @@ struct Avx512 {
     }
     static float softmax_numerators(float* p, int64_t n) { return ::softmax_numerators(p, n); }
     template <int D>
-    static void weighted(QueryVec* qv, int64_t nq, const uint16_t* vbuf, const int64_t* shared, int64_t n_shared,
-                         int64_t stride) {
-        constexpr int G = max_group<D>();
-        for (int64_t v = 0; v < nq; v += G) {
-            const int n = nq - v < G ? (int)(nq - v) : G;
-            weighted_upto<D, G>(qv + v, n, vbuf, shared, n_shared, stride);
-        }
+    static constexpr int max_group() { return ::max_group<D>(); }
+    template <int D, int NV>
+    static void weighted_upto(QueryVec* qv, int n, const uint16_t* vbuf, const int64_t* shared, int64_t n_shared,
+                              int64_t stride) {
+        ::weighted_upto<D, NV>(qv, n, vbuf, shared, n_shared, stride);
     }
 };
 

@@ -134,16 +134,6 @@ struct Avx2 {
             if (n < NV) return weighted_upto<D, NV - 1>(qv, n, vbuf, shared, n_shared, stride);
         weighted_group<D, NV>(qv, vbuf, shared, n_shared, stride);
     }
-
-    template <int D>
-    static void weighted(QueryVec* qv, int64_t nq, const uint16_t* vbuf, const int64_t* shared, int64_t n_shared,
-                         int64_t stride) {
-        constexpr int G = max_group<D>();
-        for (int64_t v = 0; v < nq; v += G) {
-            const int n = nq - v < G ? (int)(nq - v) : G;
-            weighted_upto<D, G>(qv + v, n, vbuf, shared, n_shared, stride);
-        }
-    }
 };
 
 // dim: 32, 64, 128 or 256 (the caller checks; any other returns without writing); heads a multiple of kv_heads,

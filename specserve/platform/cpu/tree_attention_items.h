@@ -13,8 +13,9 @@
 //   Isa::scores<D>(qv, nq, kbuf, slots, n, stride, scale, col): p[col + j] = scale * q . key j for each of the nq
 //       query vectors, for the n keys at pool slots `slots`; a key's score must not depend on the call or block;
 //   Isa::softmax_numerators(p, n): p[0..n) <- exp(p - max p) -> their sum, lanes by index in p;
-//   Isa::weighted<D>(qv, nq, vbuf, shared, n_shared, stride): each vector's output, sum_j p[j] v_j / total over the
-//       shared keys then its rest, in key order, whatever vectors share a pass.
+//   Isa::weighted_upto<D, NV>(qv, n, vbuf, shared, n_shared, stride): the first n <= NV vectors' outputs, sum_j p[j]
+//       v_j / total over the shared keys then each one's rest, in key order, whatever vectors share the pass;
+//   Isa::max_group<D>(): the most vectors one such pass takes.
 // Each (row, head) thus takes its keys in column order with the same arithmetic per key whatever shares the pass, so
 // a row's result depends only on the keys it sees, never on how many other rows or requests share the call: a
 // verify tree's node gets bit for bit what a one-row decode of the same token gets. A row that sees no key gets
@@ -111,7 +112,11 @@ static void item(const uint16_t* q, const uint16_t* kbuf, const uint16_t* vbuf, 
         Isa::template scores<D>(qv + v, 1, kbuf + h * D, qv[v].rest, qv[v].n_rest, stride, scale, shared);
         qv[v].total = Isa::softmax_numerators(qv[v].p, shared + qv[v].n_rest);
     }
-    Isa::template weighted<D>(qv, nq, vbuf + h * D, row_slots, shared, stride);
+    constexpr int G = Isa::template max_group<D>();
+    for (int64_t v = 0; v < nq; v += G) {
+        const int n = nq - v < G ? (int)(nq - v) : G;
+        Isa::template weighted_upto<D, G>(qv + v, n, vbuf + h * D, row_slots, shared, stride);
+    }
 }
 
 // How many chunks a request's query rows go in: the fewest that share the (request, KV head) items evenly among the
