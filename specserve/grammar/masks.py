@@ -100,11 +100,12 @@ class PathStates:
         refused path) -> accepting per path."""
         accepting = [False] * len(paths)
         for p, path in enumerate(paths):
-            state = self.state(tuple(path))
+            key = tuple(path)
+            state = self.state(key)
             if state is None or state.terminated():
                 bitmask[first_row + p] = 0
             else:
-                accepting[p] = self.fill_row(tuple(path), bitmask, first_row + p)
+                accepting[p] = self.fill_row(key, bitmask, first_row + p)
         return accepting
 
     def fill_row(self, path: tuple[int, ...], bitmask: torch.Tensor, row: int) -> bool:

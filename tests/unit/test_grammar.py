@@ -150,8 +150,8 @@ def test_jump_forward_reuses_the_drafting_states_and_rows():
     walk = PathStates(m, stop_ids={0})
     for level in ([[]], [[1], [6]], [[1, 3]]):  # what a drafter walked: the root, level 1, level 2
         walk.fill(level, new_bitmask(len(level), 8), 0)
-    forks, fills = m.forks, m.fills
-    forks.clear(), fills.clear()
+    m.forks.clear()
+    m.fills.clear()
     t = jump_forward(m, tokens, parents, {0}, width=8, vocab_size=8, walk=walk)
     assert (t.tokens, t.parents, t.accepting, t.forced_from) == \
         (fresh.tokens, fresh.parents, fresh.accepting, fresh.forced_from)
@@ -159,7 +159,7 @@ def test_jump_forward_reuses_the_drafting_states_and_rows():
     # only the nodes the drafting did not reach are walked: [1, 2] and [1, 3, 4] (forked from their parents, and
     # filled); the root, [1] and [1, 3] rows are copies, [6] was refused while drafting; then the deepest leaf's
     # state is forked once more to look for forced tokens after it
-    assert forks == [(1,), (1, 3), (1, 3, 4)] and fills == [(1, 2), (1, 3, 4)]
+    assert m.forks == [(1,), (1, 3), (1, 3, 4)] and m.fills == [(1, 2), (1, 3, 4)]
     assert m.path == []
 
 

@@ -142,6 +142,7 @@ at::Tensor tree_attention(const at::Tensor& qb_, const at::Tensor& k_buf, const 
            kv_slots.size(1), static_cast<float>(scale), static_cast<uint16_t*>(out.data_ptr()), at::get_num_threads());
     return out;
 }
+
 // Rows per thread of the element-wise operators: a row of a few thousand values takes about a microsecond, so calls
 // of fewer rows than two chunks (decode steps, small trees) stay on the calling thread
 const int64_t ROW_GRAIN = 16;
