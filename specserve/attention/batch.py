@@ -43,7 +43,9 @@ class ForwardBatch:
     capture_layers: tuple[int, ...] = field(default_factory=tuple)  # residual stream at the INPUT of these layers
     input_embeds: torch.Tensor | None = None  # [T, h] optional, replaces the embedding lookup
     step_kv: StepKV | None = None  # pool-free forwards only: K/V of earlier unrolled draft steps
-    rope_rows: dict = field(default_factory=dict)  # RoPE cos/sin rows of this forward's positions, per rotary module
+    # what the layers share in this forward: RoPE cos/sin rows of its positions per rotary module, and the arguments
+    # of fused layers (``platform/cpu/fused_layer.py``)
+    rope_rows: dict = field(default_factory=dict)
 
 
 def attention(

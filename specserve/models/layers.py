@@ -240,6 +240,10 @@ def vocab_embedding(vocab: int, hidden: int) -> nn.Module:
 class DecoderLayer(DirectCall):
     """Pre-norm attention + gated MLP. ``norm``: the class of both norms; the MLP activation is spec.hidden_act."""
 
+    #: (x, positions, fb) -> the layer's output in one operator call, or None where the forward does not fit it; set
+    #: by the platform policy where it runs (``platform/cpu/fused_layer.py``)
+    fused = None
+
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
@@ -248,6 +252,8 @@ class DecoderLayer(DirectCall):
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, ACTIVATIONS[spec.hidden_act])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.fused is not None and (out := self.fused(x, positions, fb)) is not None:
+            return out
         x = x + self.self_attn(self.input_layernorm(x), positions, fb)
         return x + self.mlp(self.post_attention_layernorm(x))
 

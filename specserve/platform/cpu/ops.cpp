@@ -231,11 +231,46 @@ void kv_store(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor
     }
 }
 
+#ifdef SPECSERVE_OPS_AVX2
+// One linear of decoder_layer: x [M, K] bf16 @ a packed bf16 weight, or with scales a packed int8 one
+at::Tensor layer_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears, int64_t i) {
+    const std::optional<at::Tensor> packed = linears.get(3 * i), scales = linears.get(3 * i + 1),
+                                    bias = linears.get(3 * i + 2);
+    TORCH_CHECK(packed.has_value(), "decoder_layer: linear ", i, " has no weight");
+    return scales.has_value() ? int8_gemm(x, *packed, *scales, bias) : avx2_gemm(x, *packed, bias);
+}
+
+// A pre-norm decoder layer (attention, then a SiLU gated MLP) of an eager bf16 forward whose B requests each bring
+// T / B new tokens, every step on the operators above, in the order the Python modules call them (same bits):
+// x [T, h] -> h = x + o(attention(rope(q, k), v)) over rms_norm(x), then h + down(silu_mul(gate_up(rms_norm(h)))).
+// linears: (packed weight, int8 scales or None, float32 bias or None) of qkv, o, gate_up and down (12 entries);
+// norms [h]; cos / sin [T, 1, D]; the new K and V go to k_buf / v_buf [S, Hkv, D] at out_slots [T]; kv_slots
+// [B, Kmax] and mask as tree_attention's
+at::Tensor decoder_layer(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears,
+                         const at::Tensor& norm1, const at::Tensor& norm2, double eps, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                         const at::Tensor& out_slots, const at::Tensor& kv_slots,
+                         const std::optional<at::Tensor>& mask, int64_t heads, double scale) {
+    TORCH_CHECK(linears.size() == 12, "decoder_layer: 4 linears of 3 entries each, not ", linears.size());
+    const int64_t tokens = x.size(0), kv_heads = k_buf.size(1), dim = k_buf.size(2), bsz = kv_slots.size(0);
+    TORCH_CHECK(bsz > 0 && tokens % bsz == 0, "decoder_layer: ", tokens, " tokens over ", bsz, " requests");
+    const at::Tensor qkv = layer_linear(rms_norm(x, norm1, eps), linears, 0);  // [T, (H + 2 Hkv) D]
+    const at::Tensor qk = rope(qkv.narrow(1, 0, (heads + kv_heads) * dim).view({tokens, heads + kv_heads, dim}), cos,
+                               sin);  // [T, H + Hkv, D]
+    kv_store(k_buf, v_buf, out_slots, qk.narrow(1, heads, kv_heads),
+             qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({tokens, kv_heads, dim}));
+    const at::Tensor q = qk.narrow(1, 0, heads).view({bsz, tokens / bsz, heads, dim});  // [B, Qmax, H, D]
+    const at::Tensor h = x + layer_linear(tree_attention(q, k_buf, v_buf, kv_slots, mask, scale), linears, 1);
+    return h + layer_linear(silu_mul(layer_linear(rms_norm(h, norm2, eps), linears, 2)), linears, 3);
+}
+
+#endif
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
 #ifdef SPECSERVE_OPS_AVX2
     m.impl("avx2_gemm", TORCH_FN(avx2_gemm));
+    m.impl("decoder_layer", TORCH_FN(decoder_layer));
 #else
     m.impl("small_gemm", TORCH_FN(small_gemm));
 #endif

@@ -15,6 +15,7 @@ from torch import nn
 from specserve.platform.cpu import (
     avx2_gemm,
     elementwise,
+    fused_layer,
     int8_gemm,
     native,
     small_gemm,
@@ -85,6 +86,7 @@ class CpuPolicy(PlatformPolicy):
         # RMSNorm, SiLU-and-multiply and RoPE in one call each (elementwise.py), unless SPECSERVE_CPU_ELEMENTWISE=off
         self.elementwise = device.type == "cpu" and elementwise.available()
         self.fused_modules = 0  # modules given those operators, all models together
+        self.fused_layers = 0  # decoder layers run as one operator call (fused_layer.py), all models together
         if device.type == "cpu" and native.native_ops():
             race.use_kernel(elementwise.race_exponentials)  # seeded sampling's noise without a first-request compile
 
@@ -159,6 +161,8 @@ class CpuPolicy(PlatformPolicy):
             extra["cpu_avx2_gemm_linears"] = self.avx2_linears
         if self.fused_modules:
             extra["cpu_fused_elementwise_modules"] = self.fused_modules
+        if self.fused_layers:
+            extra["cpu_fused_layers"] = self.fused_layers
         if self.small_rows or self.tree_attention or self.int8_linears or self.fused_modules:
             extra["cpu_ops_in_cpp"] = native.native_ops()  # the kernels' operators run their C++ implementations
         if self.huge_page_bytes:
@@ -177,7 +181,8 @@ class CpuPolicy(PlatformPolicy):
         float32 copy if SPECSERVE_CPU_UPCAST asks for it (``upcast_linears``). Then the weights move onto huge pages
         (``place_weights``). Before that, int8 quantized linears hand their few-row calls to specserve's int8 kernel
         (``int8_gemm.py``), and its norms, SiLU gated MLPs and rotary embeddings get one-call operators for their
-        eager bf16 forwards (``elementwise.py``)."""
+        eager bf16 forwards (``elementwise.py``). Last, decoder layers whose every piece then runs on those kernels
+        become one operator call for such forwards (``fused_layer.py``)."""
         if self.elementwise:
             self.fused_modules += elementwise.use_fused_ops(module)
         self.int8_linears += int8_gemm.use_int8_kernel(module)
@@ -194,6 +199,8 @@ class CpuPolicy(PlatformPolicy):
         if with_small:  # up to how many rows specserve's own kernel beats those (small_gemm.py)
             self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
+        if self.elementwise and self.tree_attention:
+            self.fused_layers += fused_layer.use_fused_layers(module)
         return packed
 
     def avx2_kernel_linears(self, module: nn.Module) -> int:

@@ -60,10 +60,15 @@ def takes(qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
     """Padded queries qb [B, Qmax, H, D] over pools k_buf / v_buf [S, Hkv, D] fit the kernel's rules: the kernel
     reads both pools with one layout, so they must be contiguous and alike."""
     _, max_q, n_heads, head_dim = qb.shape
-    return (qb.device.type == "cpu" and qb.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
-            and max_q <= MAX_QUERIES and head_dim in HEAD_DIMS and n_heads % k_buf.shape[1] == 0
-            and n_heads // k_buf.shape[1] <= MAX_GROUP and k_buf.shape[2] == head_dim
-            and v_buf.shape == k_buf.shape and v_buf.dtype == k_buf.dtype
+    return qb.device.type == "cpu" and qb.dtype == torch.bfloat16 and fits(max_q, n_heads, head_dim, k_buf, v_buf)
+
+
+def fits(max_q: int, n_heads: int, head_dim: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """``takes``' rules but the queries' device and dtype: max_q queries per request of n_heads heads of head_dim
+    over bf16 CPU pools k_buf / v_buf [S, Hkv, D]."""
+    return (k_buf.device.type == "cpu" and k_buf.dtype == torch.bfloat16 and max_q <= MAX_QUERIES
+            and head_dim in HEAD_DIMS and n_heads % k_buf.shape[1] == 0 and n_heads // k_buf.shape[1] <= MAX_GROUP
+            and k_buf.shape[2] == head_dim and v_buf.shape == k_buf.shape and v_buf.dtype == k_buf.dtype
             and k_buf.is_contiguous() and v_buf.is_contiguous())
 
 

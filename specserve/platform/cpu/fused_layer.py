@@ -1,0 +1,154 @@
+"""A whole decoder layer of an eager bf16 forward in one operator call (``decoder_layer`` in ``ops.cpp``).
+
+An eager forward of a layer calls about twenty operators from Python (two norms, four linears, RoPE, the K and V
+write, attention, SiLU-and-multiply, two adds, and the views and splits between them), each a few microseconds of
+Python and dispatch before its kernel runs. On SmolLM2-135M (30 layers) that was a quarter of a bf16 decode step on
+a 2-core AVX2 EPYC, beside 12 ms of matrix products (docs/benchmarks.md, "A decoder layer in one call"). The operator
+runs the same kernels in the same order from C++, so its output has the bits of the modules' own path: a row's
+result still does not depend on the call it is in.
+
+A layer takes it (``use_fused_layers``) where every piece has a kernel here: a ``DecoderLayer`` of exactly the base
+classes (RMSNorm, attention without q/k norms, a SiLU gated MLP), no tensor parallelism, and linears on specserve's
+AVX2 bf16 kernel (``avx2_gemm.py``) or its int8 one (``int8_gemm.py``). A forward takes it (``FusedLayer.__call__``)
+when its attention runs on the few-query kernel (``tree_attention.py``): decode rows, verify trees and draft levels
+with as many new tokens for every request, over a bf16 pool; prefill chunks, padded trees and mixed batches keep the
+modules. Only the AVX2 build of ``ops.cpp`` registers the operator (on CPUs with AVX512-BF16 the layers' linears are
+oneDNN's, which it does not call). ``SPECSERVE_CPU_FUSED_LAYER=off`` keeps the modules everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.batch import ForwardBatch
+from specserve.attention.sdpa import AttnMetadata
+from specserve.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
+from specserve.models.quantize import QuantLinear
+from specserve.platform.cpu import elementwise, native, tree_attention
+from specserve.platform.cpu.avx2_gemm import Avx2Linear, avx2_gemm
+from specserve.platform.cpu.int8_gemm import SMALL_MAX_ROWS, Int8Copy, int8_gemm
+from specserve.platform.cpu.ops import cpu_op
+
+ENV = "SPECSERVE_CPU_FUSED_LAYER"
+MODES = ("on", "off")
+
+
+def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_buf, out_slots, kv_slots, mask, heads,
+                            scale):
+    """The operator's steps as calls of the single operators (what the C++ implementation runs)."""
+
+    def linear(rows: torch.Tensor, i: int) -> torch.Tensor:
+        packed, scales, bias = linears[3 * i : 3 * i + 3]
+        return avx2_gemm(rows, packed, bias) if scales is None else int8_gemm(rows, packed, scales, bias)
+
+    tokens, kv_heads, dim = x.shape[0], k_buf.shape[1], k_buf.shape[2]
+    qkv = linear(elementwise.rms_norm(x, norm1, eps), 0)  # [T, (H + 2 Hkv) D]
+    qk = elementwise.rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
+    elementwise.kv_store(k_buf, v_buf, out_slots, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(
+        tokens, kv_heads, dim))
+    q = qk[:, :heads].view(kv_slots.shape[0], -1, heads, dim)  # [B, Qmax, H, D]
+    h = x + linear(tree_attention.tree_attention_op(q, k_buf, v_buf, kv_slots, mask, scale), 1)
+    return h + linear(elementwise.silu_mul(linear(elementwise.rms_norm(h, norm2, eps), 2)), 3)
+
+
+# x [T, h] bf16 -> the layer's output [T, h]; linears: (packed, int8 scales or None, bias or None) of qkv, o, gate_up
+# and down; k_buf / v_buf written at out_slots
+decoder_layer = cpu_op("decoder_layer(Tensor x, Tensor?[] linears, Tensor norm1, Tensor norm2, float eps, Tensor cos, "
+                       "Tensor sin, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, "
+                       "Tensor? mask, int heads, float scale) -> Tensor",
+                       decoder_layer_reference, lambda x, *rest: torch.empty_like(x))
+
+
+def available() -> bool:
+    """SPECSERVE_CPU_FUSED_LAYER is not off and ``ops.cpp`` registered the operator's C++ implementation here."""
+    return (native.env_mode(ENV, MODES) == "on" and native.native_ops()
+            and torch._C._dispatch_has_kernel_for_dispatch_key("specserve::decoder_layer", "CPU"))
+
+
+def _kernel_copy(linear) -> tuple | None:
+    """(packed, scales, bias) of a linear on the AVX2 bf16 kernel or the int8 kernel, else None."""
+    if type(linear) is Avx2Linear:
+        return linear.packed, None, linear.bias
+    if isinstance(linear, QuantLinear) and isinstance(linear.few_rows, Int8Copy):
+        return linear.few_rows.packed, linear.few_rows.scales, linear.few_rows.bias
+    return None
+
+
+def _linears(layer: DecoderLayer) -> list:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def fusable(layer: torch.nn.Module) -> bool:
+    """A DecoderLayer whose every step the operator runs (see the module's docstring)."""
+    if type(layer) is not DecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    return (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and type(attn) is Attention and attn.q_norm is None and attn.tp is None
+            and attn.head_dim in tree_attention.HEAD_DIMS
+            and type(mlp) is GatedMLP and mlp.act is F.silu and mlp.tp is None
+            and all(_kernel_copy(m) is not None for m in _linears(layer)))
+
+
+class FusedLayer:
+    """``DecoderLayer.fused``: the layer's forward through the operator, or None where the forward does not fit it
+    (the layer then runs its modules)."""
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        self.layer = layer
+        attn = layer.self_attn
+        self.layer_id, self.heads, self.scale, self.rotary = attn.layer_id, attn.num_heads, attn.scale, attn.rotary
+        self.eps = layer.input_layernorm.eps
+        self.int8 = any(isinstance(m, QuantLinear) for m in _linears(layer))
+        # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
+        self.key = (id(self.rotary), "fused layer", self.int8)
+        self._linears: list | None = None
+
+    def weights(self) -> list:
+        """The 12 linear entries, read on the first call: the policy moves weights onto huge pages after it installs
+        this."""
+        if self._linears is None:
+            self._linears = [t for m in _linears(self.layer) for t in _kernel_copy(m)]
+        return self._linears
+
+    def forward_args(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> tuple | None:
+        """(cos, sin, out_slots, kv_slots, mask) of this forward, or None where it does not fit the operator."""
+        md, pool = fb.attn, fb.kv_pool
+        if (not elementwise.takes(x) or x.dim() != 2 or positions is not fb.positions or pool is None
+                or type(md) is not AttnMetadata or md.groups is not None or md.q_index is not None
+                or md.out_index is not None or md.is_causal or md.kv_slots is None or md.platform is None
+                or (self.int8 and x.shape[0] > SMALL_MAX_ROWS)):
+            return None
+        k_buf, v_buf = pool.layer(self.layer_id)
+        tokens, bsz = x.shape[0], md.kv_slots.shape[0]
+        if tokens % bsz or not tree_attention.fits(tokens // bsz, self.heads, self.layer.self_attn.head_dim, k_buf,
+                                                   v_buf):
+            return None
+        cos, sin = self.rotary.cos_sin(positions, x, fb)
+        return cos, sin, fb.out_cache_loc, md.kv_slots, md.mask
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+        if self.key in fb.rope_rows:
+            args = fb.rope_rows[self.key]
+        else:
+            args = fb.rope_rows[self.key] = self.forward_args(x, positions, fb)
+        if args is None:
+            return None
+        cos, sin, out_slots, kv_slots, mask = args
+        k_buf, v_buf = fb.kv_pool.layer(self.layer_id)
+        return decoder_layer(x, self.weights(), self.layer.input_layernorm.weight,
+                             self.layer.post_attention_layernorm.weight, self.eps, cos, sin, k_buf, v_buf, out_slots,
+                             kv_slots, mask, self.heads, self.scale)
+
+
+def use_fused_layers(module: torch.nn.Module) -> int:
+    """Give module's fusable decoder layers the operator for their eager bf16 forwards -> how many (0 where it is not
+    available here)."""
+    layers = [m for m in module.modules() if fusable(m)]
+    if not layers or not available():
+        return 0
+    for layer in layers:
+        layer.fused = FusedLayer(layer)
+    return len(layers)
