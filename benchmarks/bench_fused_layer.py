@@ -7,7 +7,7 @@ replaces, less the modules' own Python), for a decode row, a verify tree of 8 an
 batches of ``--calls`` calls. End to end: one engine on ``--model-path`` (default: the bundled SmolLM2) in bf16
 decodes ``--max-new-tokens`` greedy tokens of each of ``--num-prompts`` prompts with the fused layers installed and
 taken off, alternating ``--rounds`` times; with ``--speculative`` the same for an engine with the model's bundled
-EAGLE-3 head. Printed: tokens/s of each (median) and the ratio of each round. Needs a CPU with AVX2 but no
+EAGLE-3 head (its layer fused and unfused with the target's). Printed: tokens/s of each (median) and the ratio of each round. Needs a CPU with AVX2 but no
 AVX512-BF16, a C++ compiler and PyTorch's headers.
 
     python benchmarks/bench_fused_layer.py --rounds 5 [--speculative]
@@ -79,8 +79,11 @@ def end_to_end(model_path: str, speculative: bool, rounds: int, new_tokens: int,
         kw = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": bundled_drafter(model_path),
               "disable_speculative_auto_off": True}
     engine = Engine(model_path=model_path, dtype="bfloat16", num_threads=threads, **kw)
-    layers = [m for m in engine.scheduler.runner.model.modules() if getattr(m, "fused", None) is not None
-              and isinstance(m.fused, fused_layer.FusedLayer)]
+    models = [engine.scheduler.runner.model]
+    if speculative:
+        models.append(engine.scheduler.decoder.proposer.head)
+    layers = [m for model in models for m in model.modules() if isinstance(getattr(m, "fused", None),
+                                                                          fused_layer.FusedLayer)]
     if not layers:
         raise SystemExit("the engine fused no decoder layer")
     installed = {m: m.fused for m in layers}

@@ -243,6 +243,8 @@ class DecoderLayer(DirectCall):
     #: (x, positions, fb) -> the layer's output in one operator call, or None where the forward does not fit it; set
     #: by the platform policy where it runs (``platform/cpu/fused_layer.py``)
     fused = None
+    #: the norms that operator reads: of the attention's input, and of embeddings concatenated before it (none here)
+    fused_norms = ("input_layernorm", None)
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()

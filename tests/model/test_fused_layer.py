@@ -39,17 +39,21 @@ def random_layer(gen: torch.Generator, hidden: int, heads: int, kv_heads: int, d
 
 
 @needs_op
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("int8,eagle3", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("bsz,queries", [(1, 1), (3, 1), (2, 4)])
-def test_the_operator_gives_its_steps_bits(int8, bsz, queries):
+def test_the_operator_gives_its_steps_bits(int8, eagle3, bsz, queries):
     """Decode rows of 1 and 3 requests and trees of 4 queries under a mask: the output and the K and V written equal
-    those of the single operators called one by one, bit for bit (biases on the bf16 layers)."""
-    gen = torch.Generator().manual_seed(bsz * 10 + queries + int8)
+    those of the single operators called one by one, bit for bit (biases on the bf16 layers; an EAGLE-3 layer's
+    embeddings beside its hidden)."""
+    gen = torch.Generator().manual_seed(bsz * 10 + queries + int8 + 2 * eagle3)
     hidden, heads, kv_heads, dim, inter, keys = 128, 4, 2, 64, 192, 20
-    linears = random_layer(gen, hidden, heads, kv_heads, dim, inter, int8, bias=not int8)
+    linears = random_layer(gen, (1 + eagle3) * hidden, heads, kv_heads, dim, inter, int8, bias=not int8)
+    if eagle3:  # the other linears read hidden-wide inputs
+        linears[3:] = random_layer(gen, hidden, heads, kv_heads, dim, inter, int8, bias=True)[3:]
     tokens = bsz * queries
     x = torch.randn(tokens, hidden, generator=gen).to(BF16)
-    norm1, norm2 = ((torch.rand(hidden, generator=gen) + 0.5).to(BF16) for _ in range(2))
+    norm1, norm2, norm0 = ((torch.rand(hidden, generator=gen) + 0.5).to(BF16) for _ in range(3))
+    extra = (torch.randn(tokens, hidden, generator=gen).to(BF16), norm0) if eagle3 else ()
     table = torch.randn(64, 2, dim, generator=gen).to(BF16)
     cos, sin = table[torch.randint(0, 64, (tokens,), generator=gen)].unsqueeze(1).unbind(2)
     pool = (torch.randn(2, 100, kv_heads, dim, generator=gen) / 2).to(BF16)
@@ -62,21 +66,21 @@ def test_the_operator_gives_its_steps_bits(int8, bsz, queries):
     args = (norm1, norm2, 1e-5, cos, sin)
     k1, v1 = pool.clone().unbind(0)
     k2, v2 = pool.clone().unbind(0)
-    got = decoder_layer(x, linears, *args, k1, v1, out_slots, kv_slots, mask, heads, 0.125)
-    want = decoder_layer_reference(x, linears, *args, k2, v2, out_slots, kv_slots, mask, heads, 0.125)
+    got = decoder_layer(x, linears, *args, k1, v1, out_slots, kv_slots, mask, heads, 0.125, *extra)
+    want = decoder_layer_reference(x, linears, *args, k2, v2, out_slots, kv_slots, mask, heads, 0.125, *extra)
     assert got.shape == x.shape and torch.equal(got, want)
     assert torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, pool[0])
 
 
-def fused_calls(monkeypatch) -> list[int]:
-    """Records the token count of every forward that ran a layer through the operator."""
-    calls: list[int] = []
+def fused_calls(monkeypatch) -> list[tuple[str, int]]:
+    """Records (the layer's class, token count) of every forward whose first layer ran through the operator."""
+    calls: list[tuple[str, int]] = []
     original = FusedLayer.__call__
 
-    def counting(self, x, positions, fb):
-        out = original(self, x, positions, fb)
+    def counting(self, x, positions, fb, embeds=None):
+        out = original(self, x, positions, fb, embeds)
         if out is not None and self.layer_id == 0:
-            calls.append(x.shape[0])
+            calls.append((type(self.layer).__name__, x.shape[0]))
         return out
 
     monkeypatch.setattr(FusedLayer, "__call__", counting)
@@ -104,7 +108,7 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_with_it(model_factory, mo
         path = model_factory(arch, num_hidden_layers=2, dtype=BF16, **WIDE)
         calls = fused_calls(monkeypatch)
         fused, info = outputs(path, **kw)
-        assert info["cpu_fused_layers"] == 2 and 1 in calls and len(PROMPTS) in calls
+        assert info["cpu_fused_layers"] == 2 and {("DecoderLayer", 1), ("DecoderLayer", len(PROMPTS))} <= set(calls)
         monkeypatch.setenv(fused_layer.ENV, "off")
         modules, info = outputs(path, **kw)
         monkeypatch.delenv(fused_layer.ENV)
@@ -115,8 +119,9 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_with_it(model_factory, mo
 @needs_op
 @pytest.mark.parametrize("algo", ["EAGLE3", "STANDALONE"])
 def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, monkeypatch, algo):
-    """Greedy EAGLE-3 and STANDALONE over a bf16 target whose layers run the operator (the STANDALONE draft's too)
-    give plain decoding's tokens, with drafts accepted and verify trees of several queries per request through it."""
+    """Greedy EAGLE-3 and STANDALONE over a bf16 target whose layers run the operator (the drafts' too: the EAGLE-3
+    head's layer, the STANDALONE model's) give plain decoding's tokens, with drafts accepted and verify trees of several
+    queries per request through it."""
     from specserve.test.tiny import make_eagle3_head_dir
 
     monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
@@ -132,7 +137,9 @@ def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, m
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, 1.2)
         assert_no_kv_leak(e)
-    assert any(n > len(PROMPTS) for n in calls)  # verify trees: several new tokens per request
+    assert any(n > len(PROMPTS) for name, n in calls if name == "DecoderLayer")  # verify trees: several a request
+    if algo == "EAGLE3":  # the head's draft levels
+        assert any(name == "Eagle3MidLayer" for name, _ in calls)
 
 
 def test_the_policy_installs_it_on_exact_classes_only(model_factory, monkeypatch):

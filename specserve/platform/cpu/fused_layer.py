@@ -7,9 +7,10 @@ a 2-core AVX2 EPYC, beside 12 ms of matrix products (docs/benchmarks.md, "A deco
 runs the same kernels in the same order from C++, so its output has the bits of the modules' own path: a row's
 result still does not depend on the call it is in.
 
-A layer takes it (``use_fused_layers``) where every piece has a kernel here: a ``DecoderLayer`` of exactly the base
-classes (RMSNorm, attention without q/k norms, a SiLU gated MLP), no tensor parallelism, and linears on specserve's
-AVX2 bf16 kernel (``avx2_gemm.py``) or its int8 one (``int8_gemm.py``). A forward takes it (``FusedLayer.__call__``)
+A layer takes it (``use_fused_layers``) where every piece has a kernel here: a ``DecoderLayer`` or an EAGLE-3 head's
+layer (whose attention reads its normed embeddings beside its normed hidden) of exactly the base classes (RMSNorm,
+attention without q/k norms, a SiLU gated MLP), no tensor parallelism, and linears on specserve's AVX2 bf16 kernel
+(``avx2_gemm.py``) or its int8 one (``int8_gemm.py``). A forward takes it (``FusedLayer.__call__``)
 when its attention runs on the few-query kernel (``tree_attention.py``): decode rows, verify trees and draft levels
 with as many new tokens for every request, over a bf16 pool; prefill chunks, padded trees and mixed batches keep the
 modules. Only the AVX2 build of ``ops.cpp`` registers the operator (on CPUs with AVX512-BF16 the layers' linears are
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from specserve.attention.batch import ForwardBatch
 from specserve.attention.sdpa import AttnMetadata
-from specserve.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
+from specserve.models.layers import Attention, GatedMLP, RMSNorm
 from specserve.models.quantize import QuantLinear
 from specserve.platform.cpu import elementwise, native, tree_attention
 from specserve.platform.cpu.avx2_gemm import Avx2Linear, avx2_gemm
@@ -35,7 +36,7 @@ MODES = ("on", "off")
 
 
 def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_buf, out_slots, kv_slots, mask, heads,
-                            scale):
+                            scale, embeds=None, embed_norm=None):
     """The operator's steps as calls of the single operators (what the C++ implementation runs)."""
 
     def linear(rows: torch.Tensor, i: int) -> torch.Tensor:
@@ -43,7 +44,10 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
         return avx2_gemm(rows, packed, bias) if scales is None else int8_gemm(rows, packed, scales, bias)
 
     tokens, kv_heads, dim = x.shape[0], k_buf.shape[1], k_buf.shape[2]
-    qkv = linear(elementwise.rms_norm(x, norm1, eps), 0)  # [T, (H + 2 Hkv) D]
+    a = elementwise.rms_norm(x, norm1, eps)
+    if embeds is not None:  # an EAGLE-3 head's layer: q/k/v read [norm(embeds) | norm(hidden)]
+        a = torch.cat([elementwise.rms_norm(embeds, embed_norm, eps), a], dim=-1)
+    qkv = linear(a, 0)  # [T, (H + 2 Hkv) D]
     qk = elementwise.rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
     elementwise.kv_store(k_buf, v_buf, out_slots, qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(
         tokens, kv_heads, dim))
@@ -53,10 +57,10 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
 
 
 # x [T, h] bf16 -> the layer's output [T, h]; linears: (packed, int8 scales or None, bias or None) of qkv, o, gate_up
-# and down; k_buf / v_buf written at out_slots
+# and down; k_buf / v_buf written at out_slots; embeds [T, h] and their norm: an EAGLE-3 head's layer
 decoder_layer = cpu_op("decoder_layer(Tensor x, Tensor?[] linears, Tensor norm1, Tensor norm2, float eps, Tensor cos, "
                        "Tensor sin, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, "
-                       "Tensor? mask, int heads, float scale) -> Tensor",
+                       "Tensor? mask, int heads, float scale, Tensor? embeds=None, Tensor? embed_norm=None) -> Tensor",
                        decoder_layer_reference, lambda x, *rest: torch.empty_like(x))
 
 
@@ -75,17 +79,26 @@ def _kernel_copy(linear) -> tuple | None:
     return None
 
 
-def _linears(layer: DecoderLayer) -> list:
+def _linears(layer: torch.nn.Module) -> list:
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 
+def _norms(layer: torch.nn.Module) -> list:
+    """The layer's norms: of the attention's input, of the embeddings beside it (or None), of the MLP's input. A layer
+    class declares the first two in its own ``fused_norms`` (a subclass that computes otherwise does not inherit it)."""
+    first, embeds = type(layer).__dict__["fused_norms"]
+    return [getattr(layer, first), None if embeds is None else getattr(layer, embeds), layer.post_attention_layernorm]
+
+
 def fusable(layer: torch.nn.Module) -> bool:
-    """A DecoderLayer whose every step the operator runs (see the module's docstring)."""
-    if type(layer) is not DecoderLayer:
+    """A layer whose every step the operator runs (see the module's docstring): a class declaring ``fused_norms``
+    (``DecoderLayer``, the EAGLE-3 head's layer), exactly RMSNorms, attention without q/k norms, a SiLU gated MLP, no
+    tensor parallelism, linears on the AVX2 or int8 kernel."""
+    if "fused_norms" not in type(layer).__dict__:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    return (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+    return (all(norm is None or type(norm) is RMSNorm for norm in _norms(layer))
             and type(attn) is Attention and attn.q_norm is None and attn.tp is None
             and attn.head_dim in tree_attention.HEAD_DIMS
             and type(mlp) is GatedMLP and mlp.act is F.silu and mlp.tp is None
@@ -93,14 +106,16 @@ def fusable(layer: torch.nn.Module) -> bool:
 
 
 class FusedLayer:
-    """``DecoderLayer.fused``: the layer's forward through the operator, or None where the forward does not fit it
-    (the layer then runs its modules)."""
+    """A layer's ``fused`` hook: its forward through the operator, or None where the forward does not fit it (the layer
+    then runs its modules)."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: torch.nn.Module) -> None:
         self.layer = layer
         attn = layer.self_attn
         self.layer_id, self.heads, self.scale, self.rotary = attn.layer_id, attn.num_heads, attn.scale, attn.rotary
-        self.eps = layer.input_layernorm.eps
+        self.head_dim = attn.head_dim
+        self.norm1, self.embed_norm, self.norm2 = _norms(layer)
+        self.eps = self.norm1.eps
         self.int8 = any(isinstance(m, QuantLinear) for m in _linears(layer))
         # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
         self.key = (id(self.rotary), "fused layer", self.int8)
@@ -123,24 +138,25 @@ class FusedLayer:
             return None
         k_buf, v_buf = pool.layer(self.layer_id)
         tokens, bsz = x.shape[0], md.kv_slots.shape[0]
-        if tokens % bsz or not tree_attention.fits(tokens // bsz, self.heads, self.layer.self_attn.head_dim, k_buf,
-                                                   v_buf):
+        if tokens % bsz or not tree_attention.fits(tokens // bsz, self.heads, self.head_dim, k_buf, v_buf):
             return None
         cos, sin = self.rotary.cos_sin(positions, x, fb)
         return cos, sin, fb.out_cache_loc, md.kv_slots, md.mask
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
+                 embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [T, h] the residual stream (an EAGLE-3 layer's incoming hidden, with its embeds [T, h])."""
         if self.key in fb.rope_rows:
             args = fb.rope_rows[self.key]
         else:
             args = fb.rope_rows[self.key] = self.forward_args(x, positions, fb)
-        if args is None:
+        if args is None or (embeds is not None and embeds.dtype != x.dtype):
             return None
         cos, sin, out_slots, kv_slots, mask = args
         k_buf, v_buf = fb.kv_pool.layer(self.layer_id)
-        return decoder_layer(x, self.weights(), self.layer.input_layernorm.weight,
-                             self.layer.post_attention_layernorm.weight, self.eps, cos, sin, k_buf, v_buf, out_slots,
-                             kv_slots, mask, self.heads, self.scale)
+        return decoder_layer(x, self.weights(), self.norm1.weight, self.norm2.weight, self.eps, cos, sin, k_buf, v_buf,
+                             out_slots, kv_slots, mask, self.heads, self.scale, embeds,
+                             None if embeds is None else self.embed_norm.weight)
 
 
 def use_fused_layers(module: torch.nn.Module) -> int:

@@ -242,7 +242,8 @@ at::Tensor layer_linear(const at::Tensor& x, const c10::List<std::optional<at::T
 
 // A pre-norm decoder layer (attention, then a SiLU gated MLP) of an eager bf16 forward whose B requests each bring
 // T / B new tokens, every step on the operators above, in the order the Python modules call them (same bits):
-// x [T, h] -> h = x + o(attention(rope(q, k), v)) over rms_norm(x), then h + down(silu_mul(gate_up(rms_norm(h)))).
+// x [T, h] -> h = x + o(attention(rope(q, k), v)) over a = rms_norm(x), then h + down(silu_mul(gate_up(rms_norm(h)))).
+// With embeds [T, h] (an EAGLE-3 head's layer) the attention reads cat(rms_norm(embeds, embed_norm), a) [T, 2h].
 // linears: (packed weight, int8 scales or None, float32 bias or None) of qkv, o, gate_up and down (12 entries);
 // norms [h]; cos / sin [T, 1, D]; the new K and V go to k_buf / v_buf [S, Hkv, D] at out_slots [T]; kv_slots
 // [B, Kmax] and mask as tree_attention's
@@ -250,11 +251,15 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<std::optional<at::
                          const at::Tensor& norm1, const at::Tensor& norm2, double eps, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
                          const at::Tensor& out_slots, const at::Tensor& kv_slots,
-                         const std::optional<at::Tensor>& mask, int64_t heads, double scale) {
+                         const std::optional<at::Tensor>& mask, int64_t heads, double scale,
+                         const std::optional<at::Tensor>& embeds, const std::optional<at::Tensor>& embed_norm) {
     TORCH_CHECK(linears.size() == 12, "decoder_layer: 4 linears of 3 entries each, not ", linears.size());
     const int64_t tokens = x.size(0), kv_heads = k_buf.size(1), dim = k_buf.size(2), bsz = kv_slots.size(0);
     TORCH_CHECK(bsz > 0 && tokens % bsz == 0, "decoder_layer: ", tokens, " tokens over ", bsz, " requests");
-    const at::Tensor qkv = layer_linear(rms_norm(x, norm1, eps), linears, 0);  // [T, (H + 2 Hkv) D]
+    TORCH_CHECK(embeds.has_value() == embed_norm.has_value(), "decoder_layer: embeds and embed_norm go together");
+    at::Tensor a = rms_norm(x, norm1, eps);
+    if (embeds.has_value()) a = at::cat({rms_norm(*embeds, *embed_norm, eps), a}, 1);
+    const at::Tensor qkv = layer_linear(a, linears, 0);  // [T, (H + 2 Hkv) D]
     const at::Tensor qk = rope(qkv.narrow(1, 0, (heads + kv_heads) * dim).view({tokens, heads + kv_heads, dim}), cos,
                                sin);  // [T, H + Hkv, D]
     kv_store(k_buf, v_buf, out_slots, qk.narrow(1, heads, kv_heads),

@@ -28,6 +28,12 @@ from specserve.models.weights import CheckpointLoadable, copy_checked
 
 
 class Eagle3MidLayer(DirectCall):
+    #: (hidden, positions, fb, embeds) -> the layer's output in one operator call, or None where the forward does not
+    #: fit it; set by the platform policy where it runs (``platform/cpu/fused_layer.py``)
+    fused = None
+    #: the norms that operator reads: of the hidden (the residual stream), and of the embeddings before it
+    fused_norms = ("hidden_norm", "input_layernorm")
+
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h = spec.hidden_size
@@ -40,6 +46,8 @@ class Eagle3MidLayer(DirectCall):
         self.mlp = GatedMLP(h, spec.intermediate_size, spec.mlp_bias)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if self.fused is not None and (out := self.fused(hidden, fb.positions, fb, embeds)) is not None:
+            return out
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2h]
         r = hidden + self.self_attn(x, fb.positions, fb)
         return r + self.mlp(self.post_attention_layernorm(r))
