@@ -7,8 +7,8 @@ replaces, less the modules' own Python), for a decode row, a verify tree of 8 an
 batches of ``--calls`` calls. End to end: one engine on ``--model-path`` (default: the bundled SmolLM2) in bf16
 decodes ``--max-new-tokens`` greedy tokens of each of ``--num-prompts`` prompts with the fused layers installed and
 taken off, alternating ``--rounds`` times; with ``--speculative`` the same for an engine with the model's bundled
-EAGLE-3 head (its layer fused and unfused with the target's). Printed: tokens/s of each (median) and the ratio of each round. Needs a CPU with AVX2 but no
-AVX512-BF16, a C++ compiler and PyTorch's headers.
+EAGLE-3 head (its layer fused and unfused with the target's). Printed: tokens/s of each (median) and the ratio of
+each round. Needs a CPU with AVX2 but no AVX512-BF16, a C++ compiler and PyTorch's headers.
 
     python benchmarks/bench_fused_layer.py --rounds 5 [--speculative]
 """

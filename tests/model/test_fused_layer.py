@@ -142,6 +142,25 @@ def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, m
         assert any(name == "Eagle3MidLayer" for name, _ in calls)
 
 
+@needs_op
+def test_compiled_forwards_trace_the_modules(model_factory, monkeypatch, fresh_dynamo):
+    """Under --enable-torch-compile the graphs trace the layers' modules (the hook steps aside while compiling) and
+    decode what the eager engine with fused layers does, up to the ties its decode attention breaks otherwise."""
+    from tests.engine.helpers import assert_greedy_equal_up_to_ties
+
+    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    path = model_factory("llama", num_hidden_layers=2, dtype=BF16, **WIDE)
+    params = greedy(12, return_logprob=True, top_logprobs_num=2)
+    outs = []
+    for compiled in (False, True):
+        with Engine(model_path=path, max_total_tokens=2048, enable_torch_compile=compiled) as e:
+            assert e.get_server_info()["cpu_fused_layers"] == 2
+            outs.append(e.generate(PROMPTS[:3], params) + [e.generate(PROMPTS[3], params)])
+            graphs = e.get_server_info()["torch_compile_graphs"] if compiled else None
+    assert graphs > 0
+    assert_greedy_equal_up_to_ties([o["output_ids"] for o in outs[1]], outs[0])
+
+
 def test_the_policy_installs_it_on_exact_classes_only(model_factory, monkeypatch):
     """Llama's layers take it; Qwen3's (q/k norms) keep their modules; SPECSERVE_CPU_FUSED_LAYER=off and a bad value
     (named in the error) as for the other kernels."""

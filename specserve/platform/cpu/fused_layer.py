@@ -146,6 +146,8 @@ class FusedLayer:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch,
                  embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """x [T, h] the residual stream (an EAGLE-3 layer's incoming hidden, with its embeds [T, h])."""
+        if torch.compiler.is_compiling():  # a compiled graph fuses the layer's steps itself
+            return None
         if self.key in fb.rope_rows:
             args = fb.rope_rows[self.key]
         else:

@@ -14,8 +14,9 @@
 
 // Built for AVX512-BF16 with small_gemm.cpp, int8_gemm.cpp, tree_attention.cpp and elementwise.cpp, or, with
 // SPECSERVE_OPS_AVX2 defined, for AVX2 and FMA with avx2_gemm.cpp, tree_attention_avx2.cpp and elementwise_avx2.cpp:
-// then it registers the AVX2 kernels (avx2_gemm, int8_gemm, tree_attention) and the element-wise operators, and
-// small_gemm keeps its Python implementation (its kernel needs AVX512-BF16; the engine does not call it there).
+// then it registers the AVX2 kernels (avx2_gemm, int8_gemm, tree_attention), the element-wise operators and
+// decoder_layer (a whole layer on them: fused_layer.py), and small_gemm keeps its Python implementation (its kernel
+// needs AVX512-BF16; the engine does not call it there).
 extern "C" {
 #ifdef SPECSERVE_OPS_AVX2
 int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
