@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from specserve import Engine
 from specserve.models import quantize as Q
-from specserve.platform.cpu import int8_gemm, native, small_gemm, tree_attention
+from specserve.platform.cpu import fused_layer, int8_gemm, native, small_gemm, tree_attention
 from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
 from tests.speculative.helpers import (
     REPEATING_PROMPTS,
@@ -133,8 +133,10 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     """A bf16 model under --torchao-config int8wo: the server info counts its linears on the kernel, decode rows run
     it, greedy output agrees with PyTorch's int8 kernel up to bf16 ties, and with the few-query attention kernel on,
     every row of a verify tree computes what a one-row decode computes, so NGRAM's greedy output over the int8 target
-    equals plain decoding's token for token."""
+    equals plain decoding's token for token. (Layers run their modules here, the linears' calls recorded; on AVX2 a
+    fused layer calls the kernel from C++, with the modules' bits: test_fused_layer.py.)"""
     path = model_factory("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    monkeypatch.setenv(fused_layer.ENV, "off")
     calls = record_rows(monkeypatch, int8_gemm, "int8_mm")
     prompts = REPEATING_PROMPTS + PROMPTS[:2]
     plain = {}

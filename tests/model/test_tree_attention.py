@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.platform.cpu import small_gemm, tree_attention
+from specserve.platform.cpu import fused_layer, small_gemm, tree_attention
 from tests.engine.helpers import PROMPTS, assert_greedy_equal_up_to_ties, greedy, record_rows
 from tests.speculative.helpers import REPEATING_PROMPTS, assert_ngram_equals_plain
 
@@ -166,8 +166,10 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     verify trees run it, plain greedy output agrees with SDPA's up to bf16 ties (SDPA rounds its probabilities to
     bf16, the kernel keeps them float32), and with the few-row linear kernel on as well (one path for every row
     count), every row of a verify tree computes what a one-row decode computes, so NGRAM's bf16 greedy output equals
-    plain decoding's token for token."""
+    plain decoding's token for token. (Layers run their modules here, the attention module's calls recorded; on AVX2
+    a fused layer calls the kernel from C++, with the modules' bits: test_fused_layer.py.)"""
     path = model_factory("llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    monkeypatch.setenv(fused_layer.ENV, "off")
     calls = record_rows(monkeypatch, tree_attention, "tree_attention", dim=1)  # queries per request
     prompts = REPEATING_PROMPTS + PROMPTS[:2]
     plain = {}
