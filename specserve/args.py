@@ -73,19 +73,29 @@ def demo_model_dir() -> str:
 def serve_demo(ns: argparse.Namespace) -> None:
     """``specserve serve`` without --model-path: the default model (``use_demo``), and for SmolLM2 on CPU its forwards
     compiled in the background unless the user chose about torch.compile (``--enable-torch-compile``,
-    ``--torch-compile-in-background``, ``--disable-torch-compile``). Measured to win there, quiet and beside a busy
-    process (docs/benchmarks.md); graphs per thread count keep the count adaptive. One replica, one rank: a child
-    per replica would fill the same cache, and tensor parallelism runs eager."""
+    ``--torch-compile-in-background``, ``--disable-torch-compile``) or its bf16 layers run fused here
+    (``fused_layers_here``). Measured to win over the modules' eager forwards, quiet and beside a busy process
+    (docs/benchmarks.md); graphs per thread count keep the count adaptive. One replica, one rank: a child per replica
+    would fill the same cache, and tensor parallelism runs eager."""
     from specserve.demo_models import SMOLLM2
 
     use_demo(ns)
     chose = ns.enable_torch_compile or ns.torch_compile_in_background or ns.disable_torch_compile
     if (ns.model_path == SMOLLM2 and not chose and runs_on_cpu(ns.device) and ns.tp_size == 1
-            and ns.dp_size == 1):
+            and ns.dp_size == 1 and not (ns.dtype == "bfloat16" and fused_layers_here())):
         ns.torch_compile_in_background = True
         print("note: its forwards are compiled in the background (decoding runs eager until the graphs are built; "
               "on a first start a child process fills torch.compile's cache first); --disable-torch-compile turns "
               "that off", file=sys.stderr)
+
+
+def fused_layers_here() -> bool:
+    """This CPU runs an eager bf16 decoder layer as one operator (``platform/cpu/fused_layer.py``: AVX2 CPUs without
+    AVX512-BF16). Compiled graphs trace the layers' modules instead, and there decoded SmolLM2 slower than the eager
+    fused layers (docs/benchmarks.md, "A decoder layer in one call"), so the default model stays eager."""
+    from specserve.platform.cpu import fused_layer
+
+    return fused_layer.available()
 
 
 def runs_on_cpu(device: str) -> bool:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from specserve import Engine
-from specserve.args import add_server_args, serve_demo, use_demo
+from specserve.args import add_server_args, fused_layers_here, serve_demo, use_demo
 from specserve.cli import main as cli_main
 from specserve.demo_models import (
     SMOLLM2_DRAFT,
@@ -56,8 +56,9 @@ def _served(argv: list[str]) -> argparse.Namespace:
 def test_serving_the_default_on_cpu_compiles_in_the_background(monkeypatch):
     """`specserve serve` without --model-path: SmolLM2's forwards compiled in the background on CPU, unless the user
     chose about torch.compile or the run is one the background compile does not serve (CUDA, several ranks or
-    replicas); `generate` and the benchmarks keep eager forwards."""
+    replicas) or the CPU runs its bf16 layers fused; `generate` and the benchmarks keep eager forwards."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("specserve.args.fused_layers_here", lambda: False)
     assert _served([]).torch_compile_in_background
     assert not _defaults([]).torch_compile_in_background  # use_demo alone: generate, bench-speculative
     for argv in (["--disable-torch-compile"], ["--enable-torch-compile"], ["--device", "cuda"], ["--tp-size", "2"],
@@ -70,6 +71,27 @@ def test_serving_the_default_on_cpu_compiles_in_the_background(monkeypatch):
     monkeypatch.setattr("specserve.demo_models.smollm2_gguf", lambda: None)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert not _served([]).torch_compile_in_background  # the code family: not measured to win
+
+
+def test_serving_the_default_stays_eager_where_its_layers_run_fused(monkeypatch):
+    """On a CPU whose bf16 decoder layers run as one operator (AVX2 without AVX512-BF16), compiled graphs, which trace
+    the modules, were slower: the default model's bf16 forwards stay eager; in float32 (no fused layers) they
+    compile."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("specserve.args.fused_layers_here", lambda: True)
+    ns = _served([])
+    assert ns.dtype == "bfloat16" and not ns.torch_compile_in_background and not ns.enable_torch_compile
+    assert _served(["--dtype", "float32"]).torch_compile_in_background
+    assert _served(["--torch-compile-in-background"]).torch_compile_in_background  # the user's choice stays
+
+
+def test_fused_layers_here_is_what_the_engine_installs():
+    """``fused_layers_here`` answers as the engine's CPU policy does: where it says yes, the default model's bf16
+    layers (and its EAGLE-3 head's) take the operator."""
+    with Engine(model_path="smollm2", dtype="bfloat16", speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=SMOLLM2_EAGLE3) as e:
+        fused = e.get_server_info().get("cpu_fused_layers", 0)
+    assert (fused == 31) if fused_layers_here() else (fused == 0), fused
 
 
 def test_without_the_package_the_default_is_the_code_family(monkeypatch):
@@ -123,7 +145,8 @@ def test_generate_without_model_path_answers_a_chat_question(capsys):
 
 def test_serve_without_model_path_serves_smollm2_with_eagle3(tmp_path):
     """The README's main command (`make serve` = `specserve serve`): SmolLM2 with EAGLE-3, compiling in the
-    background (on a cold cache a child fills it first), a chat over HTTP whose greedy answer names capitals."""
+    background (on a cold cache a child fills it first) unless its layers run fused here, a chat over HTTP whose
+    greedy answer names capitals."""
     import subprocess
     import sys
 
@@ -165,7 +188,11 @@ def test_serve_without_model_path_serves_smollm2_with_eagle3(tmp_path):
         info = requests.get(url + "/get_server_info", timeout=10).json()
         assert info["speculative_algorithm"] == "EAGLE3"
         assert info["avg_spec_accept_length"] > 1.0
-        assert info["cpu_threads_adaptive"] and info["torch_compile_warming_cache"]  # an empty cache: the child
+        assert info["cpu_threads_adaptive"]
+        if fused_layers_here():  # eager, each layer one operator: no compile, no child
+            assert info["cpu_fused_layers"] == 31 and not info.get("torch_compile_warming_cache"), info
+        else:
+            assert info["torch_compile_warming_cache"]  # an empty cache: the child
     finally:
         terminate_process(proc)
         log.close()

@@ -28,7 +28,7 @@ from specserve.models.layers import Attention, GatedMLP, RMSNorm
 from specserve.models.quantize import QuantLinear
 from specserve.platform.cpu import elementwise, native, tree_attention
 from specserve.platform.cpu.avx2_gemm import Avx2Linear, avx2_gemm
-from specserve.platform.cpu.int8_gemm import SMALL_MAX_ROWS, Int8Copy, int8_gemm
+from specserve.platform.cpu.int8_gemm import Int8Copy, int8_gemm
 from specserve.platform.cpu.ops import cpu_op
 
 ENV = "SPECSERVE_CPU_FUSED_LAYER"
@@ -134,7 +134,7 @@ class FusedLayer:
         if (not elementwise.takes(x) or x.dim() != 2 or positions is not fb.positions or pool is None
                 or type(md) is not AttnMetadata or md.groups is not None or md.q_index is not None
                 or md.out_index is not None or md.is_causal or md.kv_slots is None or md.platform is None
-                or (self.int8 and x.shape[0] > SMALL_MAX_ROWS)):
+                or (self.int8 and not Int8Copy.takes(x))):
             return None
         k_buf, v_buf = pool.layer(self.layer_id)
         tokens, bsz = x.shape[0], md.kv_slots.shape[0]
