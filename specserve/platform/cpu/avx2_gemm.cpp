@@ -16,6 +16,7 @@
 // runtime PyTorch itself uses, linked by the loader).
 //
 // The same file holds the AVX2 kernel for int8 weights (``avx2_int8_gemm_bf16``, below; int8_gemm.py calls it).
+#include <omp.h>
 #include <stdlib.h>
 
 #include "simd_avx2.h"
@@ -35,33 +36,40 @@ static inline void store16(uint16_t* y, __m256 a, __m256 b) {
     _mm256_storeu_si256((__m256i*)y, _mm256_permute4x64_epi64(packed, 0xD8));
 }
 
+// bf16 -> float32, n values
+static inline void row_to_floats(const uint16_t* x, int64_t n, float* xf) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)x[i] << 16;  // bf16 is float32's upper half
+        __builtin_memcpy(xf + i, &bits, sizeof(float));
+    }
+}
+
 // x: m rows of k bf16 (row stride ldx) -> xf: m rows of k floats (row stride k). Inside a parallel region: the
 // threads share the rows, and the implicit barrier at its end lets every thread read all of xf after it.
 static void to_floats(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, float* xf) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) {
-            const uint32_t bits = (uint32_t)x[r * ldx + i] << 16;  // bf16 is float32's upper half
-            float f;
-            __builtin_memcpy(&f, &bits, sizeof(f));
-            xf[r * k + i] = f;
-        }
+    for (int64_t r = 0; r < m; r++) row_to_floats(x + r * ldx, k, xf + r * k);
 }
 
 // x (m rows of k bf16, row stride ldx) as float32 rows (row stride k) in a buffer of this call, then one_row(xf) where
 // m == 1, else rows(xf), run by every thread of one parallel region (their loops split the work with omp for) ->
-// 0, or -1 where the buffer could not be allocated (nothing run).
+// 0, or -1 where the buffer could not be allocated (nothing run). A lone row is converted by every thread into its
+// own part of the buffer, so that no thread waits on another before its share of the columns.
 template <typename OneRow, typename Rows>
 static int on_float_rows(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, int threads, OneRow one_row, Rows rows) {
-    float* xf = (float*)malloc((size_t)(m * k) * sizeof(float));
+    const int64_t copies = m == 1 ? threads : m;
+    float* xf = (float*)malloc((size_t)(copies * k) * sizeof(float));
     if (xf == nullptr) return -1;
 #pragma omp parallel num_threads(threads)
     {
-        to_floats(x, m, k, ldx, xf);
-        if (m == 1)
-            one_row(xf);
-        else
+        if (m == 1) {
+            float* mine = xf + omp_get_thread_num() * k;
+            row_to_floats(x, k, mine);
+            one_row(mine);
+        } else {
+            to_floats(x, m, k, ldx, xf);
             rows(xf);
+        }
     }
     free(xf);
     return 0;
@@ -137,7 +145,7 @@ extern "C" int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t l
                               const float* bias, uint16_t* y, int64_t ldy, int threads) {
     const int64_t groups = n / COLS, k2 = k / 2, blocks = n / 16;
     auto one_row = [&](const float* xf) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t g = 0; g < groups; g++)
             row_group(xf, w + g * k * COLS, k2, bias ? bias + g * COLS : nullptr, y + g * COLS);
     };
@@ -164,10 +172,14 @@ extern "C" int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t l
 // float32, so an FMA onto the sum and a multiply followed by an add round alike: a row's result has the same bits in
 // any call.
 //
-// One row streams each group once (4 sums, its products computed apart from them: FMAs chained on 4 sums waited on
-// each other's latency, 1.2x slower over SmolLM2's linears). More rows go 4 at a time over half a group (16 columns;
-// 8 sums, a step's 4 widened weight vectors shared by the 4 rows; FMAs), the group's bytes then re-read from the
-// core's L1 (K x 32 bytes). Threads split the groups, or the half groups.
+// One row streams each group once, two groups side by side (8 sums, two chained FMAs a step each: a thread's last
+// group, where its share is odd, goes alone with 4 sums, its products computed apart from them, since FMAs chained
+// on 4 sums wait on each other's latency). An FMA is one instruction where a product and its add are two, beside the
+// two a widening takes: with two groups at a time a one-row pass over SmolLM2's int8 linears and LM head took 6.6-6.9
+// ms against 7.7-8.3 a group at a time (fastest of 11 alternating passes, two runs; benchmarks/bench_int8.py).
+// More rows go 4 at a time over half a group (16 columns; 8 sums, a step's 4 widened weight vectors shared by the 4
+// rows; FMAs), the group's bytes then re-read from the core's L1 (K x 32 bytes). Threads split the groups (a one-row
+// call: each thread a contiguous share, as schedule(static)), or the half groups.
 static const int64_t Q_COLS = 32;  // output columns per packed int8 group
 #ifndef SPECSERVE_Q_PREFETCH_BYTES
 #define SPECSERVE_Q_PREFETCH_BYTES 4096
@@ -203,6 +215,29 @@ static void q_row_group(const float* x, const int8_t* qg, int64_t k2, const floa
     }
     store16_scaled(y, acc[0], acc[1], scale, bias);
     store16_scaled(y + 16, acc[2], acc[3], scale + 16, bias ? bias + 16 : nullptr);
+}
+
+// One row (x as floats) times two consecutive groups' 64 columns (qg: the first group; scale, bias, y: its first
+// column's)
+static void q_row_two_groups(const float* x, const int8_t* qg, int64_t k2, const float* scale, const float* bias,
+                             uint16_t* y) {
+    const int8_t* qg2 = qg + k2 * 2 * Q_COLS;
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k2; j++) {
+        const int8_t* s = qg + j * 2 * Q_COLS;
+        const int8_t* s2 = qg2 + j * 2 * Q_COLS;
+        _mm_prefetch((const char*)s + Q_PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char*)s2 + Q_PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256 xe = _mm256_broadcast_ss(x + 2 * j), xo = _mm256_broadcast_ss(x + 2 * j + 1);
+        for (int c = 0; c < 4; c++) {
+            acc[c] = _mm256_fmadd_ps(widen8(s + Q_COLS + 8 * c), xo, _mm256_fmadd_ps(widen8(s + 8 * c), xe, acc[c]));
+            acc[4 + c] = _mm256_fmadd_ps(widen8(s2 + Q_COLS + 8 * c), xo,
+                                         _mm256_fmadd_ps(widen8(s2 + 8 * c), xe, acc[4 + c]));
+        }
+    }
+    for (int h = 0; h < 4; h++)
+        store16_scaled(y + 16 * h, acc[2 * h], acc[2 * h + 1], scale + 16 * h, bias ? bias + 16 * h : nullptr);
 }
 
 // R rows (x: row stride ldx floats) times 16 columns: half h of a group (qh = the group's first step + 16 h).
@@ -242,9 +277,15 @@ static void q_half_rows(const float* x, int64_t ldx, int64_t m, const int8_t* qh
 extern "C" int avx2_int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
                                    const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
     const int64_t groups = n / Q_COLS, k2 = k / 2;
-    auto one_row = [&](const float* xf) {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
+    auto one_row = [&](const float* xf) {  // each thread its share of the groups (as schedule(static)), in twos
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t g0 = groups / nt * t + (t < groups % nt ? t : groups % nt);
+        const int64_t g1 = g0 + groups / nt + (t < groups % nt ? 1 : 0);
+        int64_t g = g0;
+        for (; g + 1 < g1; g += 2)
+            q_row_two_groups(xf, q + g * k * Q_COLS, k2, scale + g * Q_COLS, bias ? bias + g * Q_COLS : nullptr,
+                             y + g * Q_COLS);
+        if (g < g1)
             q_row_group(xf, q + g * k * Q_COLS, k2, scale + g * Q_COLS, bias ? bias + g * Q_COLS : nullptr,
                         y + g * Q_COLS);
     };
