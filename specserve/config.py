@@ -153,9 +153,9 @@ class ServerArgs:
                 "instead of first leaving them to a low-priority child process that fills torch.compile's cache "
                 "(the server decodes eager meanwhile, on one thread fewer)."})
     disable_torch_compile: bool = field(default=False, metadata={
-        "help": "No torch.compile: the default model (`specserve serve` without --model-path, on CPU) otherwise "
-                "compiles in the background. Cannot be combined with --enable-torch-compile or "
-                "--torch-compile-in-background."})
+        "help": "No torch.compile: the default model (`specserve serve` without --model-path) otherwise compiles "
+                "in the background on a CPU with AVX512-BF16 (on one with only AVX2 its bf16 layers run fused, "
+                "eager). Cannot be combined with --enable-torch-compile or --torch-compile-in-background."})
     torch_compile_max_bs: int = field(
         default=32, metadata={"help": "Batches with more requests than this run eager (with torch.compile)."})
     cuda_graph_max_bs: int | None = field(default=None, metadata={
