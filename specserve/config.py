@@ -242,7 +242,8 @@ class ServerArgs:
         "help": "Batch-aware speculation: no speculation while more requests than this are running."})
     disable_speculative_auto_off: bool = field(default=False, metadata={
         "help": "Always speculate (within the two limits above) instead of measuring per batch size whether "
-                "speculative or plain steps are faster and running the faster."})
+                "speculative or plain steps are faster and running the faster. Also turned on by the environment "
+                "variable SPECSERVE_DISABLE_SPECULATIVE_AUTO_OFF=1."})
     enable_spec_v2: bool = field(default=False, metadata={
         "help": "Overlap scheduler for speculative decoding (topk 1 only): a step's output processing runs while "
                 "the next step's draft and verify forwards run. Also turned on by the environment variable "

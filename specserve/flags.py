@@ -7,6 +7,8 @@ import os
 
 SPEC_V2_ENV = ("SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2")  # the overlap scheduler's switches
 SPEC_V2_NAMES = "--enable-spec-v2 / SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2"
+#: --disable-speculative-auto-off from the environment: a launch command kept as written (SGLang's) that must speculate
+AUTO_OFF_ENV = ("SPECSERVE_DISABLE_SPECULATIVE_AUTO_OFF",)
 
 
 class ConfigError(ValueError):

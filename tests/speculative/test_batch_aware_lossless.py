@@ -69,6 +69,18 @@ def test_auto_off_runs_plain_steps_when_drafts_never_land(target, tmp_path):
     assert info["spec_batch_policy"]["1 greedy"]["winner"] == "plain"
 
 
+def test_the_environment_can_turn_auto_off_off(target, tmp_path, monkeypatch):
+    """SPECSERVE_DISABLE_SPECULATIVE_AUTO_OFF=1 (for launch commands kept as written) acts as
+    --disable-speculative-auto-off: a random head's drafts never land, yet every step speculates."""
+    head = make_eagle_head_dir(str(tmp_path / "random"), target, kind="random")
+    monkeypatch.setenv("SPECSERVE_DISABLE_SPECULATIVE_AUTO_OFF", "1")
+    with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs("EAGLE", head, 5, 4, 8)) as e:
+        out = e.generate(PROMPTS[0], greedy(40))
+        info = e.get_server_info()
+    # ~1 token a step, each step a verify but the last (one token left: a plain step, fit_to_remaining)
+    assert info["spec_plain_steps"] <= 1 and out["meta_info"]["spec_verify_ct"] >= 38, (info, out["meta_info"])
+
+
 def test_the_drafters_catch_up_on_plain_steps_is_timed_with_the_next_speculative_step(target, drafts, monkeypatch):
     """The backlog's replay is a cost of speculating: the batch policy sees it in the speculative step it precedes."""
     from specserve.scheduler.spec_decode import SpecDecoder
