@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.flags import (
+    AUTO_OFF_ENV,
     SPEC_V2_ENV,
     SPEC_V2_NAMES,
     ConfigError,
@@ -303,6 +304,7 @@ class ServerArgs:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         self._resolve_demo_names()
         self._validate_spec_v2()
+        self.disable_speculative_auto_off = self.disable_speculative_auto_off or env_flag(AUTO_OFF_ENV)
         self._validate_speculative()
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             logger.warning("--enable-mixed-chunk is turned off: speculative steps do not take a prefill chunk")

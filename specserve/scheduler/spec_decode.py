@@ -29,7 +29,6 @@ from itertools import accumulate
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode
-from specserve.flags import AUTO_OFF_ENV, env_flag
 from specserve.grammar.backend import new_bitmask
 from specserve.grammar.masks import ForcedTree, ban_mask, jump_forward
 from specserve.models.llama import ModelOutput
@@ -190,7 +189,7 @@ class SpecDecoder(DecodeStep):
         lossless = (self.threshold_single == 1.0 and self.threshold_acc == 1.0
                     and not self.proposer.force_greedy_verify and self.simulator is None)
         return BatchPolicy(full, args.speculative_batch_token_budget, args.speculative_disable_batch_size,
-                           auto_off=lossless and not (args.disable_speculative_auto_off or env_flag(AUTO_OFF_ENV)))
+                           auto_off=lossless and not args.disable_speculative_auto_off)
 
     def slots_per_request(self) -> int:
         """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
