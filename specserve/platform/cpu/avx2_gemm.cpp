@@ -101,11 +101,22 @@ static void row_group(const float* x, const uint16_t* wg, int64_t k2, const floa
     for (int c = 0; c < 8; c += 2) store16(y + 8 * c, acc[c], acc[c + 1]);
 }
 
+#ifndef SPECSERVE_ROWS_PREFETCH_STEPS
+#define SPECSERVE_ROWS_PREFETCH_STEPS 2
+#endif
+// how many steps ahead (of 2 * COLS bf16, 4 cache lines) a group's first block asks for the group's weights in calls
+// of several rows (0: not at all). A pass over SmolLM2's bf16 linears and LM head at 4 / 8 / 16 rows took 16.0-17.2 /
+// 21.2-23.8 / 33.4-36.2 ms against 20.5-22.1 / 27.4-28.9 / 39.2-41.2 ms without (bench_int8.py, builds alternating);
+// 4 and 8 steps did no better than 2, and asking for the next group's weights instead did no better than none
+static const int64_t ROWS_PREFETCH_STEPS = SPECSERVE_ROWS_PREFETCH_STEPS;
+
 // R rows (x: row stride ldx floats) times 16 columns: the block at column offset 16 * b of a group (wb = its first
-// pair; steps 2 * COLS bf16 apart).
+// pair; steps 2 * COLS bf16 apart). prefetch: whether to ask for the whole group's weights ROWS_PREFETCH_STEPS steps
+// ahead (wb is then the group's first block): the group's other blocks, which read the same steps' other cache
+// lines, find them in cache.
 template <int R>
 static void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int64_t k2, const float* bias, uint16_t* y,
-                       int64_t ldy) {
+                       int64_t ldy, bool prefetch) {
     __m256 acc[R][2];
     for (int r = 0; r < R; r++) {
         acc[r][0] = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
@@ -113,6 +124,9 @@ static void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int64_t 
     }
     for (int64_t j = 0; j < k2; j++) {
         const __m256i* w = (const __m256i*)(wb + j * 2 * COLS);
+        if (ROWS_PREFETCH_STEPS && prefetch)
+            for (int l = 0; l < 4; l++)
+                _mm_prefetch((const char*)(wb + (j + ROWS_PREFETCH_STEPS) * 2 * COLS) + 64 * l, _MM_HINT_T0);
         const __m256i v0 = _mm256_loadu_si256(w), v1 = _mm256_loadu_si256(w + 1);
         const __m256 e0 = low_half(v0), o0 = high_half(v0), e1 = low_half(v1), o1 = high_half(v1);
         for (int r = 0; r < R; r++) {
@@ -124,16 +138,18 @@ static void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int64_t 
     for (int r = 0; r < R; r++) store16(y + r * ldy, acc[r][0], acc[r][1]);
 }
 
+// prefetch: see rows_block; asked of the first row tile only (the later ones find the block in cache)
 static void block_rows(const float* x, int64_t ldx, int64_t m, const uint16_t* wb, int64_t k2, const float* bias,
-                       uint16_t* y, int64_t ldy) {
+                       uint16_t* y, int64_t ldy, bool prefetch) {
     for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const float* xs = x + r0 * ldx;
         uint16_t* ys = y + r0 * ldy;
+        const bool pf = prefetch && r0 == 0;
         switch (m - r0 < 4 ? m - r0 : 4) {
-            case 1: rows_block<1>(xs, ldx, wb, k2, bias, ys, ldy); break;
-            case 2: rows_block<2>(xs, ldx, wb, k2, bias, ys, ldy); break;
-            case 3: rows_block<3>(xs, ldx, wb, k2, bias, ys, ldy); break;
-            default: rows_block<4>(xs, ldx, wb, k2, bias, ys, ldy); break;
+            case 1: rows_block<1>(xs, ldx, wb, k2, bias, ys, ldy, pf); break;
+            case 2: rows_block<2>(xs, ldx, wb, k2, bias, ys, ldy, pf); break;
+            case 3: rows_block<3>(xs, ldx, wb, k2, bias, ys, ldy, pf); break;
+            default: rows_block<4>(xs, ldx, wb, k2, bias, ys, ldy, pf); break;
         }
     }
 }
@@ -156,7 +172,7 @@ extern "C" int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t l
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t g = b / 4, c = b % 4;
                 block_rows(xf + r0 * k, k, count, w + g * k * COLS + 32 * c, k2, bias ? bias + 16 * b : nullptr,
-                           y + r0 * ldy + 16 * b, ldy);
+                           y + r0 * ldy + 16 * b, ldy, c == 0);
             }
         }
     };
