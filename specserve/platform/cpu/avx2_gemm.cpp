@@ -105,9 +105,10 @@ static void row_group(const float* x, const uint16_t* wg, int64_t k2, const floa
 #define SPECSERVE_ROWS_PREFETCH_STEPS 2
 #endif
 // how many steps ahead (of 2 * COLS bf16, 4 cache lines) a group's first block asks for the group's weights in calls
-// of several rows (0: not at all). A pass over SmolLM2's bf16 linears and LM head at 4 / 8 / 16 rows took 16.0-17.2 /
-// 21.2-23.8 / 33.4-36.2 ms against 20.5-22.1 / 27.4-28.9 / 39.2-41.2 ms without (bench_int8.py, builds alternating);
-// 4 and 8 steps did no better than 2, and asking for the next group's weights instead did no better than none
+// of several rows (0: not at all). A pass over SmolLM2's bf16 linears and LM head at 4 / 8 / 16 rows took 16.9-17.2 /
+// 22.3-22.6 / 33.4-33.7 ms against 20.5-22.1 / 27.4-28.9 / 39.2-41.2 ms without (median ms of bench_int8.py, two runs
+// each, builds alternating); 4 and 8 steps did no better than 2, and asking for the next group's weights as well
+// (into L1 or L2) did no better than none
 static const int64_t ROWS_PREFETCH_STEPS = SPECSERVE_ROWS_PREFETCH_STEPS;
 
 // R rows (x: row stride ldx floats) times 16 columns: the block at column offset 16 * b of a group (wb = its first
