@@ -83,14 +83,18 @@ static int on_float_rows(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, i
 // 2048 no better than none, 4096 worse
 static const int64_t PREFETCH_BYTES = SPECSERVE_PREFETCH_BYTES;
 
+// Ask for the 4 cache lines of one step of a group (2 * COLS bf16) starting at p.
+static inline void prefetch_step(const void* p) {
+    for (int l = 0; l < 4; l++) _mm_prefetch((const char*)p + 64 * l, _MM_HINT_T0);
+}
+
 // One row (x: k2 pairs as floats) times one group's 64 columns.
 static void row_group(const float* x, const uint16_t* wg, int64_t k2, const float* bias, uint16_t* y) {
     __m256 acc[8];
     for (int c = 0; c < 8; c++) acc[c] = bias ? _mm256_loadu_ps(bias + 8 * c) : _mm256_setzero_ps();
     for (int64_t j = 0; j < k2; j++) {
         const __m256i* w = (const __m256i*)(wg + j * 2 * COLS);
-        if (PREFETCH_BYTES)
-            for (int l = 0; l < 4; l++) _mm_prefetch((const char*)w + PREFETCH_BYTES + 64 * l, _MM_HINT_T0);
+        if (PREFETCH_BYTES) prefetch_step((const char*)w + PREFETCH_BYTES);
         const __m256 xe = _mm256_broadcast_ss(x + 2 * j), xo = _mm256_broadcast_ss(x + 2 * j + 1);
         for (int c = 0; c < 8; c++) {
             const __m256i v = _mm256_loadu_si256(w + c);
@@ -125,9 +129,7 @@ static void rows_block(const float* x, int64_t ldx, const uint16_t* wb, int64_t 
     }
     for (int64_t j = 0; j < k2; j++) {
         const __m256i* w = (const __m256i*)(wb + j * 2 * COLS);
-        if (ROWS_PREFETCH_STEPS && prefetch)
-            for (int l = 0; l < 4; l++)
-                _mm_prefetch((const char*)(wb + (j + ROWS_PREFETCH_STEPS) * 2 * COLS) + 64 * l, _MM_HINT_T0);
+        if (ROWS_PREFETCH_STEPS && prefetch) prefetch_step(wb + (j + ROWS_PREFETCH_STEPS) * 2 * COLS);
         const __m256i v0 = _mm256_loadu_si256(w), v1 = _mm256_loadu_si256(w + 1);
         const __m256 e0 = low_half(v0), o0 = high_half(v0), e1 = low_half(v1), o1 = high_half(v1);
         for (int r = 0; r < R; r++) {
