@@ -90,12 +90,12 @@ def serve_demo(ns: argparse.Namespace) -> None:
 
 
 def fused_layers_here() -> bool:
-    """This CPU runs an eager bf16 decoder layer as one operator (``platform/cpu/fused_layer.py``: AVX2 CPUs without
-    AVX512-BF16). Compiled graphs trace the layers' modules instead, and there decoded SmolLM2 slower than the eager
-    fused layers (docs/benchmarks.md, "A decoder layer in one call"), so the default model stays eager."""
+    """This CPU runs an eager bf16 decoder layer as one operator (``platform/cpu/fused_layer.py``). Compiled graphs
+    trace the layers' modules instead, and there decoded SmolLM2 no faster than the eager fused layers (slower on
+    AVX2; docs/benchmarks.md, "A decoder layer in one call"), so the default model stays eager."""
     from specserve.platform.cpu import fused_layer
 
-    return fused_layer.available()
+    return fused_layer.runs_here()
 
 
 def runs_on_cpu(device: str) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from specserve import Engine
 from specserve.models.layers import DecoderLayer
-from specserve.platform.cpu import fused_layer, packing
+from specserve.platform.cpu import fused_layer, native, packing, small_gemm
 from specserve.platform.cpu.fused_layer import FusedLayer, decoder_layer, decoder_layer_reference
 from specserve.platform.cpu.int8_gemm import pack as pack_int8
 from specserve.platform.cpu.small_gemm import pack
@@ -20,7 +20,18 @@ BF16 = torch.bfloat16
 # tiny models with heads of 32 (the attention kernel's smallest)
 WIDE = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
 needs_op = pytest.mark.skipif(not fused_layer.available(),
-                              reason="the operator's C++ implementation is built for CPUs with AVX2 but no AVX512-BF16")
+                              reason="ops.cpp does not build here (a CPU with AVX2 or AVX512-BF16, and a compiler)")
+
+
+def kernel_linears(monkeypatch) -> None:
+    """bf16 linears on the few-row kernel the operator calls: on the AVX2 build oneDNN packs nothing (the AVX2
+    kernel's linears); on AVX512-BF16 the few-row kernel takes calls of 1 to 16 rows, untimed (its probe's verdict
+    would depend on the machine's load)."""
+    native.native_ops()
+    if fused_layer._native("avx2_gemm"):
+        monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    else:
+        monkeypatch.setenv(small_gemm.ENV, "on")
 
 
 def random_layer(gen: torch.Generator, hidden: int, heads: int, kv_heads: int, dim: int, inter: int, int8: bool,
@@ -66,21 +77,24 @@ def test_the_operator_gives_its_steps_bits(int8, eagle3, bsz, queries):
     args = (norm1, norm2, 1e-5, cos, sin)
     k1, v1 = pool.clone().unbind(0)
     k2, v2 = pool.clone().unbind(0)
-    got = decoder_layer(x, linears, *args, k1, v1, out_slots, kv_slots, mask, heads, 0.125, *extra)
-    want = decoder_layer_reference(x, linears, *args, k2, v2, out_slots, kv_slots, mask, heads, 0.125, *extra)
+    # on AVX512-BF16 with AMX, the bf16 linears of 4 rows or more on the tile unit (elsewhere amx_from is ignored)
+    amx = {"amx_from": 4}
+    got = decoder_layer(x, linears, *args, k1, v1, out_slots, kv_slots, mask, heads, 0.125, *extra, **amx)
+    want = decoder_layer_reference(x, linears, *args, k2, v2, out_slots, kv_slots, mask, heads, 0.125, *extra, **amx)
     assert got.shape == x.shape and torch.equal(got, want)
     assert torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, pool[0])
 
 
-def fused_calls(monkeypatch) -> list[tuple[str, int]]:
-    """Records (the layer's class, token count) of every forward whose first layer ran through the operator."""
-    calls: list[tuple[str, int]] = []
+def fused_calls(monkeypatch) -> list[tuple[str, int, int]]:
+    """Records (the layer's class, token count, request count) of every forward whose first layer ran through the
+    operator."""
+    calls: list[tuple[str, int, int]] = []
     original = FusedLayer.__call__
 
     def counting(self, x, positions, fb, embeds=None):
         out = original(self, x, positions, fb, embeds)
         if out is not None and self.layer_id == 0:
-            calls.append((type(self.layer).__name__, x.shape[0]))
+            calls.append((type(self.layer).__name__, x.shape[0], fb.attn.kv_slots.shape[0]))
         return out
 
     monkeypatch.setattr(FusedLayer, "__call__", counting)
@@ -102,13 +116,14 @@ def outputs(path: str, n: int = 12, **kwargs) -> list[tuple]:
 def test_the_engine_gives_the_same_tokens_and_logprobs_with_it(model_factory, monkeypatch, quant):
     """bf16 models (Llama; Qwen2 with q/k/v biases) and int8 weights: a batch's greedy tokens and their logprobs are
     the same with fused layers as with the modules, and decode forwards of one and of several requests took them."""
-    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)  # where oneDNN would pack, the AVX2 kernel's linears
+    kernel_linears(monkeypatch)
     kw = {} if quant is None else {"torchao_config": quant}
     for arch in ("llama", "qwen2"):
         path = model_factory(arch, num_hidden_layers=2, dtype=BF16, **WIDE)
         calls = fused_calls(monkeypatch)
         fused, info = outputs(path, **kw)
-        assert info["cpu_fused_layers"] == 2 and {("DecoderLayer", 1), ("DecoderLayer", len(PROMPTS))} <= set(calls)
+        decodes = {("DecoderLayer", n, n) for n in (1, len(PROMPTS))}  # one request's and the batch's decode rows
+        assert info["cpu_fused_layers"] == 2 and decodes <= set(calls)
         monkeypatch.setenv(fused_layer.ENV, "off")
         modules, info = outputs(path, **kw)
         monkeypatch.delenv(fused_layer.ENV)
@@ -124,22 +139,23 @@ def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, m
     queries per request through it."""
     from specserve.test.tiny import make_eagle3_head_dir
 
-    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    kernel_linears(monkeypatch)
     target = model_factory("llama", num_hidden_layers=2, unit_embeddings=True, identity_layers=True, dtype=BF16,
                            **WIDE)
     with Engine(model_path=target, max_total_tokens=4096) as e:
-        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24))]
+        plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24)) + e.generate(PROMPTS[:1], greedy(24))]
     draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self") if algo == "EAGLE3" else target
     calls = fused_calls(monkeypatch)
     kw = spec_kwargs(algo, draft, 4, 3, 8, speculative_draft_dtype="bfloat16")
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
-        outs = e.generate(PROMPTS, greedy(24))
+        # the batch, then one request alone: its verify trees fit the AVX512-BF16 kernel's 16 rows
+        outs = e.generate(PROMPTS, greedy(24)) + e.generate(PROMPTS[:1], greedy(24))
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, 1.2)
         assert_no_kv_leak(e)
-    assert any(n > len(PROMPTS) for name, n in calls if name == "DecoderLayer")  # verify trees: several a request
+    assert any(n > bsz for name, n, bsz in calls if name == "DecoderLayer")  # verify trees: several a request
     if algo == "EAGLE3":  # the head's draft levels
-        assert any(name == "Eagle3MidLayer" for name, _ in calls)
+        assert any(name == "Eagle3MidLayer" for name, _, _ in calls)
 
 
 @needs_op
@@ -148,7 +164,7 @@ def test_compiled_forwards_trace_the_modules(model_factory, monkeypatch, fresh_d
     decode what the eager engine with fused layers does, up to the ties its decode attention breaks otherwise."""
     from tests.engine.helpers import assert_greedy_equal_up_to_ties
 
-    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    kernel_linears(monkeypatch)
     path = model_factory("llama", num_hidden_layers=2, dtype=BF16, **WIDE)
     params = greedy(12, return_logprob=True, top_logprobs_num=2)
     outs = []
@@ -168,7 +184,7 @@ def test_the_policy_installs_it_on_exact_classes_only(model_factory, monkeypatch
     from specserve.models.loader import load_model
     from specserve.platform import platform_policy
 
-    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
+    kernel_linears(monkeypatch)
 
     def installed(arch: str) -> list:
         model, _, _ = load_model(model_factory(arch, num_hidden_layers=2, dtype=BF16, **WIDE), "bfloat16")

@@ -4,13 +4,13 @@ and EAGLE-3 engines with their layers fused and not, alternating, with the ratio
 import pytest
 
 from bench_fused_layer import main
-from specserve.platform.cpu import fused_layer, packing
+from specserve.platform.cpu import fused_layer
+from tests.model.test_fused_layer import kernel_linears, needs_op
 
 
-@pytest.mark.skipif(not fused_layer.available(),
-                    reason="the operator's C++ implementation is built for CPUs with AVX2 but no AVX512-BF16")
+@needs_op
 def test_bench_fused_layer_compares_fused_and_module_layers(capsys, monkeypatch):
-    monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)  # where oneDNN would pack, the AVX2 kernel's linears
+    kernel_linears(monkeypatch)
     main(["--model-path", "demo", "--speculative", "--rounds", "2", "--num-prompts", "1", "--max-new-tokens", "8",
           "--calls", "2", "--num-threads", "1"])
     lines = capsys.readouterr().out.splitlines()

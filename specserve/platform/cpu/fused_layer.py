@@ -9,12 +9,13 @@ result still does not depend on the call it is in.
 
 A layer takes it (``use_fused_layers``) where every piece has a kernel here: a ``DecoderLayer`` or an EAGLE-3 head's
 layer (whose attention reads its normed embeddings beside its normed hidden) of exactly the base classes (RMSNorm,
-attention without q/k norms, a SiLU gated MLP), no tensor parallelism, and linears on specserve's AVX2 bf16 kernel
-(``avx2_gemm.py``) or its int8 one (``int8_gemm.py``). A forward takes it (``FusedLayer.__call__``)
-when its attention runs on the few-query kernel (``tree_attention.py``): decode rows, verify trees and draft levels
-with as many new tokens for every request, over a bf16 pool; prefill chunks, padded trees and mixed batches keep the
-modules. Only the AVX2 build of ``ops.cpp`` registers the operator (on CPUs with AVX512-BF16 the layers' linears are
-oneDNN's, which it does not call). ``SPECSERVE_CPU_FUSED_LAYER=off`` keeps the modules everywhere.
+attention without q/k norms, a SiLU gated MLP), no tensor parallelism, and linears on specserve's bf16 few-row
+kernel (on AVX2 ``avx2_gemm.py``; on AVX512-BF16 ``small_gemm.py``, the copy its probe kept) or its int8 one
+(``int8_gemm.py``). A forward takes it (``FusedLayer.__call__``) when its attention runs on the few-query kernel
+(``tree_attention.py``) and its row count is one the layer's linears give their kernel (on AVX512-BF16, the probe's
+``min_rows`` to ``max_rows``; larger calls run on oneDNN, which the operator does not call): decode rows, verify
+trees and draft levels with as many new tokens for every request, over a bf16 pool; prefill chunks, padded trees and
+mixed batches keep the modules. ``SPECSERVE_CPU_FUSED_LAYER=off`` keeps the modules everywhere.
 """
 
 from __future__ import annotations
@@ -30,18 +31,22 @@ from specserve.platform.cpu import elementwise, native, tree_attention
 from specserve.platform.cpu.avx2_gemm import Avx2Linear, avx2_gemm
 from specserve.platform.cpu.int8_gemm import Int8Copy, int8_gemm
 from specserve.platform.cpu.ops import cpu_op
+from specserve.platform.cpu.packing import PackedLinear
+from specserve.platform.cpu.small_gemm import small_gemm
 
 ENV = "SPECSERVE_CPU_FUSED_LAYER"
 MODES = ("on", "off")
 
 
 def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_buf, out_slots, kv_slots, mask, heads,
-                            scale, embeds=None, embed_norm=None):
+                            scale, embeds=None, embed_norm=None, amx_from=0):
     """The operator's steps as calls of the single operators (what the C++ implementation runs)."""
 
     def linear(rows: torch.Tensor, i: int) -> torch.Tensor:
         packed, scales, bias = linears[3 * i : 3 * i + 3]
-        return avx2_gemm(rows, packed, bias) if scales is None else int8_gemm(rows, packed, scales, bias)
+        if scales is not None:
+            return int8_gemm(rows, packed, scales, bias)
+        return avx2_gemm(rows, packed, bias) if _native("avx2_gemm") else small_gemm(rows, packed, bias, amx_from)
 
     tokens, kv_heads, dim = x.shape[0], k_buf.shape[1], k_buf.shape[2]
     a = elementwise.rms_norm(x, norm1, eps)
@@ -57,23 +62,41 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
 
 
 # x [T, h] bf16 -> the layer's output [T, h]; linears: (packed, int8 scales or None, bias or None) of qkv, o, gate_up
-# and down; k_buf / v_buf written at out_slots; embeds [T, h] and their norm: an EAGLE-3 head's layer
+# and down; k_buf / v_buf written at out_slots; embeds [T, h] and their norm: an EAGLE-3 head's layer; amx_from: the
+# bf16 linears' (small_gemm's, on AVX512-BF16)
 decoder_layer = cpu_op("decoder_layer(Tensor x, Tensor?[] linears, Tensor norm1, Tensor norm2, float eps, Tensor cos, "
                        "Tensor sin, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, "
-                       "Tensor? mask, int heads, float scale, Tensor? embeds=None, Tensor? embed_norm=None) -> Tensor",
-                       decoder_layer_reference, lambda x, *rest: torch.empty_like(x))
+                       "Tensor? mask, int heads, float scale, Tensor? embeds=None, Tensor? embed_norm=None, "
+                       "int amx_from=0) -> Tensor",
+                       decoder_layer_reference, lambda x, *rest, **kw: torch.empty_like(x))
+
+
+def _native(op: str) -> bool:
+    """``ops.cpp`` registered specserve::op's C++ implementation here (its build has that kernel)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"specserve::{op}", "CPU")
 
 
 def available() -> bool:
     """SPECSERVE_CPU_FUSED_LAYER is not off and ``ops.cpp`` registered the operator's C++ implementation here."""
-    return (native.env_mode(ENV, MODES) == "on" and native.native_ops()
-            and torch._C._dispatch_has_kernel_for_dispatch_key("specserve::decoder_layer", "CPU"))
+    return native.env_mode(ENV, MODES) == "on" and native.native_ops() and _native("decoder_layer")
+
+
+def runs_here() -> bool:
+    """The operator is available and this build's bf16 few-row kernel is one the engine's bf16 linears run on: the
+    AVX2 kernel, or on AVX512-BF16 the few-row kernel unless SPECSERVE_SMALL_GEMM is off (its probe at load may still
+    keep a model's one-row calls off it, where another kernel times faster)."""
+    from specserve.platform.cpu import small_gemm as small
+
+    return available() and (_native("avx2_gemm") or small.available())
 
 
 def _kernel_copy(linear) -> tuple | None:
-    """(packed, scales, bias) of a linear on the AVX2 bf16 kernel or the int8 kernel, else None."""
-    if type(linear) is Avx2Linear:
+    """(packed, scales, bias) of a linear on the kernel that the operator calls for it in this build of ``ops.cpp``:
+    the AVX2 bf16 kernel, the AVX512-BF16 few-row one (a PackedLinear's ``small`` copy), the int8 one; else None."""
+    if type(linear) is Avx2Linear and _native("avx2_gemm"):
         return linear.packed, None, linear.bias
+    if type(linear) is PackedLinear and linear.small is not None and _native("small_gemm"):
+        return linear.small.packed, None, linear.small.bias
     if isinstance(linear, QuantLinear) and isinstance(linear.few_rows, Int8Copy):
         return linear.few_rows.packed, linear.few_rows.scales, linear.few_rows.bias
     return None
@@ -94,7 +117,7 @@ def _norms(layer: torch.nn.Module) -> list:
 def fusable(layer: torch.nn.Module) -> bool:
     """A layer whose every step the operator runs (see the module's docstring): a class declaring ``fused_norms``
     (``DecoderLayer``, the EAGLE-3 head's layer), exactly RMSNorms, attention without q/k norms, a SiLU gated MLP, no
-    tensor parallelism, linears on the AVX2 or int8 kernel."""
+    tensor parallelism, linears on a few-row kernel (``_kernel_copy``)."""
     if "fused_norms" not in type(layer).__dict__:
         return False
     attn, mlp = layer.self_attn, layer.mlp
@@ -117,8 +140,13 @@ class FusedLayer:
         self.norm1, self.embed_norm, self.norm2 = _norms(layer)
         self.eps = self.norm1.eps
         self.int8 = any(isinstance(m, QuantLinear) for m in _linears(layer))
+        # the row counts whose calls every linear gives its kernel (AVX512-BF16: the probe's verdict, one per model)
+        smalls = [m.small for m in _linears(layer) if type(m) is PackedLinear]
+        self.min_rows = max((c.min_rows for c in smalls), default=1)
+        self.max_rows = min((c.max_rows for c in smalls), default=None)
+        self.amx_from = max((c.amx_from for c in smalls), default=0)
         # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
-        self.key = (id(self.rotary), "fused layer", self.int8)
+        self.key = (id(self.rotary), "fused layer", self.int8, self.min_rows, self.max_rows)
         self._linears: list | None = None
 
     def weights(self) -> list:
@@ -134,7 +162,8 @@ class FusedLayer:
         if (not elementwise.takes(x) or x.dim() != 2 or positions is not fb.positions or pool is None
                 or type(md) is not AttnMetadata or md.groups is not None or md.q_index is not None
                 or md.out_index is not None or md.is_causal or md.kv_slots is None or md.platform is None
-                or (self.int8 and not Int8Copy.takes(x))):
+                or (self.int8 and not Int8Copy.takes(x)) or x.shape[0] < self.min_rows
+                or (self.max_rows is not None and x.shape[0] > self.max_rows)):
             return None
         k_buf, v_buf = pool.layer(self.layer_id)
         tokens, bsz = x.shape[0], md.kv_slots.shape[0]
@@ -158,7 +187,7 @@ class FusedLayer:
         k_buf, v_buf = fb.kv_pool.layer(self.layer_id)
         return decoder_layer(x, self.weights(), self.norm1.weight, self.norm2.weight, self.eps, cos, sin, k_buf, v_buf,
                              out_slots, kv_slots, mask, self.heads, self.scale, embeds,
-                             None if embeds is None else self.embed_norm.weight)
+                             None if embeds is None else self.embed_norm.weight, self.amx_from)
 
 
 def use_fused_layers(module: torch.nn.Module) -> int:

@@ -1,8 +1,9 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, race_exponentials and kv_store), in C++: what the Python implementations
-// in small_gemm.py, int8_gemm.py, tree_attention.py and elementwise.py do, without Python between the dispatcher and
-// the kernel. The operators are defined (schema, fake tensors, Python fallback) beside those files; this library, linked
-// with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
+// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store and decoder_layer), in C++: what the Python
+// implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py and fused_layer.py do, without
+// Python between the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback)
+// beside those files; this library, linked with the kernels' sources, registers their CPU kernels (native.py builds
+// and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,9 +15,9 @@
 
 // Built for AVX512-BF16 with small_gemm.cpp, int8_gemm.cpp, tree_attention.cpp and elementwise.cpp, or, with
 // SPECSERVE_OPS_AVX2 defined, for AVX2 and FMA with avx2_gemm.cpp, tree_attention_avx2.cpp and elementwise_avx2.cpp:
-// then it registers the AVX2 kernels (avx2_gemm, int8_gemm, tree_attention), the element-wise operators and
-// decoder_layer (a whole layer on them: fused_layer.py), and small_gemm keeps its Python implementation (its kernel
-// needs AVX512-BF16; the engine does not call it there).
+// then it registers the AVX2 kernels (avx2_gemm, int8_gemm, tree_attention) in place of small_gemm, which keeps its
+// Python implementation (its kernel needs AVX512-BF16; the engine does not call it there). Both builds register
+// decoder_layer, a whole layer on this build's kernels (fused_layer.py).
 extern "C" {
 #ifdef SPECSERVE_OPS_AVX2
 int avx2_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
@@ -232,13 +233,20 @@ void kv_store(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor
     }
 }
 
-#ifdef SPECSERVE_OPS_AVX2
-// One linear of decoder_layer: x [M, K] bf16 @ a packed bf16 weight, or with scales a packed int8 one
-at::Tensor layer_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears, int64_t i) {
+// One linear of decoder_layer: x [M, K] bf16 @ a packed bf16 weight on this build's few-row kernel (AVX512-BF16: calls
+// of amx_from rows or more on the tile unit, as small_gemm's), or with scales a packed int8 one
+at::Tensor layer_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
+                        int64_t amx_from) {
     const std::optional<at::Tensor> packed = linears.get(3 * i), scales = linears.get(3 * i + 1),
                                     bias = linears.get(3 * i + 2);
     TORCH_CHECK(packed.has_value(), "decoder_layer: linear ", i, " has no weight");
-    return scales.has_value() ? int8_gemm(x, *packed, *scales, bias) : avx2_gemm(x, *packed, bias);
+    if (scales.has_value()) return int8_gemm(x, *packed, *scales, bias);
+#ifdef SPECSERVE_OPS_AVX2
+    (void)amx_from;
+    return avx2_gemm(x, *packed, bias);
+#else
+    return small_gemm(x, *packed, bias, amx_from);
+#endif
 }
 
 // A pre-norm decoder layer (attention, then a SiLU gated MLP) of an eager bf16 forward whose B requests each bring
@@ -253,33 +261,35 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<std::optional<at::
                          const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
                          const at::Tensor& out_slots, const at::Tensor& kv_slots,
                          const std::optional<at::Tensor>& mask, int64_t heads, double scale,
-                         const std::optional<at::Tensor>& embeds, const std::optional<at::Tensor>& embed_norm) {
+                         const std::optional<at::Tensor>& embeds, const std::optional<at::Tensor>& embed_norm,
+                         int64_t amx_from) {
     TORCH_CHECK(linears.size() == 12, "decoder_layer: 4 linears of 3 entries each, not ", linears.size());
     const int64_t tokens = x.size(0), kv_heads = k_buf.size(1), dim = k_buf.size(2), bsz = kv_slots.size(0);
     TORCH_CHECK(bsz > 0 && tokens % bsz == 0, "decoder_layer: ", tokens, " tokens over ", bsz, " requests");
     TORCH_CHECK(embeds.has_value() == embed_norm.has_value(), "decoder_layer: embeds and embed_norm go together");
     at::Tensor a = rms_norm(x, norm1, eps);
     if (embeds.has_value()) a = at::cat({rms_norm(*embeds, *embed_norm, eps), a}, 1);
-    const at::Tensor qkv = layer_linear(a, linears, 0);  // [T, (H + 2 Hkv) D]
+    const at::Tensor qkv = layer_linear(a, linears, 0, amx_from);  // [T, (H + 2 Hkv) D]
     const at::Tensor qk = rope(qkv.narrow(1, 0, (heads + kv_heads) * dim).view({tokens, heads + kv_heads, dim}), cos,
                                sin);  // [T, H + Hkv, D]
     kv_store(k_buf, v_buf, out_slots, qk.narrow(1, heads, kv_heads),
              qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({tokens, kv_heads, dim}));
     const at::Tensor q = qk.narrow(1, 0, heads).view({bsz, tokens / bsz, heads, dim});  // [B, Qmax, H, D]
-    const at::Tensor h = x + layer_linear(tree_attention(q, k_buf, v_buf, kv_slots, mask, scale), linears, 1);
-    return h + layer_linear(silu_mul(layer_linear(rms_norm(h, norm2, eps), linears, 2)), linears, 3);
+    const at::Tensor attn = tree_attention(q, k_buf, v_buf, kv_slots, mask, scale);  // [T, H D]
+    const at::Tensor h = x + layer_linear(attn, linears, 1, amx_from);
+    return h + layer_linear(silu_mul(layer_linear(rms_norm(h, norm2, eps), linears, 2, amx_from)), linears, 3,
+                            amx_from);
 }
 
-#endif
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
 #ifdef SPECSERVE_OPS_AVX2
     m.impl("avx2_gemm", TORCH_FN(avx2_gemm));
-    m.impl("decoder_layer", TORCH_FN(decoder_layer));
 #else
     m.impl("small_gemm", TORCH_FN(small_gemm));
 #endif
+    m.impl("decoder_layer", TORCH_FN(decoder_layer));
     m.impl("tree_attention", TORCH_FN(tree_attention));
     m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("rms_norm", TORCH_FN(rms_norm));
