@@ -1,15 +1,15 @@
 """What a decoder layer in one operator call (``platform/cpu/fused_layer.py``) saves against the layer's modules, in
 one process, alternating.
 
-Per call: one SmolLM2-135M-shaped layer (hidden 576, 9 + 3 heads of 64, intermediate 1536, bf16 weights on this
-build's few-row kernel: AVX2's, or AVX512-BF16's vector loop) over 256 keys, as one operator call and as its steps called one by one from Python (what the operator
-replaces, less the modules' own Python), for a decode row, a verify tree of 8 and 16 decode rows; median us of 5
-batches of ``--calls`` calls. End to end: one engine on ``--model-path`` (default: the bundled SmolLM2) in bf16
-decodes ``--max-new-tokens`` greedy tokens of each of ``--num-prompts`` prompts with the fused layers installed and
-taken off, alternating ``--rounds`` times; with ``--speculative`` the same for an engine with the model's bundled
-EAGLE-3 head (its layer fused and unfused with the target's). Printed: tokens/s of each (median) and the ratio of
-each round. Needs a CPU with AVX2 or AVX512-BF16, a C++ compiler and PyTorch's headers (and on AVX512-BF16, the
-few-row kernel taking the model's calls: ``SPECSERVE_SMALL_GEMM`` not off).
+Per call: one SmolLM2-135M-shaped layer (hidden 576, 9 + 3 heads of 64, intermediate 1536, bf16 weights on this build's
+few-row kernel: AVX2's, or AVX512-BF16's vector loop) over 256 keys, as one operator call and as its steps called one
+by one from Python (what the operator replaces, less the modules' own Python), for a decode row, a verify tree of 8 and
+16 decode rows; median us of 5 batches of ``--calls`` calls. End to end: one engine on ``--model-path`` (default: the
+bundled SmolLM2) in bf16 decodes ``--max-new-tokens`` greedy tokens of each of ``--num-prompts`` prompts with the fused
+layers installed and taken off, alternating ``--rounds`` times; with ``--speculative`` the same for an engine with the
+model's bundled EAGLE-3 head (its layer fused and unfused with the target's). Printed: tokens/s of each (median) and
+the ratio of each round. Needs a CPU with AVX2 or AVX512-BF16, a C++ compiler and PyTorch's headers (and on
+AVX512-BF16, the few-row kernel taking the model's calls: ``SPECSERVE_SMALL_GEMM`` not off).
 
     python benchmarks/bench_fused_layer.py --rounds 5 [--speculative]
 """
