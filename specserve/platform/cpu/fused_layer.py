@@ -32,6 +32,7 @@ from specserve.platform.cpu.avx2_gemm import Avx2Linear, avx2_gemm
 from specserve.platform.cpu.int8_gemm import Int8Copy, int8_gemm
 from specserve.platform.cpu.ops import cpu_op
 from specserve.platform.cpu.packing import PackedLinear
+from specserve.platform.cpu.small_gemm import available as small_gemm_available
 from specserve.platform.cpu.small_gemm import small_gemm
 
 ENV = "SPECSERVE_CPU_FUSED_LAYER"
@@ -85,9 +86,7 @@ def runs_here() -> bool:
     """The operator is available and this build's bf16 few-row kernel is one the engine's bf16 linears run on: the
     AVX2 kernel, or on AVX512-BF16 the few-row kernel unless SPECSERVE_SMALL_GEMM is off (its probe at load may still
     keep a model's one-row calls off it, where another kernel times faster)."""
-    from specserve.platform.cpu import small_gemm as small
-
-    return available() and (_native("avx2_gemm") or small.available())
+    return available() and (_native("avx2_gemm") or small_gemm_available())
 
 
 def _kernel_copy(linear) -> tuple | None:
@@ -140,13 +139,12 @@ class FusedLayer:
         self.norm1, self.embed_norm, self.norm2 = _norms(layer)
         self.eps = self.norm1.eps
         self.int8 = any(isinstance(m, QuantLinear) for m in _linears(layer))
-        # the row counts whose calls every linear gives its kernel (AVX512-BF16: the probe's verdict, one per model)
-        smalls = [m.small for m in _linears(layer) if type(m) is PackedLinear]
-        self.min_rows = max((c.min_rows for c in smalls), default=1)
-        self.max_rows = min((c.max_rows for c in smalls), default=None)
-        self.amx_from = max((c.amx_from for c in smalls), default=0)
+        # AVX512-BF16: the bf16 linears' few-row copies, whose probe verdict (one per model) says which row counts
+        # their calls give the kernel and from how many rows its tile unit
+        self.smalls = [m.small for m in _linears(layer) if type(m) is PackedLinear]
+        self.amx_from = self.smalls[0].amx_from if self.smalls else 0
         # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
-        self.key = (id(self.rotary), "fused layer", self.int8, self.min_rows, self.max_rows)
+        self.key = (id(self.rotary), "fused layer", self.int8)
         self._linears: list | None = None
 
     def weights(self) -> list:
@@ -162,8 +160,7 @@ class FusedLayer:
         if (not elementwise.takes(x) or x.dim() != 2 or positions is not fb.positions or pool is None
                 or type(md) is not AttnMetadata or md.groups is not None or md.q_index is not None
                 or md.out_index is not None or md.is_causal or md.kv_slots is None or md.platform is None
-                or (self.int8 and not Int8Copy.takes(x)) or x.shape[0] < self.min_rows
-                or (self.max_rows is not None and x.shape[0] > self.max_rows)):
+                or (self.int8 and not Int8Copy.takes(x)) or not all(c.takes(x) for c in self.smalls)):
             return None
         k_buf, v_buf = pool.layer(self.layer_id)
         tokens, bsz = x.shape[0], md.kv_slots.shape[0]
