@@ -212,8 +212,8 @@ class SchedulerLoop:
         elif self.compiles is None:
             reason = {"type": "abort", "message": "structured outputs are off on this server (--grammar-backend none)"}
             self._dispatch([unstarted_output(req, reason)])
-        else:
-            self.compiles.start(req)
+        elif (ready := self.compiles.start(req)) is not None:
+            self.scheduler.add_request(ready)
 
     def _abort_all(self, message: str) -> list[ReqOutput]:
         sched = self.scheduler

@@ -131,6 +131,14 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return compiled
 
+    def cached(self, spec: GrammarSpec):
+        """-> ``spec``'s compiled form if it is in the cache, else None (nothing is compiled)."""
+        with self._lock:
+            compiled = self._cache.get(spec.key)
+            if compiled is not None:
+                self._cache.move_to_end(spec.key)
+            return compiled
+
     def matcher(self, compiled) -> Matcher:
         """A matcher at the start of a compiled grammar (``compile`` has loaded the backend)."""
         m = self._matcher(compiled)

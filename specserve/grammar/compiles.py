@@ -1,5 +1,6 @@
 """Requests waiting for their grammar: compiled on a small thread pool, off the scheduler thread, so a large schema
-never stalls the other requests' decoding; each comes back to the scheduler loop through its inbox."""
+never stalls the other requests' decoding; each comes back to the scheduler loop through its inbox. A request whose
+grammar is compiled already (cached by its text) gets its matcher at once instead."""
 
 from __future__ import annotations
 
@@ -22,10 +23,20 @@ class GrammarCompiles:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="specserve-grammar")
         self.waiting: dict[str, Req] = {}  # rid -> request whose grammar is compiling
 
-    def start(self, req: Req) -> None:
+    def start(self, req: Req) -> Req | None:
+        """-> the request with its matcher, ready to schedule, when its grammar is compiled already (the frontend
+        compiles a request's grammar to check it, so this is the rule: a matcher then costs microseconds, and the
+        request joins the running batch with the others that came with it); else None: it waits for its compile on
+        the pool."""
+        spec = GrammarSpec.from_field(*req.params.grammar)
+        compiled = self.backend.cached(spec)
+        if compiled is not None:
+            req.grammar = self.backend.matcher(compiled)
+            return req
         self.waiting[req.rid] = req
-        future = self.pool.submit(self._matcher, GrammarSpec.from_field(*req.params.grammar))
+        future = self.pool.submit(self._matcher, spec)
         future.add_done_callback(lambda f: self.post(("compiled", (req, f))))
+        return None
 
     def _matcher(self, spec: GrammarSpec) -> Matcher:
         matcher = self.backend.matcher(self.backend.compile(spec))

@@ -28,24 +28,36 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(allowed_bits(bitmask, vocab_size)).view(torch.bool)
 
 
-def ban_mask(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int,
-             device: torch.device | str, columns: np.ndarray | None = None) -> torch.Tensor:
-    """Rows of ``fill_rows`` / ``jump_forward`` -> bool [R, V] ban mask (True = banned) on ``device``, V being the
-    model's vocabulary (the grammar's may be larger: its tokens past V are dropped). columns: int64 [C] token ids
-    below V (a draft vocabulary's map to the target's): the ban of those tokens only, [R, C], column c for token
-    columns[c]. In numpy throughout: a handful of calls on arrays this small (a draft level's [3, 4096] took 13 us,
-    against 71 us in torch with the column gather).
-
-    A row where the grammar is accepting also allows its request's stop ids."""
+def allowed_rows(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int
+                 ) -> np.ndarray:
+    """Rows of ``fill_rows`` / ``jump_forward`` -> uint8 [R, V] 0/1 (1 = allowed), V being the model's vocabulary
+    (the grammar's may be larger: its tokens past V are dropped). A row where the grammar is accepting also allows
+    its request's stop ids."""
     allowed = allowed_bits(bitmask, vocab_size)  # [R, V]
     rows = [r for r, (ok, stops) in enumerate(zip(accepting, stop_ids, strict=True)) if ok for t in stops
             if t < vocab_size]
     cols = [t for ok, stops in zip(accepting, stop_ids, strict=True) if ok for t in stops if t < vocab_size]
     if rows:
         allowed[rows, cols] = 1
+    return allowed
+
+
+def ban_mask(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int,
+             device: torch.device | str, columns: np.ndarray | None = None) -> torch.Tensor:
+    """Rows of ``fill_rows`` / ``jump_forward`` -> bool [R, V] ban mask (True = banned: what ``allowed_rows`` does not
+    allow) on ``device``. columns: int64 [C] token ids below V (a draft vocabulary's map to the target's): the ban of
+    those tokens only, [R, C], column c for token columns[c]. In numpy throughout: a handful of calls on arrays this
+    small (a draft level's [3, 4096] took 13 us, against 71 us in torch with the column gather)."""
+    allowed = allowed_rows(bitmask, accepting, stop_ids, vocab_size)
     if columns is not None:
         allowed = np.take(allowed, columns, axis=1)  # [R, C]
     return torch.from_numpy(allowed == 0).to(device)
+
+
+def masked_greedy(logits: np.ndarray, allowed: np.ndarray) -> list[int]:
+    """float32 [R, V] logits, uint8 [R, V] ``allowed_rows`` -> each row's greedy token under its mask: the first
+    largest allowed logit (0 where nothing is allowed), as ``greedy_ids`` of the logits with the banned ones -inf."""
+    return np.where(allowed.view(bool), logits, -np.inf).argmax(-1).tolist()
 
 
 def fill_rows(matchers: list[Matcher]) -> tuple[torch.Tensor, list[bool]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.grammar.masks import ban_mask, fill_rows
+from specserve.grammar.masks import allowed_rows, ban_mask, fill_rows, masked_greedy
 from specserve.request import Req, ReqOutput
 from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, greedy_ids, is_plain_greedy, sample
 
@@ -81,12 +81,24 @@ class OutputProcessor:
             taken = checked_rows.difference(redraw)
             refused = len(redraw) + sum(tokens[b] != drawn[b] for b in taken)
         stats.add_checks(len(checked), refused)
+        if redraw:
+            for b, tok in zip(redraw, self._redraw([reqs[b] for b in redraw], logits, redraw), strict=True):
+                tokens[b] = tok
         if tokens != drawn:
             next_ids = torch.tensor(tokens, dtype=torch.int64, device=next_ids.device)  # [B]
-        if redraw:
-            sub = [reqs[b] for b in redraw]
-            next_ids[redraw] = self._draw(sub, logits[redraw], self.grammar_ban(sub))
         return next_ids, taken
+
+    def _redraw(self, sub: list[Req], logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """The rows ``rows`` of logits [B, V] that check-first could not settle (their requests ``sub``), drawn under
+        their grammars' masks -> their tokens. Greedy rows on CPU: the masked argmax in numpy, straight from the
+        masks' bits (no ban tensor, no masked copy of the logits)."""
+        if (logits.device.type == "cpu" and logits.dtype == torch.float32
+                and all(is_plain_greedy(r.params, len(r.output_ids)) for r in sub)):
+            with sub[0].grammar.stats.masking():
+                bitmask, accepting = fill_rows([r.grammar for r in sub])
+                allowed = allowed_rows(bitmask, accepting, [r.stop_ids for r in sub], self.vocab_size)
+            return masked_greedy(logits.detach().numpy()[rows], allowed)
+        return self._draw(sub, logits[rows], self.grammar_ban(sub)).tolist()
 
     def _draw(self, reqs: list[Req], logits: torch.Tensor, ban: torch.Tensor | None) -> torch.Tensor:
         """logits [B, V], ban bool [B, V] or None -> next ids [B] int64 (the sampler, or the argmax where nothing

@@ -21,6 +21,7 @@ from specserve.grammar.masks import (
     ban_mask,
     fill_rows,
     jump_forward,
+    masked_greedy,
     single_token,
 )
 
@@ -107,6 +108,15 @@ def test_ban_mask_over_columns_bans_those_tokens_in_column_order():
     columns = np.array([7, 2, 5, 1])  # a draft vocabulary's four tokens
     ban = ban_mask(bm, [False, True], [{5}, {5, 7}], 8, "cpu", columns)
     assert ban.tolist() == [[True, False, True, False], [False, False, False, False]]  # row 1 accepts: 5, 7 allowed
+
+
+def test_masked_greedy_takes_the_first_largest_allowed_logit():
+    logits = np.array([[5.0, 1.0, 3.0, 3.0],    # the top token banned; a tie among the allowed: the first
+                       [0.0, 9.0, -2.0, 8.0],    # the top token allowed
+                       [1.0, 2.0, 3.0, 4.0],     # nothing allowed: 0, as the argmax of an all -inf row
+                       [-np.inf, -7.0, -np.inf, -6.5]], dtype=np.float32)
+    allowed = np.array([[0, 1, 1, 1], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=np.uint8)
+    assert masked_greedy(logits, allowed) == [2, 1, 0, 1]
 
 
 def test_jump_forward_drops_forbidden_nodes_and_keeps_each_nodes_row():
@@ -328,6 +338,44 @@ def test_compiled_grammars_are_cached_by_text(backend):
     a = backend.compile(GrammarSpec.from_field("regex", "[a-z]+"))
     assert backend.compile(GrammarSpec.from_field("regex", "[a-z]+")) is a
     assert backend.compile(GrammarSpec.from_field("regex", "[a-y]+")) is not a
+
+
+def test_matchers_of_a_cached_grammar_start_alike_and_move_apart(backend, tokenizer):
+    """llguidance's matchers are copies of the compiled grammar's start state: advancing one moves neither the
+    start nor the next request's matcher."""
+    case = SCHEMA_CASES[3]
+    spec = GrammarSpec.from_field("json_schema", json.dumps(case.schema))
+    ids = tokenizer.encode(json.dumps(case.example), add_special_tokens=False)
+    first = walk(backend, spec, ids)  # fed the whole example
+    assert first.accepting()
+    second = backend.matcher(backend.compile(spec))
+    start = rows_as_sets(fill_rows([second])[0], backend.vocab_size)[0]
+    assert ids[0] in start and not second.accepting()
+    assert second.accept(ids[0])
+    third = backend.matcher(backend.compile(spec))
+    assert rows_as_sets(fill_rows([third])[0], backend.vocab_size)[0] == start
+
+
+def test_requests_with_a_cached_grammar_get_their_matcher_at_once(backend):
+    from specserve.grammar.compiles import GrammarCompiles
+    from specserve.request import Req
+    from specserve.sampling.params import SamplingParams
+
+    posted = []
+    compiles = GrammarCompiles(backend, posted.append)
+    try:
+        def req(rid, pattern):
+            return Req(rid, [1, 2], SamplingParams(regex=pattern), {0}, None)
+
+        backend.compile(GrammarSpec.from_field("regex", "[0-3]{2}"))  # as the frontend does to check a request
+        ready = compiles.start(req("a", "[0-3]{2}"))
+        assert ready is not None and ready.grammar is not None and not compiles.waiting
+        assert compiles.start(req("b", "[4-7]{2}")) is None and "b" in compiles.waiting  # compiles on the pool
+        compiles.pool.shutdown(wait=True)
+        (kind, (waiting, future)), = posted
+        assert kind == "compiled" and compiles.finish(waiting, future)[0].grammar is not None
+    finally:
+        compiles.close()
 
 
 def fresh_row(backend, spec: GrammarSpec, path: list[int]) -> tuple[set[int], bool] | None:
