@@ -175,8 +175,8 @@ class DraftModel:
                 compute_dtype: Callable[[int], torch.dtype]) -> torch.Tensor:
         """One draft forward: tokens fb.input_ids [T] + hidden [T, h] -> draft hidden [T, h] (draft dtype);
         compute_dtype(T): the dtype the call runs in."""
-        embeds = self.target.embed(fb.input_ids).to(compute_dtype(fb.input_ids.shape[0]))
-        return self.module(fb, embeds, hidden).to(self.dtype)
+        embeds = _as(self.target.embed(fb.input_ids), compute_dtype(fb.input_ids.shape[0]))
+        return _as(self.module(fb, embeds, hidden), self.dtype)
 
     def logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
@@ -206,6 +206,11 @@ class DraftModel:
         ]).to(self.device)
         return CatchUp([s.req for s in steps], [s.root_pos for s in steps], [s.new_tokens for s in steps],
                        self.target_hidden(out, rows), [True] * len(steps))
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, without a dispatched no-op cast when it is already (a draft level makes several such calls)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class EagleHeadDraft(DraftModel):

@@ -146,6 +146,7 @@ class FusedLayer:
         # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
         self.key = (id(self.rotary), "fused layer", self.int8)
         self._linears: list | None = None
+        self._norm_weights: tuple | None = None
 
     def weights(self) -> list:
         """The 12 linear entries, read on the first call: the policy moves weights onto huge pages after it installs
@@ -153,6 +154,14 @@ class FusedLayer:
         if self._linears is None:
             self._linears = [t for m in _linears(self.layer) for t in _kernel_copy(m)]
         return self._linears
+
+    def norm_weights(self) -> tuple:
+        """The norms' weights (norm1, norm2, embed_norm or None), read on the first call as ``weights``: a module's
+        parameter read costs a microsecond or so, a few per layer call."""
+        if self._norm_weights is None:
+            self._norm_weights = (self.norm1.weight, self.norm2.weight,
+                                  None if self.embed_norm is None else self.embed_norm.weight)
+        return self._norm_weights
 
     def forward_args(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> tuple | None:
         """(cos, sin, out_slots, kv_slots, mask) of this forward, or None where it does not fit the operator."""
@@ -182,9 +191,11 @@ class FusedLayer:
             return None
         cos, sin, out_slots, kv_slots, mask = args
         k_buf, v_buf = fb.kv_pool.layer(self.layer_id)
-        return decoder_layer(x, self.weights(), self.norm1.weight, self.norm2.weight, self.eps, cos, sin, k_buf, v_buf,
-                             out_slots, kv_slots, mask, self.heads, self.scale, embeds,
-                             None if embeds is None else self.embed_norm.weight, self.amx_from)
+        norm1, norm2, embed_norm = self.norm_weights()
+        if embeds is None:
+            embed_norm = None
+        return decoder_layer(x, self.weights(), norm1, norm2, self.eps, cos, sin, k_buf, v_buf, out_slots, kv_slots,
+                             mask, self.heads, self.scale, embeds, embed_norm, self.amx_from)
 
 
 def use_fused_layers(module: torch.nn.Module) -> int:

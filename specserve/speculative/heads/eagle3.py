@@ -104,7 +104,7 @@ class Eagle3Head(CheckpointLoadable):
     def forward(self, fb: ForwardBatch, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """embeds [T, h]; hidden [T, 3*h_target] (target's captured layers) or [T, h] (previous draft step)
         -> the head's pre-norm output [T, h] (the next step's hidden)."""
-        hidden = hidden.to(embeds.dtype)
+        hidden = hidden if hidden.dtype == embeds.dtype else hidden.to(embeds.dtype)
         if hidden.shape[-1] == 3 * self.target_hidden_size:
             hidden = self.fc(hidden)
         return self.midlayer(embeds, hidden, fb)
