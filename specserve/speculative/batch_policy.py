@@ -14,7 +14,9 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    faster mode, trying the other one (TRY_STEPS steps, measured afresh) after ``explore_every`` steps of the
    bucket so the estimate follows changing acceptance
    (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
-   the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less.
+   the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less. A mode's rate is
+   its tokens per step over its seconds per step; speculation's tokens per step come from a longer window
+   (ACCEPT_DECAY) that a try does not restart, since acceptance varies from step to step far more than step time.
    Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
    mixed), since sampled requests accept differently from greedy ones: a workload's sampled batches never decide
    for its greedy batches of the same size, nor the reverse.
@@ -52,6 +54,10 @@ from dataclasses import dataclass, field
 from specserve.speculative.tree import max_tree_nodes
 
 DECAY = 0.9  # weight of the older steps in a mode's running sums (an effective window of about 10 steps)
+#: weight of the older steps in speculation's tokens per step (a window of about 50 steps, kept across tries): how many
+#: tokens a step accepts varies from step to step far more than what a step costs, so a try's few steps measure its
+#: time well and its acceptance poorly
+ACCEPT_DECAY = 0.98
 TRY_STEPS = 4  # consecutive steps a try of a mode runs; that mode's estimate restarts from them
 EXPLORE_EVERY = 32  # steps of a bucket between two tries of the mode currently losing (at first)
 MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the winner, up to this
@@ -115,18 +121,34 @@ def bucket_of(batch: int) -> int:
 
 @dataclass
 class _Mode:
-    """Decayed sums of one mode's steps in one bucket; rate = tokens per second of step time over them."""
+    """Decayed sums of one mode's steps in one bucket: tokens, seconds and steps (DECAY), and, for speculation, its
+    tokens and steps over a longer window (ACCEPT_DECAY) that a try does not restart. rate = tokens per second: tokens
+    per step (speculation's over the longer window) over seconds per step."""
 
+    speculative: bool = False
     tokens: float = 0.0
     seconds: float = 0.0
+    steps: float = 0.0
+    long_tokens: float = 0.0
+    long_steps: float = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
+        self.steps = DECAY * self.steps + 1
+        self.long_tokens = ACCEPT_DECAY * self.long_tokens + tokens
+        self.long_steps = ACCEPT_DECAY * self.long_steps + 1
+
+    def restart(self) -> None:
+        """A try's first measured step comes next: step times afresh; speculation's acceptance is kept."""
+        self.tokens = self.seconds = self.steps = 0.0
 
     @property
     def rate(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 else None
+        if self.seconds <= 0:
+            return None
+        per_step = self.long_tokens / self.long_steps if self.speculative else self.tokens / self.steps
+        return per_step * self.steps / self.seconds
 
 
 @dataclass
@@ -135,7 +157,7 @@ class _Bucket:
 
     interval: int  # steps between two tries of the losing mode
     next_try: int  # step number of the next try
-    spec: _Mode = field(default_factory=_Mode)
+    spec: _Mode = field(default_factory=lambda: _Mode(speculative=True))
     plain: _Mode = field(default_factory=_Mode)
     steps: int = 0
     trying: bool | None = None  # the mode (True = speculative) a try is measuring, else None
@@ -226,7 +248,7 @@ class BatchPolicy:
         if r.trying != speculative and r.mode(speculative).rate is None:
             return  # an estimate starts from a try (after its warm-up), never from steps outside one
         if r.trying == speculative and r.try_records == TRY_STEPS:  # a try's first measured step: a fresh estimate
-            setattr(r, "spec" if speculative else "plain", _Mode())
+            r.mode(speculative).restart()
         r.mode(speculative).add(tokens, seconds)
         if r.trying is None or speculative != r.trying:
             return

@@ -240,3 +240,32 @@ def test_sampled_and_greedy_batches_are_measured_separately():
     summary = p.summary()
     assert summary["4 sampled"]["winner"] == "plain" and summary["4 greedy"]["winner"] == "spec"
     assert p.choose(4, "mixed") == FULL and "4 mixed" in p.summary()  # a kind of its own, measured afresh
+
+
+def test_a_few_unlucky_steps_do_not_outweigh_speculations_acceptance():
+    """Acceptance varies step to step far more than step time: four poor steps in a row (2 tokens where 5 is usual)
+    do not turn speculation off, since its tokens per step come from its last ~50 steps (a 10-step window of them
+    alone would put it at 3.97 tok/s, under plain decoding's 4 with the margin)."""
+    p = _policy(explore_every=1000)
+    assert _run(p, 48, spec_rate=5, plain_rate=4) == [True] * 4 + [False] * 4 + [True] * 40
+    assert _run(p, 4, spec_rate=2, plain_rate=4) == [True] * 4
+    one = p.rates[(1, "greedy")]
+    assert one.spec.rate > one.plain.rate * (1 + SPEC_MARGIN) and p.choose(1) is not None
+
+
+def test_a_lasting_drop_in_acceptance_turns_speculation_off():
+    p = _policy(explore_every=10)
+    _run(p, 8, spec_rate=5, plain_rate=4)  # both measured: speculation wins
+    flags = _run(p, 200, spec_rate=2, plain_rate=4)  # acceptance falls for good
+    assert flags[-20:] == [False] * 20  # the longer window follows it within its ~50 steps
+    assert p.summary()["1 greedy"]["winner"] == "plain"
+
+
+def test_speculations_step_time_restarts_with_each_try_and_its_acceptance_does_not():
+    p = _policy(explore_every=1000)
+    _run(p, 8, spec_rate=5, plain_rate=4)
+    spec = p.rates[(1, "greedy")].spec
+    spec.restart()
+    assert spec.rate is None and spec.long_tokens > 0  # no step time until a measured step: no rate
+    spec.add(5, 2.0)  # a slower step: the rate follows the new step time at the kept acceptance
+    assert spec.rate == pytest.approx(2.5)
