@@ -10,24 +10,11 @@ of calls).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from bench_ops import per_call_us
 from specserve.sampling.sampler import greedy_ids
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(max(calls // 10, 1)):
-        fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
 
 
 def pickers(x: torch.Tensor) -> dict:

@@ -50,16 +50,21 @@ def time_calls(calls: int, threads: int) -> dict[str, float]:
     out = {"native": native.native_ops()}
     with torch.inference_mode():
         for name, call in ops.items():
-            for _ in range(200):
-                call()
-            batches = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                batches.append((time.perf_counter() - start) / calls * 1e6)
-            out[name] = statistics.median(batches)
+            out[name] = per_call_us(call, calls, warmup=200)
     return out
+
+
+def per_call_us(fn, calls: int, warmup: int | None = None) -> float:
+    """fn's median time per call in us over 5 batches of `calls` calls, after `warmup` calls (default calls // 10)."""
+    for _ in range(max(calls // 10, 1) if warmup is None else warmup):
+        fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,8 +147,9 @@ class _Mode:
     def rate(self) -> float | None:
         if self.seconds <= 0:
             return None
-        per_step = self.long_tokens / self.long_steps if self.speculative else self.tokens / self.steps
-        return per_step * self.steps / self.seconds
+        if not self.speculative:
+            return self.tokens / self.seconds
+        return (self.long_tokens / self.long_steps) / (self.seconds / self.steps)
 
 
 @dataclass
