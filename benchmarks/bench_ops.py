@@ -43,7 +43,7 @@ def time_calls(calls: int, threads: int) -> dict[str, float]:
     qb = torch.randn(1, 1, 9, 64, generator=gen).to(torch.bfloat16)  # heads, 9 query heads of 64
     slots = torch.arange(256).view(1, 256)
     ops = {
-        "small_gemm": lambda: small_gemm.small_gemm(x, packed, None),
+        "small_gemm": lambda: small_gemm.small_gemm(x, packed, None, 0),
         "int8_gemm": lambda: int8_gemm.int8_gemm(x, packed8, scales, None),
         "tree_attention": lambda: tree_attention.tree_attention_op(qb, k_buf, v_buf, slots, None, 0.125),
     }
