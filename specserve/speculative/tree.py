@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -355,55 +356,83 @@ class EagleCandidates:
     best = cands.add_level(child_probs, child_tokens)       # per further level; best [B, K] indexes the K*K
                                                             # new candidates: branch best // K, child best % K
     tree = cands.select(root_tokens, num_draft_tokens)
+
+    On a CPU the bookkeeping runs on numpy views of the same memory (``host``): these arrays hold a few dozen
+    elements, where a numpy call costs about a microsecond and a torch op several (one request's 7 levels and a
+    12-node selection took 2.4-2.8x less time than through torch ops). Same arithmetic (float32 products, stable
+    ranking), same trees (``test_host_bookkeeping_equals_the_torch_path``).
     """
 
-    def __init__(self, root_probs: Tensor, root_tokens: Tensor):  # [B, K] each
+    def __init__(self, root_probs: Tensor, root_tokens: Tensor, host: bool | None = None):  # [B, K] each
+        """host: bookkeeping on numpy arrays (None: on a CPU)."""
         B, K = root_probs.shape
         self.topk = K
-        self._scores = [root_probs]  # list of [B, *]
-        self._tokens = [_as_int64(root_tokens)]
-        self._parents = [torch.full((B, K), -1, dtype=torch.int64, device=root_probs.device)]
+        self.host = root_probs.device.type == "cpu" if host is None else host
+        self._scores = [_host(root_probs) if self.host else root_probs]  # list of [B, *]
+        self._tokens = [_host(_as_int64(root_tokens)) if self.host else _as_int64(root_tokens)]
+        if self.host:
+            self._parents = [np.full((B, K), -1, dtype=np.int64)]
+            self.live_index = np.broadcast_to(np.arange(K), (B, K))  # [B, K] candidate indices
+        else:
+            self._parents = [torch.full((B, K), -1, dtype=torch.int64, device=root_probs.device)]
+            self.live_index = torch.arange(K, device=root_probs.device).expand(B, K)
         self._count = K
-        self._all_scores: Tensor | None = root_probs  # cat of self._scores, made on demand
-        self.live_index = torch.arange(K, device=root_probs.device).expand(B, K)  # [B, K] candidate indices
-        self.live_scores = root_probs  # [B, K]
+        self._all_scores = self._scores[0]  # cat of self._scores, made on demand
+        self.live_scores = self._scores[0]  # [B, K]
 
     def add_level(self, child_probs: Tensor, child_tokens: Tensor) -> Tensor:
         """child_probs / child_tokens [B, K, K] at the live branches -> best [B, K] (see expand_level)."""
         B, L, K = child_probs.shape
-        lvl = expand_level(self.live_scores, child_probs, child_tokens)
-        self._scores.append(lvl.scores)
+        if self.host:
+            scores, best = _host_expand_level(self.live_scores, _host(child_probs))
+            tokens, parents = _host(_as_int64(child_tokens)).reshape(B, L * K), np.repeat(self.live_index, K, axis=1)
+            live_scores = scores[np.arange(B)[:, None], best]
+        else:
+            lvl = expand_level(self.live_scores, child_probs, child_tokens)
+            scores, best, tokens = lvl.scores, lvl.best, _as_int64(lvl.tokens)
+            # [B, L*K] candidate index of each new candidate's parent: live branch l's, K times (branch-major)
+            parents = self.live_index.unsqueeze(2).expand(B, L, K).reshape(B, L * K)
+            live_scores = scores.gather(1, best)
+        self._scores.append(scores)
         self._all_scores = None
-        self._tokens.append(_as_int64(lvl.tokens))
-        # [B, L*K] candidate index of each new candidate's parent: live branch l's, K times (branch-major)
-        self._parents.append(self.live_index.unsqueeze(2).expand(B, L, K).reshape(B, L * K))
-        self.live_index = self._count + lvl.best  # [B, K]
-        self.live_scores = lvl.scores.gather(1, lvl.best)  # [B, K]
-        self._count += lvl.scores.shape[1]
-        return lvl.best
+        self._tokens.append(tokens)
+        self._parents.append(parents)
+        self.live_index = self._count + best  # [B, K]
+        self.live_scores = live_scores  # [B, K]
+        self._count += scores.shape[1]
+        return torch.from_numpy(best) if self.host else best
 
     def can_stop(self, keep: int, threshold: float = 0.0) -> bool:
         """True when no request needs a deeper level (``drafting_can_stop`` for every request)."""
         if self._count < keep:  # too few candidates for the exact stop: only the threshold can stop
             return threshold > 0 and bool(self.live_scores.max() < threshold)
+        if self.host:
+            return bool(_host_can_stop(self.scores(), self.live_scores, keep, threshold).all())
         return bool(drafting_can_stop(self.scores(), self.live_scores, keep, threshold).all())
 
     def scores(self) -> Tensor:
-        """[B, M] cumulative scores of every candidate drafted so far."""
+        """[B, M] cumulative scores of every candidate drafted so far (a numpy array on the host path)."""
         if self._all_scores is None:
-            self._all_scores = torch.cat(self._scores, 1)
+            cat = np.concatenate if self.host else torch.cat
+            self._all_scores = cat(self._scores, 1)
         return self._all_scores
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         """(cand_tokens, cand_parents, cand_scores), each [B, M]."""
+        if self.host:
+            return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (
+                np.concatenate(self._tokens, 1), np.concatenate(self._parents, 1), self.scores()))
         return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), self.scores()
 
     def select(self, root_tokens: Tensor, num_draft_tokens: int, distinct: bool = False) -> DraftTree:
         """The rerank over what was drafted: N = num_draft_tokens nodes, fewer when drafting stopped before N - 1
         candidates existed (``can_stop`` with a threshold). distinct: the children of a candidate carry distinct
         tokens (top-k ids through an injective id map), so no duplicates need merging."""
+        n = min(num_draft_tokens, self._count + 1)
+        if self.host and distinct and self.topk > 1 and n >= 1:
+            return _host_select(_host(root_tokens), np.concatenate(self._tokens, 1),
+                                np.concatenate(self._parents, 1), self.scores(), n)
         tokens, parents, scores = self.tensors()
-        n = min(num_draft_tokens, tokens.shape[1] + 1)
         return select_eagle_tree(root_tokens, tokens, parents, scores, n, topk=self.topk, distinct=distinct)
 
 
@@ -448,3 +477,69 @@ def select_eagle_tree(
     node_parents = node_of.gather(1, torch.where(parents < 0, M, parents))  # [B, N-1]: root column holds 0
     # valid by construction (each kept node's parent is kept and precedes it), so build_tree need not check
     return build_tree(root_tokens, cand_tokens.gather(1, kept), node_parents, check=False, merge=not distinct)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-2 on host arrays (``EagleCandidates`` on a CPU): the functions above in numpy, same results
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _host(t: Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (no copy; the drafter's tensors carry no autograd history)."""
+    return t.numpy()
+
+
+def _host_rank_desc(scores: np.ndarray) -> np.ndarray:
+    """``_rank_desc``: [B, M] -> indices by score desc, ties by index asc (a stable sort of the negated scores)."""
+    return np.argsort(-scores, axis=1, kind="stable")
+
+
+def _host_expand_level(live_scores: np.ndarray, child_probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``expand_level``: live_scores [B, L], child_probs [B, L, K] -> (scores [B, L*K], best [B, L])."""
+    B, L, K = child_probs.shape
+    scores = (live_scores[:, :, None] * child_probs).reshape(B, L * K)  # [B, L*K]
+    return scores, _host_rank_desc(scores)[:, :L]
+
+
+def _host_can_stop(cand_scores: np.ndarray, live_scores: np.ndarray, keep: int, threshold: float) -> np.ndarray:
+    """``drafting_can_stop`` -> [B] bool."""
+    best_live = live_scores.max(axis=1, keepdims=True)  # [B, 1]
+    exact = (cand_scores >= best_live).sum(axis=1) >= keep  # [B]
+    return exact | (best_live[:, 0] < threshold) if threshold > 0 else exact
+
+
+def _host_select(root_tokens: np.ndarray, cand_tokens: np.ndarray, cand_parents: np.ndarray,
+                 cand_scores: np.ndarray, n: int) -> DraftTree:
+    """``select_eagle_tree`` with distinct siblings and topk > 1 (1 <= n <= M + 1): the root plus the best n - 1
+    candidates, in candidate order -> a full DraftTree of n nodes (CPU tensors over the arrays)."""
+    B, M = cand_tokens.shape
+    rows = np.arange(B)[:, None]  # [B, 1]
+    kept = np.sort(_host_rank_desc(cand_scores)[:, : n - 1], axis=1)  # [B, n-1] candidate indices, candidate order
+    node_of = np.zeros((B, M + 1), dtype=np.int64)  # node index of each kept candidate; column M = the root's 0
+    node_of[rows, kept] = np.arange(1, n)
+    parents = cand_parents[rows, kept]  # [B, n-1] candidate index, -1 = root
+    tokens = np.empty((B, n), dtype=np.int64)  # [B, n]
+    tokens[:, 0], tokens[:, 1:] = root_tokens, cand_tokens[rows, kept]
+    all_parents = np.empty((B, n), dtype=np.int64)  # [B, n] node index, -1 for the root
+    all_parents[:, 0], all_parents[:, 1:] = -1, node_of[rows, np.where(parents < 0, M, parents)]
+    mask, depth = _host_ancestors(all_parents)
+    return DraftTree(torch.from_numpy(tokens), torch.from_numpy(all_parents), torch.from_numpy(depth),
+                     torch.from_numpy(mask), torch.full((B,), n, dtype=torch.int64), full=True)
+
+
+def _host_ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """parents [B, N] (-1 = none; parents precede children) -> (``_ancestor_mask`` [B, N, N] bool, depth [B, N]
+    int64). Each node's ancestor set as an integer bitset, its parent's plus itself, in one pass over the nodes in
+    Python (a tree has a few dozen nodes; this is cheaper than numpy's pointer jumping at these sizes)."""
+    B, N = parents.shape
+    bitsets, depth = [], np.zeros((B, N), dtype=np.int64)
+    for b, row in enumerate(parents.tolist()):
+        bits = [0] * N
+        for i, p in enumerate(row):
+            bits[i] = (1 << i) | (bits[p] if p >= 0 else 0)
+            depth[b, i] = bits[i].bit_count() - 1
+        bitsets += bits
+    width = (N + 7) // 8  # bytes per bitset
+    raw = np.frombuffer(b"".join(bits.to_bytes(width, "little") for bits in bitsets), dtype=np.uint8)
+    mask = np.unpackbits(raw.reshape(B, N, width), axis=2, bitorder="little")[:, :, :N]  # [B, N, N] 0/1
+    return np.ascontiguousarray(mask).view(bool), depth

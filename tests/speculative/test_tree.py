@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from specserve.speculative import (
     expand_level,
     select_eagle_tree,
 )
+from specserve.speculative.tree import _host_ancestors
 
 
 def t(x):
@@ -437,3 +439,44 @@ def test_select_distinct_skips_only_the_merge():
 
 def cands_num_nodes(tree) -> int:
     return int(tree.num_nodes[0])
+
+
+@pytest.mark.parametrize("B, K, steps", [(1, 3, 8), (5, 4, 4), (3, 2, 6)])
+def test_host_bookkeeping_equals_the_torch_path(B, K, steps):
+    """EagleCandidates on numpy arrays (its CPU path) against its torch path, level by level and in the selected
+    trees: random drafts with many ties (probabilities from a few dyadic values) and a threshold stop."""
+    rng = torch.Generator().manual_seed(B * 100 + K)
+    values = torch.tensor([1.0, 0.5, 0.25, 0.125, 0.0])
+
+    def probs(*shape):
+        return values[torch.randint(0, len(values), (B, *shape), generator=rng)]
+
+    root_p, root_ids = probs(K), torch.randint(0, 99, (B, K), generator=rng)
+    host, dev = EagleCandidates(root_p, root_ids, host=True), EagleCandidates(root_p, root_ids, host=False)
+    assert host.host and not dev.host
+    for _ in range(steps - 1):
+        p, ids = probs(K, K), torch.randint(0, 99, (B, K, K), generator=rng)
+        assert torch.equal(host.add_level(p, ids), dev.add_level(p, ids))
+        for keep, threshold in ((5, 0.0), (K * K, 0.0), (3, 0.2)):
+            assert host.can_stop(keep, threshold) == dev.can_stop(keep, threshold)
+    for a, b in zip(host.tensors(), dev.tensors(), strict=True):
+        assert torch.equal(a, b)
+    roots = torch.arange(B) + 500
+    for n in (2, 5, 12, host.tensors()[0].shape[1] + 1):
+        a, b = host.select(roots, n, distinct=True), dev.select(roots, n, distinct=True)
+        for field in ("tokens", "parents", "depth", "mask", "num_nodes", "first_child", "next_sibling"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (n, field)
+        assert a.full and bool(a.valid.all())
+
+
+def test_host_ancestors_by_hand():
+    # 0 <- 1 <- 3, 0 <- 2 <- 4 <- 5; a second request: a chain
+    parents = np.array([[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 2, 3, 4]])
+    mask, depth = _host_ancestors(parents)
+    assert depth.tolist() == [[0, 1, 1, 2, 2, 3], [0, 1, 2, 3, 4, 5]]
+    assert [np.flatnonzero(row).tolist() for row in mask[0]] == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4],
+                                                                  [0, 2, 4, 5]]
+    assert np.array_equal(mask[1], np.tril(np.ones((6, 6), dtype=bool)))
+    wide = np.array([[-1] + [0] * 69 + [69]])  # 71 nodes: bitsets wider than 64 bits
+    mask, depth = _host_ancestors(wide)
+    assert depth[0, -1] == 2 and np.flatnonzero(mask[0, -1]).tolist() == [0, 69, 70]
