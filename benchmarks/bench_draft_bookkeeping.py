@@ -13,6 +13,7 @@ each round, and the ratio of the medians.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -62,8 +63,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             host_tree, torch_tree = draft(inputs, True), draft(inputs, False)
             for field in ("tokens", "parents", "depth", "mask", "num_nodes"):
                 assert torch.equal(getattr(host_tree, field), getattr(torch_tree, field)), field
-            rounds = [(per_call_us(lambda: draft(inputs, True), args.calls),
-                       per_call_us(lambda: draft(inputs, False), args.calls)) for _ in range(args.rounds)]
+            on_host, on_torch = functools.partial(draft, inputs, True), functools.partial(draft, inputs, False)
+            rounds = [(per_call_us(on_host, args.calls), per_call_us(on_torch, args.calls))
+                      for _ in range(args.rounds)]
             ratio = statistics.median(h for h, _ in rounds) / statistics.median(t for _, t in rounds)
             rows.append({"batch": batch, "tree": (steps, topk, n), "rounds": rounds, "ratio": ratio})
             print(f"batch {batch:>3} tree {steps}/{topk}/{n:<3} | "
