@@ -420,9 +420,12 @@ class EagleCandidates:
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         """(cand_tokens, cand_parents, cand_scores), each [B, M]."""
         if self.host:
-            return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (
-                np.concatenate(self._tokens, 1), np.concatenate(self._parents, 1), self.scores()))
+            return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in self._arrays())
         return torch.cat(self._tokens, 1), torch.cat(self._parents, 1), self.scores()
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host path's (cand_tokens, cand_parents, cand_scores), each [B, M]."""
+        return np.concatenate(self._tokens, 1), np.concatenate(self._parents, 1), self.scores()
 
     def select(self, root_tokens: Tensor, num_draft_tokens: int, distinct: bool = False) -> DraftTree:
         """The rerank over what was drafted: N = num_draft_tokens nodes, fewer when drafting stopped before N - 1
@@ -430,8 +433,7 @@ class EagleCandidates:
         tokens (top-k ids through an injective id map), so no duplicates need merging."""
         n = min(num_draft_tokens, self._count + 1)
         if self.host and distinct and self.topk > 1 and n >= 1:
-            return _host_select(_host(root_tokens), np.concatenate(self._tokens, 1),
-                                np.concatenate(self._parents, 1), self.scores(), n)
+            return _host_select(_host(root_tokens), *self._arrays(), n)
         tokens, parents, scores = self.tensors()
         return select_eagle_tree(root_tokens, tokens, parents, scores, n, topk=self.topk, distinct=distinct)
 
@@ -532,13 +534,13 @@ def _host_ancestors(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     int64). Each node's ancestor set as an integer bitset, its parent's plus itself, in one pass over the nodes in
     Python (a tree has a few dozen nodes; this is cheaper than numpy's pointer jumping at these sizes)."""
     B, N = parents.shape
-    bitsets, depth = [], np.zeros((B, N), dtype=np.int64)
-    for b, row in enumerate(parents.tolist()):
+    bitsets: list[int] = []
+    for row in parents.tolist():
         bits = [0] * N
         for i, p in enumerate(row):
             bits[i] = (1 << i) | (bits[p] if p >= 0 else 0)
-            depth[b, i] = bits[i].bit_count() - 1
         bitsets += bits
+    depth = np.array([bits.bit_count() - 1 for bits in bitsets], dtype=np.int64).reshape(B, N)  # strict ancestors
     width = (N + 7) // 8  # bytes per bitset
     raw = np.frombuffer(b"".join(bits.to_bytes(width, "little") for bits in bitsets), dtype=np.uint8)
     mask = np.unpackbits(raw.reshape(B, N, width), axis=2, bitorder="little")[:, :, :N]  # [B, N, N] 0/1
