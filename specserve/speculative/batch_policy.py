@@ -14,7 +14,11 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    faster mode, trying the other one (TRY_STEPS steps, measured afresh) after ``explore_every`` steps of the
    bucket so the estimate follows changing acceptance
    (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
-   the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less. A mode's rate is
+   the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less. A try whose mode falls
+   clearly behind (by more than CLEAR_LOSS) ends at that measured step and quadruples the interval (a mode's first
+   estimate in a bucket is always measured over a whole try): a step's time
+   varies far less than that between steps, so more steps of a mode that slow would only repeat the loss (the
+   demo's sampled batches of 16: speculative steps at about 0.65x plain ones' rate). A mode's rate is
    its tokens per step over its seconds per step; speculation's tokens per step come from a longer window
    (ACCEPT_DECAY) that a try does not restart, since acceptance varies from step to step far more than step time.
    Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
@@ -64,6 +68,8 @@ MAX_EXPLORE_EVERY = 1024  # the interval doubles each time a try confirms the wi
 WARMUP_STEPS = 2  # the first steps of every try run unmeasured (cold caches, lazy compilation)
 SPEC_MARGIN = 0.03  # speculation wins only when faster than plain decoding by more than this fraction
 MIN_TRY_TOKENS = 16  # new tokens left, below which a batch whose drafter is behind starts no try
+CLEAR_LOSS = 0.25  # a try's mode this far below the other's rate has lost: its try ends at once
+CLEAR_BACKOFF = 4  # and the interval to its next try grows by this factor (2 for a narrower loss)
 
 
 @dataclass(frozen=True)
@@ -165,11 +171,13 @@ class _Bucket:
     try_choices: int = 0  # steps of the current try still to hand out
     try_records: int = 0  # steps of the current try still to be measured
     try_skip: int = 0  # warm-up steps of the current try still to be run unmeasured
+    try_refresh: bool = False  # the current try's mode had an estimate before it (not its first measurement)
 
     def start_try(self, speculative: bool, warmup: int = 0) -> None:
         """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions) at the
         first of them that is measured. The try runs `warmup` more steps first, which are not measured."""
         self.try_skip = warmup
+        self.try_refresh = self.mode(speculative).rate is not None
         self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS + self.try_skip, TRY_STEPS
 
     def mode(self, speculative: bool) -> _Mode:
@@ -182,6 +190,12 @@ class _Bucket:
         if self.spec.rate is None or self.plain.rate is None:
             return None
         return self.spec.rate > self.plain.rate * (1.0 + SPEC_MARGIN)
+
+    def clearly_behind(self, speculative: bool) -> bool:
+        """Speculative (True) or plain (False) steps run below the other mode's rate by more than CLEAR_LOSS (both
+        measured)."""
+        own, other = self.mode(speculative).rate, self.mode(not speculative).rate
+        return own is not None and other is not None and own < other * (1.0 - CLEAR_LOSS)
 
 
 @dataclass
@@ -254,13 +268,17 @@ class BatchPolicy:
         if r.trying is None or speculative != r.trying:
             return
         r.try_records -= 1
-        if r.try_records > 0:
+        # a refreshed estimate that lost by far: the try's other steps would only repeat the loss (a mode's first
+        # estimate is always measured over a whole try)
+        clear = r.try_refresh and r.clearly_behind(speculative)
+        if r.try_records > 0 and not clear:
             return
         win = r.winner()
         if win is not None:  # a try that confirms the current winner makes the next one come later
-            r.interval = min(r.interval * 2, MAX_EXPLORE_EVERY) if win != r.trying else self.explore_every
+            backoff = CLEAR_BACKOFF if clear else 2
+            r.interval = min(r.interval * backoff, MAX_EXPLORE_EVERY) if win != r.trying else self.explore_every
             r.next_try = r.steps + r.interval
-        r.trying = None
+        r.trying, r.try_choices, r.try_records = None, 0, 0
 
     def summary(self) -> dict[str, dict]:
         """Per bucket and kind ("<bucket> <kind>", e.g. "4 sampled"): the current estimates (tokens/s) and which mode

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specserve.speculative.batch_policy import (
+    CLEAR_BACKOFF,
+    CLEAR_LOSS,
     MIN_TRY_TOKENS,
     SPEC_MARGIN,
     TRY_STEPS,
@@ -131,7 +133,7 @@ def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculatio
 
 def test_every_try_starts_with_unmeasured_steps():
     """After a switch the other mode's first steps run cold (its weights left the CPU caches): each later try of the
-    losing mode also runs WARMUP_STEPS steps unmeasured before its TRY_STEPS measured ones."""
+    losing mode also runs WARMUP_STEPS steps unmeasured before its measured ones."""
     p = BatchPolicy(FULL, explore_every=10)  # the default warm-up
     flags, run_length = [], 0
     for _ in range(40):
@@ -145,7 +147,9 @@ def test_every_try_starts_with_unmeasured_steps():
     first = [True] * n + [False] * n  # both modes measured, speculation wins (300 > 200 x 1.03)
     assert flags[: 2 * n] == first
     later = flags[2 * n:].index(False) + 2 * n  # the next try of plain decoding
-    assert flags[later : later + n] == [False] * n and flags[later + n] is True
+    # its cold steps unmeasured; its first measured step (200 against 300: clearly behind) ends it
+    assert flags[later : later + WARMUP_STEPS + 1] == [False] * (WARMUP_STEPS + 1)
+    assert flags[later + WARMUP_STEPS + 1] is True
     assert p.rates[(1, "greedy")].plain.rate == pytest.approx(200.0)  # the two cold plain steps were not measured
 
 
@@ -197,12 +201,25 @@ def test_speculation_must_win_by_the_margin():
 
 def test_exploration_backs_off_while_the_loser_keeps_losing():
     p = _policy(explore_every=10)
-    flags = _run(p, 120, spec_rate=100, plain_rate=200)
+    flags = _run(p, 120, spec_rate=180, plain_rate=200)  # speculation behind by 10%: a narrow loss
     tries = [i + 1 for i, f in enumerate(flags) if f and i >= 4]  # speculative steps after the first measurement
     # both measured by step 8; tries of 4 steps 10 steps later (18), then 20 (41) and 40 (84) steps after the
     # previous try: the interval doubles each time the try loses
     assert tries == [18, 19, 20, 21, 41, 42, 43, 44, 84, 85, 86, 87]
     assert p.rates[(1, "greedy")].interval == 80
+
+
+def test_a_try_that_falls_clearly_behind_ends_at_once_and_backs_off_further():
+    """A refreshed estimate more than CLEAR_LOSS below the winner's ends its try at that step (the rest would repeat
+    the loss), and the next try comes CLEAR_BACKOFF times later instead of twice."""
+    assert 100 < 200 * (1 - CLEAR_LOSS)
+    p = _policy(explore_every=10)
+    flags = _run(p, 240, spec_rate=100, plain_rate=200)
+    assert flags[:8] == [True] * 4 + [False] * 4  # the first estimates: whole tries
+    tries = [i + 1 for i, f in enumerate(flags) if f and i >= 4]
+    # one step each: at step 18 (interval 10), then 40 steps later (58), then 160 (218)
+    assert tries == [18, 58, 218]
+    assert p.rates[(1, "greedy")].interval == 10 * CLEAR_BACKOFF ** 3
 
 
 def test_a_try_measures_afresh_so_speculation_comes_back_when_it_pays_again():
