@@ -16,7 +16,8 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    (e.g. temperature-1 requests, a poor draft, a different workload); each try that confirms the winner doubles
    the interval (up to MAX_EXPLORE_EVERY), so a mode that keeps losing costs less and less. A try whose mode falls
    clearly behind (by more than CLEAR_LOSS) ends at that measured step and quadruples the interval (a mode's first
-   estimate in a bucket is always measured over a whole try): a step's time
+   estimate in a bucket of up to PLAIN_FIRST_ABOVE requests is measured over a whole try; buckets of more measure
+   plain steps first, since speculation usually loses there): a step's time
    varies far less than that between steps, so more steps of a mode that slow would only repeat the loss (the
    demo's sampled batches of 16: speculative steps at about 0.65x plain ones' rate). A mode's rate is
    its tokens per step over its seconds per step; speculation's tokens per step come from a longer window
@@ -70,6 +71,9 @@ SPEC_MARGIN = 0.03  # speculation wins only when faster than plain decoding by m
 MIN_TRY_TOKENS = 16  # new tokens left, below which a batch whose drafter is behind starts no try
 CLEAR_LOSS = 0.25  # a try's mode this far below the other's rate has lost: its try ends at once
 CLEAR_BACKOFF = 4  # and the interval to its next try grows by this factor (2 for a narrower loss)
+#: buckets of more requests than this measure plain steps first, and their first try of speculation may end early
+#: too: a step's accepted tokens are summed over that many requests, so one step already measures acceptance fairly
+PLAIN_FIRST_ABOVE = 8
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,7 @@ class _Bucket:
 
     interval: int  # steps between two tries of the losing mode
     next_try: int  # step number of the next try
+    size: int = 1  # the bucket (``bucket_of``): the most requests its batches hold
     spec: _Mode = field(default_factory=lambda: _Mode(speculative=True))
     plain: _Mode = field(default_factory=_Mode)
     steps: int = 0
@@ -211,7 +216,7 @@ class BatchPolicy:
     def _bucket(self, batch: int, kind: str) -> _Bucket:
         b = (bucket_of(batch), kind)
         if b not in self.rates:
-            self.rates[b] = _Bucket(self.explore_every, self.explore_every)
+            self.rates[b] = _Bucket(self.explore_every, self.explore_every, b[0])
         return self.rates[b]
 
     def choose(self, batch: int, kind: str = GREEDY, most_new: int | None = None,
@@ -236,9 +241,12 @@ class BatchPolicy:
         return shape if r.winner() else None  # unmeasured (no try could start yet): plain
 
     def _maybe_start_try(self, r: _Bucket) -> None:
-        """Start the try a bucket needs now, if any: speculation first, then plain steps, then the losing mode's
-        refresh every ``interval`` steps."""
-        if r.spec.rate is None:
+        """Start the try a bucket needs now, if any: speculation first (plain steps first in buckets above
+        PLAIN_FIRST_ABOVE, where speculation usually loses), then the other mode, then the losing mode's refresh
+        every ``interval`` steps."""
+        if r.spec.rate is None and r.plain.rate is None:
+            r.start_try(r.size <= PLAIN_FIRST_ABOVE, self.warmup_steps)
+        elif r.spec.rate is None:
             r.start_try(True, self.warmup_steps)
         elif r.plain.rate is None:
             r.start_try(False, self.warmup_steps)
@@ -268,9 +276,9 @@ class BatchPolicy:
         if r.trying is None or speculative != r.trying:
             return
         r.try_records -= 1
-        # a refreshed estimate that lost by far: the try's other steps would only repeat the loss (a mode's first
-        # estimate is always measured over a whole try)
-        clear = r.try_refresh and r.clearly_behind(speculative)
+        # an estimate that lost by far: the try's other steps would only repeat the loss (a mode's first estimate in a
+        # bucket of a few requests is measured over a whole try: one step's acceptance says little there)
+        clear = (r.try_refresh or r.size > PLAIN_FIRST_ABOVE) and r.clearly_behind(speculative)
         if r.try_records > 0 and not clear:
             return
         win = r.winner()

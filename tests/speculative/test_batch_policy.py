@@ -8,6 +8,7 @@ from specserve.speculative.batch_policy import (
     CLEAR_BACKOFF,
     CLEAR_LOSS,
     MIN_TRY_TOKENS,
+    PLAIN_FIRST_ABOVE,
     SPEC_MARGIN,
     TRY_STEPS,
     WARMUP_STEPS,
@@ -220,6 +221,21 @@ def test_a_try_that_falls_clearly_behind_ends_at_once_and_backs_off_further():
     # one step each: at step 18 (interval 10), then 40 steps later (58), then 160 (218)
     assert tries == [18, 58, 218]
     assert p.rates[(1, "greedy")].interval == 10 * CLEAR_BACKOFF ** 3
+
+
+def test_large_batches_measure_plain_steps_first_and_a_clear_loss_ends_the_first_try_of_speculation():
+    """Above PLAIN_FIRST_ABOVE requests a bucket measures plain steps first; one speculative step there sums the
+    acceptance of all its requests, so a first try of speculation that falls clearly behind ends at that step."""
+    batch = PLAIN_FIRST_ABOVE + 1
+    shape = TreeShape(3, 1, 4)
+    p = BatchPolicy(shape, warmup_steps=0, explore_every=100)
+    assert _run(p, 8, spec_rate=100, plain_rate=200, batch=batch) == [False] * TRY_STEPS + [True] + [False] * 3
+    assert p.summary()[f"{bucket_of(batch)} greedy"]["winner"] == "plain"
+    assert p.rates[(bucket_of(batch), "greedy")].interval == 100 * CLEAR_BACKOFF
+    p = BatchPolicy(shape, warmup_steps=0, explore_every=100)  # speculation ahead: both tries run whole
+    assert _run(p, 10, spec_rate=300, plain_rate=200, batch=batch) == [False] * TRY_STEPS + [True] * 6
+    p = BatchPolicy(shape, warmup_steps=0, explore_every=100)  # a small batch still starts with speculation
+    assert _run(p, 5, spec_rate=100, plain_rate=200, batch=PLAIN_FIRST_ABOVE)[:TRY_STEPS] == [True] * TRY_STEPS
 
 
 def test_a_try_measures_afresh_so_speculation_comes_back_when_it_pays_again():
