@@ -42,20 +42,25 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_a_float32_matmul(bias):
-    """1-16 rows (every row-tile remainder), an odd number of steps (K / 2 = 49), a strided input, with and without
-    bias: within bf16 rounding of the float32 result of the same numbers, extremes of the int8 range included."""
-    q, scales = _weights(96, 98, 0)
-    q[0, :4] = torch.tensor([127, -127, -128, 0], dtype=torch.int8)
-    b = torch.randn(96) if bias else None
-    packed = int8_gemm.pack(q)
-    for rows in range(1, int8_gemm.SMALL_MAX_ROWS + 1):
-        wide = torch.randn(rows, 128, dtype=torch.bfloat16)
-        x = wide[:, 16:114]  # a row stride of 128
-        got = int8_gemm.int8_mm(x, packed, scales, b)
-        want = F.linear(x.float(), q.float() * scales[:, None], b)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+@pytest.mark.parametrize("amx_from", [0, 1, 2])
+def test_kernel_matches_a_float32_matmul(bias, amx_from):
+    """1-16 rows (every row-tile remainder), an odd number of steps (K / 2 = 49; on the vector loop), K = 128 (which the
+    tile unit takes where it runs, from amx_from rows: also 17-64 rows, every 16-row block remainder), a strided
+    input, with and without bias: within bf16 rounding of the float32 result of the same numbers, extremes of the
+    int8 range included."""
+    for k in (98, 128):
+        q, scales = _weights(96, k, 0)
+        q[0, :4] = torch.tensor([127, -127, -128, 0], dtype=torch.int8)
+        b = torch.randn(96) if bias else None
+        packed = int8_gemm.pack(q)
+        more = [17, 31, 32, 33, int8_gemm.AMX_MAX_ROWS] if k % 32 == 0 and amx_from else []
+        for rows in [*range(1, int8_gemm.SMALL_MAX_ROWS + 1), *more]:
+            wide = torch.randn(rows, k + 30, dtype=torch.bfloat16)
+            x = wide[:, 16 : 16 + k]  # a row stride of k + 30
+            got = int8_gemm.int8_mm(x, packed, scales, b, amx_from)
+            want = F.linear(x.float(), q.float() * scales[:, None], b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
 def scaled_sequential_sums(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
@@ -88,15 +93,31 @@ def test_avx2_kernel_sums_in_order(bias, monkeypatch):
 
 
 @needs_kernel
-def test_a_row_gets_the_same_bits_in_any_call():
-    """Each row's sums run in the same order whatever the call's row count, so a token's linear outputs in a verify
-    tree equal those of a one-row decode call bit for bit."""
+@pytest.mark.parametrize("amx_from", [0, 1])
+def test_a_row_gets_the_same_bits_in_any_call(amx_from):
+    """Each row's sums run in the same order whatever the call's row count, on the vector loop (amx_from 0) and on
+    the tile unit where it runs (1: every call, up to 16-row blocks and a zero-padded tail), so a token's linear
+    outputs in a verify tree equal those of a one-row decode call bit for bit when both take the same path."""
     q, scales = _weights(128, 64, 1)
     packed = int8_gemm.pack(q)
-    x = torch.randn(13, 64, dtype=torch.bfloat16)
-    together = int8_gemm.int8_mm(x, packed, scales, None)
-    for i in range(13):
-        assert torch.equal(int8_gemm.int8_mm(x[i : i + 1], packed, scales, None)[0], together[i])
+    rows = 37 if amx_from else 13
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    together = int8_gemm.int8_mm(x, packed, scales, None, amx_from)
+    for i in range(rows):
+        assert torch.equal(int8_gemm.int8_mm(x[i : i + 1], packed, scales, None, amx_from)[0], together[i])
+
+
+@needs_kernel
+def test_amx_setting(monkeypatch):
+    """SPECSERVE_INT8_GEMM_AMX: auto sends calls of AMX_AUTO_FROM rows or more to the tile unit where it runs, all
+    every call, off none; anything else is an error naming the variable."""
+    runs = int8_gemm.amx_runs()
+    for mode, want in (("auto", int8_gemm.AMX_AUTO_FROM), ("all", 1), ("off", 0)):
+        monkeypatch.setenv(int8_gemm.AMX_ENV, mode)
+        assert int8_gemm.amx_from() == (want if runs else 0)
+    monkeypatch.setenv(int8_gemm.AMX_ENV, "sometimes")
+    with pytest.raises(ValueError, match=int8_gemm.AMX_ENV):
+        int8_gemm.amx_from()
 
 
 def _quantized(dtype: torch.dtype) -> torch.nn.Sequential:
@@ -109,19 +130,22 @@ def _quantized(dtype: torch.dtype) -> torch.nn.Sequential:
 @needs_kernel
 def test_a_quantized_linear_hands_its_few_row_calls_to_the_kernel(monkeypatch):
     """A bf16 int8 linear: calls of up to SMALL_MAX_ROWS rows run the kernel (its int8 weights are then the kernel's
-    alone), larger ones the dense copy, both close to the dequantized weights' matmul; a compiled graph calls the same
-    kernel (specserve::int8_gemm) and gets the same bits. A float32 linear keeps PyTorch's kernel."""
+    alone; up to AMX_MAX_ROWS where the tile unit takes them), larger ones the dense copy, both close to the
+    dequantized weights' matmul; a compiled graph calls the same kernel (specserve::int8_gemm) and gets the same bits.
+    A float32 linear keeps PyTorch's kernel."""
     model = _quantized(torch.bfloat16)
     ref = [lin.dense.weight.float() for lin in model]  # the dequantized weights
     assert int8_gemm.use_int8_kernel(model) == 2
     assert all(lin.q8 is None and isinstance(lin.few_rows, int8_gemm.Int8Copy) for lin in model)
+    most = model[0].few_rows.max_rows
+    assert most == (int8_gemm.AMX_MAX_ROWS if int8_gemm.amx_from() else int8_gemm.SMALL_MAX_ROWS)
     calls = record_rows(monkeypatch, int8_gemm, "int8_mm")
     with torch.inference_mode():
-        for rows in (1, 16, 17):
+        for rows in (1, 16, 17, int8_gemm.AMX_MAX_ROWS + 1):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             want = F.linear(F.linear(x.float(), ref[0], model[0].bias.float()), ref[1])
             torch.testing.assert_close(model(x).float(), want, atol=5e-2, rtol=3e-2)
-        assert calls == [1, 1, 16, 16]
+        assert calls == [r for r in (1, 16, 17) if r <= most for _ in range(2)]
         x = torch.randn(5, 64, dtype=torch.bfloat16)
         assert torch.equal(torch.compile(model)(x), model(x))
     fp32 = _quantized(torch.float32)
@@ -157,6 +181,7 @@ def test_engines_on_the_kernel(model_factory, monkeypatch):
     monkeypatch.setenv(tree_attention.ENV, "on")
     monkeypatch.setenv(small_gemm.ENV, "on")
     monkeypatch.setenv(small_gemm.AMX_ENV, "all")  # where AMX runs: decode rows and tree rows on the same path
+    monkeypatch.setenv(int8_gemm.AMX_ENV, "all")
     calls.clear()
     assert_ngram_equals_plain(prompts, model_path=path, max_total_tokens=2048, torchao_config="int8wo")
     assert max(calls) > 1  # verify trees ran on the int8 weights

@@ -46,7 +46,7 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
     def linear(rows: torch.Tensor, i: int) -> torch.Tensor:
         packed, scales, bias = linears[3 * i : 3 * i + 3]
         if scales is not None:
-            return int8_gemm(rows, packed, scales, bias)
+            return int8_gemm(rows, packed, scales, bias, amx_from)
         return avx2_gemm(rows, packed, bias) if _native("avx2_gemm") else small_gemm(rows, packed, bias, amx_from)
 
     tokens, kv_heads, dim = x.shape[0], k_buf.shape[1], k_buf.shape[2]
@@ -64,7 +64,7 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
 
 # x [T, h] bf16 -> the layer's output [T, h]; linears: (packed, int8 scales or None, bias or None) of qkv, o, gate_up
 # and down; k_buf / v_buf written at out_slots; embeds [T, h] and their norm: an EAGLE-3 head's layer; amx_from: the
-# bf16 linears' (small_gemm's, on AVX512-BF16)
+# linears' (small_gemm's or int8_gemm's, on AVX512-BF16)
 decoder_layer = cpu_op("decoder_layer(Tensor x, Tensor?[] linears, Tensor norm1, Tensor norm2, float eps, Tensor cos, "
                        "Tensor sin, Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor out_slots, Tensor kv_slots, "
                        "Tensor? mask, int heads, float scale, Tensor? embeds=None, Tensor? embed_norm=None, "
@@ -140,9 +140,11 @@ class FusedLayer:
         self.eps = self.norm1.eps
         self.int8 = any(isinstance(m, QuantLinear) for m in _linears(layer))
         # AVX512-BF16: the bf16 linears' few-row copies, whose probe verdict (one per model) says which row counts
-        # their calls give the kernel and from how many rows its tile unit
+        # their calls give the kernel and from how many rows its tile unit; the int8 linears' copies, which say it
+        # alike (one setting per process)
         self.smalls = [m.small for m in _linears(layer) if type(m) is PackedLinear]
-        self.amx_from = self.smalls[0].amx_from if self.smalls else 0
+        self.int8s = [m.few_rows for m in _linears(layer) if isinstance(m, QuantLinear)]
+        self.amx_from = (self.smalls or self.int8s)[0].amx_from if self.smalls or self.int8s else 0
         # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
         self.key = (id(self.rotary), "fused layer", self.int8)
         self._linears: list | None = None
@@ -169,7 +171,7 @@ class FusedLayer:
         if (not elementwise.takes(x) or x.dim() != 2 or positions is not fb.positions or pool is None
                 or type(md) is not AttnMetadata or md.groups is not None or md.q_index is not None
                 or md.out_index is not None or md.is_causal or md.kv_slots is None or md.platform is None
-                or (self.int8 and not Int8Copy.takes(x)) or not all(c.takes(x) for c in self.smalls)):
+                or not all(c.takes(x) for c in self.int8s) or not all(c.takes(x) for c in self.smalls)):
             return None
         k_buf, v_buf = pool.layer(self.layer_id)
         tokens, bsz = x.shape[0], md.kv_slots.shape[0]

@@ -17,9 +17,12 @@
 // uses, linked by the loader).
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <vector>
+
+#include "amx.h"
 
 static const int64_t COLS = 32;  // output columns per packed group: 2 vectors of 16 fp32 sums
 // Bytes ahead of the two steps being read (two cache lines) that the loop asks the core to fetch, as the bf16
@@ -128,10 +131,135 @@ static void group_rows(const uint16_t* x, const float* xf, int64_t ldx, int64_t 
     }
 }
 
+// ---------------------------------------------------------------- the tile unit
+// Where the CPU has AMX, calls of at least `amx_from` rows (0: never) with K a multiple of 32 run on it instead: a
+// group's weights are widened to the bf16 pairs above step by step (exact), 16 steps making two weight tiles (16 k
+// pairs x 16 columns x 2 bf16, each step's 32 columns one row of each), and one tile instruction multiplies up to 16
+// rows of x by each. The widening costs about what the vector loop's one-row pass does, once per call and group
+// whatever the row count, where the vector loop pays it once per 4 rows; a lone row stays faster on the vector loop.
+// The tile unit adds a pair's two products in its own order, not vdpbf16ps's, so its float32 sums differ from the
+// vector loop's in the last bit of a few outputs: a row's bits are the same in any call only when both calls take the
+// same path (int8_gemm.py's SPECSERVE_INT8_GEMM_AMX=all sends every call there).
+
+// Tiles: 0 and 1 the sums of a group's two blocks of 16 columns (up to 16 rows x 16 fp32), 2 a block of x (up to 16
+// rows x 32 bf16), 3 and 4 the two weight tiles of a block of 16 steps.
+//
+// Block b (16 steps, k = 32 b .. 32 b + 31) of a group's weights widened into wt: two tiles of 16 rows x 32 bf16 (1 KB
+// each), the first for columns 0-15, the second for 16-31
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+static void widen_block(const int8_t* qg, int64_t b, __m512i index, uint16_t* wt) {
+    for (int s = 0; s < 16; s++) {
+        const int8_t* qs = qg + (16 * b + s) * 2 * COLS;
+        for (int c = 0; c < 2; c++) {
+            __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(widen(qs + COLS + 16 * c), widen(qs + 16 * c));
+            _mm512_store_si512((__m512i*)(wt + c * 512 + s * 32), _mm512_permutexvar_epi16(index, halves));
+        }
+    }
+}
+
+// `rows` rows of x (row stride ldx; the tiles configured for that many) times the group's blocks, widened first into
+// wide (blocks x 1024 bf16) where `widened` is false; the first `keep` rows' sums * scale + bias written to y
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+static void amx_rows(const uint16_t* x, int64_t rows, int64_t keep, int64_t ldx, const int8_t* qg, int64_t blocks,
+                     bool widened, uint16_t* wide, const float* scale, const float* bias, float* sums, uint16_t* y,
+                     int64_t ldy) {
+    const __m512i index = pair_index();
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        uint16_t* wt = wide + b * 1024;
+        if (!widened) {
+            if (PREFETCH_BYTES > 0)
+                for (int line = 0; line < 16; line++)  // the block's 1 KB
+                    _mm_prefetch((const char*)(qg + b * 32 * COLS) + PREFETCH_BYTES + line * 64, _MM_HINT_T0);
+            widen_block(qg, b, index, wt);
+        }
+        _tile_loadd(2, x + b * 32, ldx * 2);
+        _tile_loadd(3, wt, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(4, wt + 512, 64);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, sums, COLS * 4);
+    _tile_stored(1, sums + 16, COLS * 4);
+    for (int c = 0; c < 2; c++) {
+        const __m512 s = _mm512_loadu_ps(scale + 16 * c);
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < keep; r++)  // round to nearest even, as PyTorch's float -> bf16 cast
+            _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_load_ps(sums + r * COLS + 16 * c),
+                                                                            s, bv)));
+    }
+}
+
+// m rows: up to 16 in one block of rows; more in blocks of 16 over each group's widened weights (the first block
+// widens them), the last rows copied into 16 zero-padded ones (`pad`, 16 x k) so that every block keeps the 16-row
+// tile configuration (a tile row's sums depend on that row alone)
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t groups,
+                     const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads,
+                     const uint16_t* pad) {
+    const int64_t blocks = k / 32, tile_rows = m < 16 ? m : 16, full = m / 16 * 16;
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof(cfg));
+        cfg.palette_id = 1;
+        for (int t = 0; t < 3; t++) cfg.rows[t] = (uint8_t)tile_rows, cfg.colsb[t] = 64;
+        for (int t = 3; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        alignas(64) float sums[16 * COLS];
+        static thread_local std::vector<uint16_t, std::allocator<uint16_t>> wide_buf;
+        if ((int64_t)wide_buf.size() < blocks * 1024 + 32) wide_buf.resize(blocks * 1024 + 32);
+        uint16_t* wide = (uint16_t*)(((uintptr_t)wide_buf.data() + 63) & ~(uintptr_t)63);  // 64-byte aligned
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int8_t* qg = q + g * k * COLS;
+            const float* sg = scale + g * COLS;
+            const float* bg = bias != nullptr ? bias + g * COLS : nullptr;
+            if (m <= 16) {
+                amx_rows(x, m, m, ldx, qg, blocks, false, wide, sg, bg, sums, y + g * COLS, ldy);
+                continue;
+            }
+            for (int64_t r0 = 0; r0 < full; r0 += 16)
+                amx_rows(x + r0 * ldx, 16, 16, ldx, qg, blocks, r0 > 0, wide, sg, bg, sums, y + r0 * ldy + g * COLS,
+                         ldy);
+            if (full < m)
+                amx_rows(pad, 16, m - full, k, qg, blocks, true, wide, sg, bg, sums, y + full * ldy + g * COLS, ldy);
+        }
+        _tile_release();
+    }
+}
+
+// amx_gemm with the zero-padded copy of the last rows it needs past 16 rows -> false (nothing done) where that copy
+// cannot be allocated
+static bool amx_call(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t groups,
+                     const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+    const int64_t tail = m > 16 ? m % 16 : 0;
+    uint16_t* pad = nullptr;
+    if (tail > 0) {
+        pad = (uint16_t*)calloc(16 * k, sizeof(uint16_t));
+        if (pad == nullptr) return false;
+        for (int64_t r = 0; r < tail; r++) memcpy(pad + r * k, x + (m - tail + r) * ldx, k * sizeof(uint16_t));
+    }
+    amx_gemm(x, m, k, ldx, q, groups, scale, bias, y, ldy, threads, pad);
+    free(pad);
+    return true;
+}
+
+// Whether the tile unit runs here (1) or not (0), written to *out.
+extern "C" void int8_gemm_amx_ready(int* out) { *out = amx_ready() ? 1 : 0; }
+
 // x: m rows of k bf16 (row stride ldx), k even; q: packed, n a multiple of 32; scale: n floats; bias: n floats or
-// null; y: m rows of n bf16 (row stride ldy).
+// null; y: m rows of n bf16 (row stride ldy); amx_from: the fewest rows that take the tile unit where it runs (0:
+// never).
 extern "C" void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
-                               const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
+                               const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads,
+                               int64_t amx_from) {
+    const int64_t groups = n / COLS, k2 = k / 2;
+    if (amx_from > 0 && m >= amx_from && k % 32 == 0 && amx_ready() &&
+        amx_call(x, m, k, ldx, q, groups, scale, bias, y, ldy, threads))
+        return;
     static thread_local std::vector<float> buf;  // the calling thread's fp32 copy of a lone row, kept between calls
     const float* xf = nullptr;
     if (m % 4 == 1) {
@@ -143,7 +271,6 @@ extern "C" void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t 
         }
         xf = buf.data();
     }
-    const int64_t groups = n / COLS, k2 = k / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++)
         group_rows(x, xf, ldx, m, k2, q + g * k * COLS, scale + g * COLS, bias ? bias + g * COLS : nullptr,

@@ -32,7 +32,7 @@ void avx2_tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int
 void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                      const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from);
 void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n,
-                    const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads);
+                    const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from);
 void tree_attention_bf16(const uint16_t* q, int64_t q_sb, int64_t q_sq, int64_t q_sh, const uint16_t* kbuf,
                          const uint16_t* vbuf, const int64_t* slots, const uint8_t* mask, int64_t mask_sb,
                          int64_t mask_sq, int64_t batch, int64_t qmax, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -93,26 +93,29 @@ at::Tensor small_gemm(const at::Tensor& x_, const at::Tensor& packed, const std:
 
 #endif
 
-// this build's int8 kernel -> 0, or -1 where the AVX2 one had no memory for its float32 copy of x
+// this build's int8 kernel -> 0, or -1 where the AVX2 one had no memory for its float32 copy of x; amx_from as
+// int8_gemm_bf16's (the AVX2 kernel has no tile unit path)
 int int8_kernel(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t n, const float* scale,
-                const float* bias, uint16_t* y, int64_t ldy, int threads) {
+                const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from) {
 #ifdef SPECSERVE_OPS_AVX2
+    (void)amx_from;
     return avx2_int8_gemm_bf16(x, m, k, ldx, q, n, scale, bias, y, ldy, threads);
 #else
-    int8_gemm_bf16(x, m, k, ldx, q, n, scale, bias, y, ldy, threads);
+    int8_gemm_bf16(x, m, k, ldx, q, n, scale, bias, y, ldy, threads, amx_from);
     return 0;
 #endif
 }
 
-// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N])
+// x [M, K] bf16 @ a packed int8 weight [N / 32, K / 2, 2, 32], times float32 scales [N] (+ a float32 bias [N]); calls
+// of amx_from rows or more on the tile unit where it runs (0: never)
 at::Tensor int8_gemm(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias) {
+                     const std::optional<at::Tensor>& bias, int64_t amx_from) {
     const at::Tensor x = rows_contiguous(x_);
     const int64_t m = x.size(0), k = x.size(1), n = packed.size(0) * INT8_COLS;
     at::Tensor y = at::empty({m, n}, x.options());
     const int status = int8_kernel(ptr<uint16_t>(x), m, k, x.stride(0), ptr<int8_t>(packed), n,
                                    scales.data_ptr<float>(), bias_ptr(bias), static_cast<uint16_t*>(y.data_ptr()), n,
-                                   at::get_num_threads());
+                                   at::get_num_threads(), amx_from);
     TORCH_CHECK(status == 0, "int8_gemm: no memory for a float32 copy of the input");
     return y;
 }
@@ -233,14 +236,14 @@ void kv_store(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor
     }
 }
 
-// One linear of decoder_layer: x [M, K] bf16 @ a packed bf16 weight on this build's few-row kernel (AVX512-BF16: calls
-// of amx_from rows or more on the tile unit, as small_gemm's), or with scales a packed int8 one
+// One linear of decoder_layer: x [M, K] bf16 @ a packed bf16 weight on this build's few-row kernel, or with scales a
+// packed int8 one (AVX512-BF16: calls of amx_from rows or more on the tile unit, as small_gemm's and int8_gemm's)
 at::Tensor layer_linear(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
                         int64_t amx_from) {
     const std::optional<at::Tensor> packed = linears.get(3 * i), scales = linears.get(3 * i + 1),
                                     bias = linears.get(3 * i + 2);
     TORCH_CHECK(packed.has_value(), "decoder_layer: linear ", i, " has no weight");
-    if (scales.has_value()) return int8_gemm(x, *packed, *scales, bias);
+    if (scales.has_value()) return int8_gemm(x, *packed, *scales, bias, amx_from);
 #ifdef SPECSERVE_OPS_AVX2
     (void)amx_from;
     return avx2_gemm(x, *packed, bias);

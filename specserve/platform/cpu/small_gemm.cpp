@@ -18,9 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <cpuid.h>
+
+#include "amx.h"
 
 static const int64_t COLS = 64;  // output columns per packed group: 4 vectors of 16 fp32 sums
 // Bytes ahead of the step being read that each step asks the core to fetch (its 4 cache lines, 16 steps ahead; 0 =
@@ -74,28 +73,6 @@ static void group_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t
         }
     }
 }
-
-// The tile unit runs here: the CPU has it (CPUID leaf 7: AMX-BF16 is EDX bit 22, AMX-TILE bit 24), it is not
-// turned off, and Linux grants the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM = 0x1023 for
-// XFEATURE_XTILEDATA = 18; without it the first tile instruction faults). Decided once per process.
-static bool amx_ready() {
-    static const bool ready = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;
-        return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }();
-    return ready;
-}
-
-// ldtilecfg's 64-byte operand (palette 1): each tile's rows and bytes per row.
-struct TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 // Tiles: 0-3 the sums of a group's 4 blocks of 16 columns (up to 16 rows x 16 fp32), 4 a block of x (up to 16 rows x
 // 32 bf16), 5 and 6 a block of weights in turn (16 k pairs x 16 columns x 2 bf16). In the packed layout a group's 16
