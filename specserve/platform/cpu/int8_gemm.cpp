@@ -202,12 +202,7 @@ static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const
     const int64_t blocks = k / 32, tile_rows = m < 16 ? m : 16, full = m / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
-        TileConfig cfg;
-        memset(&cfg, 0, sizeof(cfg));
-        cfg.palette_id = 1;
-        for (int t = 0; t < 3; t++) cfg.rows[t] = (uint8_t)tile_rows, cfg.colsb[t] = 64;
-        for (int t = 3; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg);
+        load_tile_config(tile_rows, 3, 2);
         alignas(64) float sums[16 * COLS];
         static thread_local std::vector<uint16_t, std::allocator<uint16_t>> wide_buf;
         if ((int64_t)wide_buf.size() < blocks * 1024 + 32) wide_buf.resize(blocks * 1024 + 32);
@@ -235,13 +230,8 @@ static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const
 // cannot be allocated
 static bool amx_call(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const int8_t* q, int64_t groups,
                      const float* scale, const float* bias, uint16_t* y, int64_t ldy, int threads) {
-    const int64_t tail = m > 16 ? m % 16 : 0;
-    uint16_t* pad = nullptr;
-    if (tail > 0) {
-        pad = (uint16_t*)calloc(16 * k, sizeof(uint16_t));
-        if (pad == nullptr) return false;
-        for (int64_t r = 0; r < tail; r++) memcpy(pad + r * k, x + (m - tail + r) * ldx, k * sizeof(uint16_t));
-    }
+    uint16_t* pad;
+    if (!padded_tail(x, m, k, ldx, &pad)) return false;
     amx_gemm(x, m, k, ldx, q, groups, scale, bias, y, ldy, threads, pad);
     free(pad);
     return true;

@@ -130,12 +130,7 @@ static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const
     const int64_t blocks = k / 32, tile_rows = m < 16 ? m : 16, full = m / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
-        TileConfig cfg;
-        memset(&cfg, 0, sizeof(cfg));
-        cfg.palette_id = 1;
-        for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)tile_rows, cfg.colsb[t] = 64;
-        for (int t = 5; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg);
+        load_tile_config(tile_rows, 5, 2);
         alignas(64) float sums[16 * COLS];  // a block's rows of a group's 64 sums
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
@@ -158,13 +153,8 @@ static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const
 // cannot be allocated.
 static bool amx_call(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t groups,
                      const float* bias, uint16_t* y, int64_t ldy, int threads) {
-    const int64_t tail = m > 16 ? m % 16 : 0;
-    uint16_t* pad = nullptr;
-    if (tail > 0) {
-        pad = (uint16_t*)calloc(16 * k, sizeof(uint16_t));
-        if (pad == nullptr) return false;
-        for (int64_t r = 0; r < tail; r++) memcpy(pad + r * k, x + (m - tail + r) * ldx, k * sizeof(uint16_t));
-    }
+    uint16_t* pad;
+    if (!padded_tail(x, m, k, ldx, &pad)) return false;
     amx_gemm(x, m, k, ldx, w, groups, bias, y, ldy, threads, pad);
     free(pad);
     return true;
