@@ -25,12 +25,13 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
    mixed), since sampled requests accept differently from greedy ones: a workload's sampled batches never decide
    for its greedy batches of the same size, nor the reverse.
-   Two guards keep cold steps out of the estimates: the first WARMUP_STEPS steps of every try are run but not
-   measured (first calls pay allocations, caches and lazy compilation, and after a switch the other mode's weights
-   and buffers have left the CPU caches: measured right after speculative steps, the demo's plain steps at batch
-   16 took 7-10% longer than in a plain engine, which made a tie look like a win for whichever mode was running),
-   and a step during which torch.compile built a graph is not measured either, and a try gets one more step for it
-   (``--enable-torch-compile`` builds graphs for new shapes well after the first steps, seconds each).
+   Two guards keep cold steps out of the estimates: the first WARMUP_STEPS steps of every try are run but their time is
+   not measured (a speculative one's accepted tokens are; first calls pay allocations, caches and lazy compilation, and
+   after a switch the other mode's weights and buffers have left the CPU caches: measured right after speculative steps,
+   the demo's plain steps at batch 16 took 7-10% longer than in a plain engine, which made a tie look like a win for
+   whichever mode was running), and a step during which torch.compile built a graph is not measured either, and a try
+   gets one more step for it (``--enable-torch-compile`` builds graphs for new shapes well after the first steps,
+   seconds each).
    A try does not start for a batch about to end (no request with MIN_TRY_TOKENS new tokens left, by
    ``max_new_tokens``) whose drafter is behind (requests with plain-decoded tokens not replayed to it): its first
    speculative step would replay them all, for a few tokens, and the batch could not use what the try measures.
@@ -146,6 +147,11 @@ class _Mode:
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
         self.steps = DECAY * self.steps + 1
+        self.long_tokens = ACCEPT_DECAY * self.long_tokens + tokens
+        self.long_steps = ACCEPT_DECAY * self.long_steps + 1
+
+    def add_acceptance(self, tokens: int) -> None:
+        """A step whose time is not measured (a try's warm-up) still counts in speculation's tokens per step."""
         self.long_tokens = ACCEPT_DECAY * self.long_tokens + tokens
         self.long_steps = ACCEPT_DECAY * self.long_steps + 1
 
@@ -265,8 +271,10 @@ class BatchPolicy:
             if r.trying == speculative:
                 r.try_choices += 1
             return
-        if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, not measured
+        if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, its time not measured
             r.try_skip -= 1
+            if speculative:  # what it accepted is as telling as any step's (a try may end after one more step)
+                r.spec.add_acceptance(tokens)
             return
         if r.trying != speculative and r.mode(speculative).rate is None:
             return  # an estimate starts from a try (after its warm-up), never from steps outside one

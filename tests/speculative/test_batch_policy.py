@@ -132,6 +132,19 @@ def test_warmup_steps_are_not_measured_and_a_cold_start_does_not_turn_speculatio
     assert p.rates[(1, "greedy")].spec.rate == pytest.approx(300.0)  # the cold steps never entered the estimate
 
 
+def test_a_tries_warm_up_steps_count_in_speculations_acceptance_not_in_its_time():
+    """A warm-up step's time is cold, but what it accepted is as telling as any step's: a try that may end after its
+    first measured step still learns acceptance from the steps before it."""
+    p = BatchPolicy(FULL, explore_every=1000)  # the default warm-up
+    for i in range(WARMUP_STEPS + TRY_STEPS):
+        assert p.choose(1) is not None
+        warm = i < WARMUP_STEPS
+        p.record(1, True, 10.0 if warm else 1.0, 8 if warm else 2)
+    spec = p.rates[(1, "greedy")].spec
+    assert spec.seconds / spec.steps == pytest.approx(1.0)  # the warm-up steps' 10 s left out
+    assert 2 < spec.long_tokens / spec.long_steps < 8  # their 8 tokens each counted with the measured steps' 2
+
+
 def test_every_try_starts_with_unmeasured_steps():
     """After a switch the other mode's first steps run cold (its weights left the CPU caches): each later try of the
     losing mode also runs WARMUP_STEPS steps unmeasured before its measured ones."""
