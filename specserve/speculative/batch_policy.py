@@ -147,11 +147,11 @@ class _Mode:
         self.tokens = DECAY * self.tokens + tokens
         self.seconds = DECAY * self.seconds + seconds
         self.steps = DECAY * self.steps + 1
-        self.long_tokens = ACCEPT_DECAY * self.long_tokens + tokens
-        self.long_steps = ACCEPT_DECAY * self.long_steps + 1
+        self.add_acceptance(tokens)
 
     def add_acceptance(self, tokens: int) -> None:
-        """A step whose time is not measured (a try's warm-up) still counts in speculation's tokens per step."""
+        """A step's tokens in the longer window; alone for a step whose time is not measured (a try's warm-up), which
+        still counts in speculation's tokens per step."""
         self.long_tokens = ACCEPT_DECAY * self.long_tokens + tokens
         self.long_steps = ACCEPT_DECAY * self.long_steps + 1
 

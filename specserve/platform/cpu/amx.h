@@ -1,4 +1,5 @@
-// The tile unit (AMX) for specserve's kernels on CPUs with AVX512-BF16: whether it runs here, and ldtilecfg's operand.
+// The tile unit (AMX) for specserve's kernels on CPUs with AVX512-BF16: whether it runs here, the tile configuration,
+// and the zero-padded copy of a call's last rows.
 #pragma once
 
 #include <immintrin.h>

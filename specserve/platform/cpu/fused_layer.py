@@ -138,13 +138,14 @@ class FusedLayer:
         self.head_dim = attn.head_dim
         self.norm1, self.embed_norm, self.norm2 = _norms(layer)
         self.eps = self.norm1.eps
-        self.int8 = any(isinstance(m, QuantLinear) for m in _linears(layer))
         # AVX512-BF16: the bf16 linears' few-row copies, whose probe verdict (one per model) says which row counts
         # their calls give the kernel and from how many rows its tile unit; the int8 linears' copies, which say it
         # alike (one setting per process)
         self.smalls = [m.small for m in _linears(layer) if type(m) is PackedLinear]
         self.int8s = [m.few_rows for m in _linears(layer) if isinstance(m, QuantLinear)]
-        self.amx_from = (self.smalls or self.int8s)[0].amx_from if self.smalls or self.int8s else 0
+        self.int8 = bool(self.int8s)
+        copies = self.smalls or self.int8s
+        self.amx_from = copies[0].amx_from if copies else 0
         # this forward's arguments, shared by the layers alike (kept in fb.rope_rows)
         self.key = (id(self.rotary), "fused layer", self.int8)
         self._linears: list | None = None

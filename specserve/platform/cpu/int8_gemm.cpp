@@ -204,7 +204,7 @@ static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const
     {
         load_tile_config(tile_rows, 3, 2);
         alignas(64) float sums[16 * COLS];
-        static thread_local std::vector<uint16_t, std::allocator<uint16_t>> wide_buf;
+        static thread_local std::vector<uint16_t> wide_buf;  // the widened weights of a group
         if ((int64_t)wide_buf.size() < blocks * 1024 + 32) wide_buf.resize(blocks * 1024 + 32);
         uint16_t* wide = (uint16_t*)(((uintptr_t)wide_buf.data() + 63) & ~(uintptr_t)63);  // 64-byte aligned
 #pragma omp for schedule(static)
