@@ -13,7 +13,8 @@ from specserve.attention.batch import (
     extend_batch,
     extend_inputs,
     last_token_rows,
+    output_rows,
 )
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "DraftTreeKeys", "ForwardBatch", "ForwardMode", "attention",
-           "create_attention_backend", "extend_batch", "extend_inputs", "last_token_rows"]
+           "create_attention_backend", "extend_batch", "extend_inputs", "last_token_rows", "output_rows"]

@@ -129,8 +129,10 @@ class CompiledForward:
         self.run_only = torch._dynamo.run(twin) if background is not None else None
 
     def use_compiled(self, fb: ForwardBatch) -> bool:
-        # request-by-request attention (a split prefill catch-up) loops over a varying number of groups: eager
-        return fb.mode in self.modes and fb.attn.batch_size <= self.max_bs and fb.attn.groups is None
+        # eager: request-by-request attention (a split prefill catch-up), which loops over a varying number of
+        # groups, and an extend most of whose rows only write their K/V (``ForwardBatch.out_rows``)
+        return (fb.mode in self.modes and fb.attn.batch_size <= self.max_bs and fb.attn.groups is None
+                and fb.out_rows is None)
 
     def __call__(self, fb: ForwardBatch, *args, **kwargs):
         if not self.use_compiled(fb):

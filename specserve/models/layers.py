@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.attention import ForwardBatch, attention
+from specserve.attention import ForwardBatch, attention, output_rows
 from specserve.models.direct_call import DirectCall, Embedding, Linear
 from specserve.models.spec import ModelSpec, UnsupportedModelError
 from specserve.models.tensor_parallel import FIRST_RANK_ONLY, building_group, kv_heads_of, rank_share, vocab_share
@@ -256,7 +256,7 @@ class DecoderLayer(DirectCall):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if self.fused is not None and (out := self.fused(x, positions, fb)) is not None:
             return out
-        x = x + self.self_attn(self.input_layernorm(x), positions, fb)
+        x = output_rows(x, fb) + self.self_attn(self.input_layernorm(x), positions, fb)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -88,6 +88,10 @@ class DraftModel:
     distinct_ids: bool = True
     #: [Vd] target id of each draft id of the variant's own LM head; None: no such map (see ``logits``)
     d2t_ids: torch.Tensor | None = None
+    #: the network is one layer, so a catch-up extend needs that layer's output at its requests' last rows only: the
+    #: other rows write their K/V and stop there (``ForwardBatch.out_rows``); a deeper network needs every row's
+    #: output for the next layer's K/V
+    one_layer: bool = False
 
     def __init__(self, args, runner, topk: int) -> None:
         self.args, self.runner, self.target = args, runner, runner.model
@@ -216,6 +220,8 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class EagleHeadDraft(DraftModel):
     """An EAGLE-1/2 head: everything as the base class does it."""
 
+    one_layer = True
+
 
 def eagle3_capture_layers(num_layers: int, aux_layer_ids: list[int] | None) -> tuple[int, ...]:
     """Target layers to capture (at their input; id == num_layers means the last layer's output). The config's
@@ -235,6 +241,8 @@ class Eagle3HeadDraft(DraftModel):
     """An EAGLE-3 head: reads the target's residual stream captured at three layers (their concatenation [T, 3h],
     through its ``fc``); its own final norm and LM head over a draft vocabulary, whose ids map to target ids with
     ``d2t``."""
+
+    one_layer = True
 
     registry = {"LlamaForCausalLMEagle3": Eagle3Head}
 

@@ -62,6 +62,11 @@ class DraftState:
     root_slot: torch.Tensor | None = None  # [1] a drafter's own KV slot for the root (STANDALONE), else None
 
 
+#: an extend of this many rows or more runs a one-layer draft's layer past the K/V for its requests' last rows only
+#: (``DraftModel.one_layer``); smaller ones (the catch-up after a verify step) run every row, where the CPU's fused
+#: decoder-layer operator takes them in one call
+KV_ONLY_MIN_ROWS = 32
+
 #: Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM")
 TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
@@ -295,11 +300,13 @@ class EagleProposer(Proposer):
         request's own slots. may_split: attend request by request where padding would waste (prompt catch-ups, as
         the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
+        q_lens = [len(t) for t in tokens]
+        last_only = self.draft.one_layer and sum(q_lens) >= KV_ONLY_MIN_ROWS  # the last rows' outputs alone
         fb = extend_batch(self.runner.attn_backend, ForwardMode.DRAFT_EXTEND, self.kv.table,
-                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split)
+                          [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split, last_only)
         with torch.inference_mode():
-            h = self._forward(fb, hidden)  # [T, h]
-        return h.index_select(0, last_token_rows([len(t) for t in tokens], self.device))
+            h = self._forward(fb, hidden)  # [T, h], or [B, h] when last_only
+        return h if last_only else h.index_select(0, last_token_rows(q_lens, self.device))
 
     def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
         with torch.inference_mode():

@@ -155,7 +155,7 @@ def _fb(mode, batch: int, tokens: int, mask: bool = False):
                            mask=torch.ones(batch, 1, tokens // batch, 7, dtype=torch.bool) if mask else None,
                            q_index=None, out_index=None, is_causal=False, one_query=tokens == batch, groups=None)
     return SimpleNamespace(mode=mode, attn=attn, input_ids=torch.zeros(tokens, dtype=torch.long),
-                           logits_indices=None, input_embeds=None, capture_layers=())
+                           logits_indices=None, input_embeds=None, capture_layers=(), out_rows=None)
 
 
 def test_variant_key_tells_graphs_apart():

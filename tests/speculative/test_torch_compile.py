@@ -90,7 +90,8 @@ def test_compiled_bf16_with_packed_linears(model_factory, monkeypatch, kernel):
 
 def test_grouped_attention_runs_eagerly():
     """A forward attending request by request (a split prompt catch-up) is not compiled: its Python loop over a
-    varying number of groups would make a graph per group count. The same forward ungrouped is compiled."""
+    varying number of groups would make a graph per group count. The same forward ungrouped is compiled; one whose
+    rows but the last of each request only write their K/V (``out_rows``) runs eagerly too."""
     from types import SimpleNamespace
 
     from specserve.attention import ForwardMode
@@ -98,11 +99,13 @@ def test_grouped_attention_runs_eagerly():
 
     wrapper = CompiledForward(lambda fb: fb, max_bs=8, stats=CompileStats())
 
-    def fb(groups):
-        return SimpleNamespace(mode=ForwardMode.DRAFT_EXTEND, attn=SimpleNamespace(batch_size=2, groups=groups))
+    def fb(groups, out_rows=None):
+        return SimpleNamespace(mode=ForwardMode.DRAFT_EXTEND, attn=SimpleNamespace(batch_size=2, groups=groups),
+                               out_rows=out_rows)
 
     assert wrapper.use_compiled(fb(None))
     assert not wrapper.use_compiled(fb([(3, None), (5, None)]))
+    assert not wrapper.use_compiled(fb(None, torch.tensor([2, 7])))
 
 
 
@@ -138,7 +141,7 @@ def test_each_module_keeps_its_own_graphs(fresh_dynamo):
             return x
 
     fb = SimpleNamespace(mode=ForwardMode.DECODE, input_ids=torch.zeros(2, dtype=torch.long),
-                         attn=SimpleNamespace(batch_size=2, groups=None))
+                         attn=SimpleNamespace(batch_size=2, groups=None), out_rows=None)
     torch.manual_seed(0)
     stats, nets, x = CompileStats(), [Net(True), Net(False)], torch.randn(2, 4)
     with torch.no_grad():

@@ -170,6 +170,7 @@ class FusedLayer:
         """(cos, sin, out_slots, kv_slots, mask) of this forward, or None where it does not fit the operator."""
         md, pool = fb.attn, fb.kv_pool
         if (not elementwise.takes(x) or x.dim() != 2 or positions is not fb.positions or pool is None
+                or fb.out_rows is not None
                 or type(md) is not AttnMetadata or md.groups is not None or md.q_index is not None
                 or md.out_index is not None or md.is_causal or md.kv_slots is None or md.platform is None
                 or not all(c.takes(x) for c in self.int8s) or not all(c.takes(x) for c in self.smalls)):

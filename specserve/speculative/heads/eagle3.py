@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from specserve.attention import ForwardBatch
+from specserve.attention import ForwardBatch, output_rows
 from specserve.models.direct_call import DirectCall, Linear
 from specserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 from specserve.models.spec import ModelSpec
@@ -49,7 +49,7 @@ class Eagle3MidLayer(DirectCall):
         if self.fused is not None and (out := self.fused(hidden, fb.positions, fb, embeds)) is not None:
             return out
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2h]
-        r = hidden + self.self_attn(x, fb.positions, fb)
+        r = output_rows(hidden, fb) + self.self_attn(x, fb.positions, fb)  # [T or R, h] (``ForwardBatch.out_rows``)
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
