@@ -287,6 +287,8 @@ class MtpDraft(DraftModel):
     post-norm hidden state at position i and the token at i + 1, KV in a one-layer pool) and its output goes
     through the target's LM head; deeper levels re-apply the layer to its own output hidden, as SGLang does."""
 
+    one_layer = True
+
     def _load(self, args):
         """The MTP layer is part of the TARGET's checkpoint and was loaded (and packed for CPU) with it."""
         layers = getattr(self.target, "mtp_layers", None)

@@ -1,4 +1,4 @@
-"""A one-layer draft head's catch-up extend writes K/V for every row but runs the rest of its layer (attention, o_proj,
+"""A one-layer draft network's catch-up extend writes K/V for every row but runs the rest of its layer (attention, o_proj,
 MLP) for each request's last row alone (``ForwardBatch.out_rows``): the same drafting state, the same drafts and the
 same greedy output as running every row; a deeper draft network runs every row."""
 
@@ -10,7 +10,7 @@ import torch
 import specserve.speculative.eagle as eagle
 from specserve import Engine
 from specserve.attention import extend_batch
-from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir
+from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
@@ -19,13 +19,16 @@ STORE_STATES = eagle.EagleProposer._store_states
 
 
 @pytest.fixture(scope="module")
-def setups(target, model_factory, tmp_path_factory):
-    """algorithm -> (target, draft head, the target's greedy output of PROMPTS): an EAGLE-2 head with random weights
-    on the shared mirror target; an EAGLE-3 head mirroring a bigram target (its random heads are never accepted)."""
+def setups(target, model_factory, tmp_path_factory, tokenizer_dir):
+    """name -> (target, draft head or None, the target's greedy output of PROMPTS): an EAGLE-2 head with random
+    weights on the shared mirror target; an EAGLE-3 head mirroring a bigram target (its random heads are never
+    accepted); a MiMo target's own MTP layer (EAGLE without a draft path)."""
     d = tmp_path_factory.mktemp("catch_up")
     bigram = model_factory("llama", num_hidden_layers=4, unit_embeddings=True, identity_layers=True)
     setups = {"EAGLE": (target, make_eagle_head_dir(str(d / "eagle"), target, kind="random", seed=3)),
-              "EAGLE3": (bigram, make_eagle3_head_dir(str(d / "eagle3"), bigram, kind="self"))}
+              "EAGLE3": (bigram, make_eagle3_head_dir(str(d / "eagle3"), bigram, kind="self")),
+              "MTP": (make_mimo_dir(str(d / "mimo"), kind="self", tokenizer_dir=tokenizer_dir,
+                                    max_position_embeddings=1024), None)}
     out = {}
     for algorithm, (path, head) in setups.items():
         with Engine(model_path=path, max_total_tokens=4096) as e:
@@ -33,7 +36,7 @@ def setups(target, model_factory, tmp_path_factory):
     return out
 
 
-def _run(target, head, algorithm, min_rows, monkeypatch):
+def _run(target, head, name, min_rows, monkeypatch):
     """Greedy PROMPTS with KV_ONLY_MIN_ROWS = min_rows -> (outputs, the drafting states each catch-up stored (their
     hidden [h] and top-k ids, in call order), the last_only flag of each draft extend)."""
     monkeypatch.setattr(eagle, "KV_ONLY_MIN_ROWS", min_rows)
@@ -49,17 +52,18 @@ def _run(target, head, algorithm, min_rows, monkeypatch):
 
     monkeypatch.setattr(eagle.EagleProposer, "_store_states", recording_store)
     monkeypatch.setattr(eagle, "extend_batch", recording_extend)
+    algorithm = "EAGLE" if name == "MTP" else name
     with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs(algorithm, head, 3, 2, 6)) as e:
         outs = e.generate(PROMPTS, greedy(16))
         assert_no_kv_leak(e)
     return outs, states, flags
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_last_rows_only_catch_up_drafts_as_every_row_does(setups, algorithm, monkeypatch):
-    target, head, plain = setups[algorithm]
-    every, every_states, every_flags = _run(target, head, algorithm, ALL_ROWS, monkeypatch)
-    last, last_states, last_flags = _run(target, head, algorithm, LAST_ROWS, monkeypatch)
+@pytest.mark.parametrize("name", ["EAGLE", "EAGLE3", "MTP"])
+def test_last_rows_only_catch_up_drafts_as_every_row_does(setups, name, monkeypatch):
+    target, head, plain = setups[name]
+    every, every_states, every_flags = _run(target, head, name, ALL_ROWS, monkeypatch)
+    last, last_states, last_flags = _run(target, head, name, LAST_ROWS, monkeypatch)
     assert not any(every_flags) and last_flags and all(last_flags)  # each run took the path it was meant to
     assert [o["output_ids"] for o in every] == plain == [o["output_ids"] for o in last]
     assert_drafting_happened(last, min_accept_length=1.0)
