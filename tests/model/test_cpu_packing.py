@@ -222,6 +222,10 @@ def test_mixed_linear_float32_for_few_rows_packed_bf16_for_many():
                 assert not torch.equal(got, want)  # bf16 rounding: the packed path ran
                 torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
                 torch.testing.assert_close(torch.compile(model)(x), got)
+            # a bf16 input (a forward run in half precision as a whole) takes the bf16 path even for one row
+            low = model(x.to(torch.bfloat16))
+            assert low.dtype == torch.bfloat16
+            torch.testing.assert_close(low.float(), want, atol=5e-2, rtol=5e-2)
 
 
 @needs_onednn_bf16

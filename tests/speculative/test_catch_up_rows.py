@@ -1,6 +1,6 @@
-"""A one-layer draft network's catch-up extend writes K/V for every row but runs the rest of its layer (attention, o_proj,
-MLP) for each request's last row alone (``ForwardBatch.out_rows``): the same drafting state, the same drafts and the
-same greedy output as running every row; a deeper draft network runs every row."""
+"""A one-layer draft network's catch-up extend writes K/V for every row but runs the rest of its layer (attention,
+o_proj, MLP) for each request's last row alone (``ForwardBatch.out_rows``): the same drafting state, the same drafts
+and the same greedy output as running every row; a deeper draft network runs every row."""
 
 from __future__ import annotations
 

@@ -104,7 +104,9 @@ class MixedLinear(DirectCall):
     """A float32 Linear with a oneDNN-packed bf16 copy of its weight: a call of at most ``fp32_max_rows`` rows runs
     in float32, where its per-call cost is lower; a larger one casts its input to bf16, runs the packed matmul (AMX
     / AVX512-BF16, far more multiply-adds per second) and casts the result back to float32. ``fp32_max_rows`` is
-    FP32_MAX_ROWS until the policy sets the crossover measured on this machine (``mixed_probe.py``)."""
+    FP32_MAX_ROWS until the policy sets the crossover measured on this machine (``mixed_probe.py``). An input already
+    in bf16 (a forward that runs in half precision as a whole, whose later calls may have fewer rows: a catch-up's
+    last rows, ``ForwardBatch.out_rows``) takes the bf16 path whatever its rows, and gets bf16 back."""
 
     def __init__(self, linear: nn.Linear, packed: torch.Tensor, keep_small: bool = False) -> None:
         super().__init__()
@@ -115,8 +117,8 @@ class MixedLinear(DirectCall):
         # the bf16 path's few-row calls on specserve's kernel, as PackedLinear's
         self.small = small_gemm.SmallCopy(linear.weight, linear.bias) if keep_small else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out] float32
-        return self.fp32(x) if x.shape[0] <= self.fp32_max_rows else self.bf16(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 (or bf16) -> [T, out] in x's dtype
+        return self.fp32(x) if x.shape[0] <= self.fp32_max_rows and x.dtype == self.weight.dtype else self.bf16(x)
 
     def fp32(self, x: torch.Tensor) -> torch.Tensor:
         """The float32 path, whatever the row count (the crossover probe times it)."""
