@@ -3,7 +3,7 @@
 
 The engine serves ``--model-path`` with its EAGLE-3 head (bf16 by default, radix cache off so that every request
 prefills its whole prompt); each round sends a prompt of ``--prompt-words`` words twice, once with each
-setting of ``speculative.eagle.KV_ONLY_MIN_ROWS`` (the order alternating round by round), asking for two new tokens
+setting of ``speculative.eagle.last_rows_only`` (the order alternating round by round), asking for two new tokens
 (the catch-up runs once the prompt is in; a one-token request finishes without it). Printed per setting: the head's
 catch-up after the prefill (the drafter's ``after_prefill``) and the request's wall time, their medians over
 ``--rounds``, and every-row over last-row as ratios.
@@ -22,7 +22,8 @@ import specserve.speculative.eagle as eagle
 from specserve import Engine
 from specserve.demo_models import demo_path
 
-SETTINGS = {"last rows": eagle.KV_ONLY_MIN_ROWS, "every row": 10**9}
+RULE = eagle.last_rows_only
+SETTINGS = {"last rows": RULE, "every row": lambda q_lens: False}
 FILLER = "the quick brown fox jumps over the lazy dog while the cat sleeps near a warm fire"
 
 
@@ -60,7 +61,7 @@ def main() -> None:
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
     for r in range(args.rounds):
         for name in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
-            eagle.KV_ONLY_MIN_ROWS = SETTINGS[name]
+            eagle.last_rows_only = SETTINGS[name]
             catch_up.clear()
             start = time.perf_counter()
             out = engine.generate(prompt, params)

@@ -63,8 +63,7 @@ class DraftState:
 
 
 #: an extend of this many rows or more runs a one-layer draft's layer past the K/V for its requests' last rows only
-#: (``DraftModel.one_layer``); smaller ones (the catch-up after a verify step) run every row, where the CPU's fused
-#: decoder-layer operator takes them in one call
+#: (``DraftModel.one_layer``, ``last_rows_only``)
 KV_ONLY_MIN_ROWS = 32
 
 #: Targets that get the deeper default draft tree (SGLang: (5, 4, 8) for Llama, else (3, 1, 4)).
@@ -301,7 +300,7 @@ class EagleProposer(Proposer):
         the target's prefill).
         -> draft hidden at each request's last position [B, h]."""
         q_lens = [len(t) for t in tokens]
-        last_only = self.draft.one_layer and sum(q_lens) >= KV_ONLY_MIN_ROWS  # the last rows' outputs alone
+        last_only = self.draft.one_layer and last_rows_only(q_lens)
         fb = extend_batch(self.runner.attn_backend, ForwardMode.DRAFT_EXTEND, self.kv.table,
                           [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split, last_only)
         with torch.inference_mode():
@@ -444,6 +443,14 @@ class EagleProposer(Proposer):
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:
             self.kv.free(scratch.reshape(-1))
+
+
+def last_rows_only(q_lens: list[int]) -> bool:
+    """Whether a one-layer draft's catch-up extend of q_lens[b] rows per request runs its layer past the K/V for each
+    request's last row only: from KV_ONLY_MIN_ROWS rows, or where the requests' rows differ in number. A few rows
+    each, alike (the catch-up after a verify step at batch 1) run every row: the CPU's fused decoder-layer operator
+    takes them in one call, where the last-rows path is several; rows of unequal numbers never fit that operator."""
+    return sum(q_lens) >= KV_ONLY_MIN_ROWS or len(set(q_lens)) > 1
 
 
 def _extend_paths(paths: list[list[list[int]] | None], branch: torch.Tensor,

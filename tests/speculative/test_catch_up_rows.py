@@ -14,7 +14,7 @@ from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
-ALL_ROWS, LAST_ROWS = 10**9, 1  # KV_ONLY_MIN_ROWS: never / for every extend
+ALL_ROWS, LAST_ROWS = False, True  # last_rows_only for every extend
 STORE_STATES = eagle.EagleProposer._store_states
 
 
@@ -36,10 +36,10 @@ def setups(target, model_factory, tmp_path_factory, tokenizer_dir):
     return out
 
 
-def _run(target, head, name, min_rows, monkeypatch):
-    """Greedy PROMPTS with KV_ONLY_MIN_ROWS = min_rows -> (outputs, the drafting states each catch-up stored (their
-    hidden [h] and top-k ids, in call order), the last_only flag of each draft extend)."""
-    monkeypatch.setattr(eagle, "KV_ONLY_MIN_ROWS", min_rows)
+def _run(target, head, name, last_only, monkeypatch):
+    """Greedy PROMPTS with every catch-up's last_rows_only = last_only -> (outputs, the drafting states each catch-up
+    stored (their hidden [h] and top-k ids, in call order), the last_only flag of each draft extend)."""
+    monkeypatch.setattr(eagle, "last_rows_only", lambda q_lens: last_only)
     states, flags = [], []
 
     def recording_store(self, reqs, last_hidden):
@@ -79,7 +79,7 @@ def test_last_rows_only_catch_up_drafts_as_every_row_does(setups, name, monkeypa
 
 def test_a_deeper_draft_network_runs_every_row(target, tmp_path, monkeypatch):
     """STANDALONE drafts with a whole LM: its later layers need every row's output for their K/V."""
-    monkeypatch.setattr(eagle, "KV_ONLY_MIN_ROWS", LAST_ROWS)
+    monkeypatch.setattr(eagle, "last_rows_only", lambda q_lens: True)
     flags = []
 
     def recording_extend(*args, **kwargs):
@@ -92,3 +92,13 @@ def test_a_deeper_draft_network_runs_every_row(target, tmp_path, monkeypatch):
         outs = e.generate(PROMPTS[:2], greedy(8))
     assert flags and not any(flags)
     assert all(o["output_ids"] for o in outs)
+
+
+def test_which_catch_ups_run_their_last_rows_only():
+    """From KV_ONLY_MIN_ROWS rows, or with unequal rows per request (which the fused CPU layer never takes); a few
+    rows each, alike, run every row."""
+    n = eagle.KV_ONLY_MIN_ROWS
+    assert eagle.last_rows_only([n]) and eagle.last_rows_only([n - 8, 8])
+    assert eagle.last_rows_only([3, 4]) and eagle.last_rows_only([1, 1, 2])
+    assert not eagle.last_rows_only([5]) and not eagle.last_rows_only([3, 3, 3])
+    assert not eagle.last_rows_only([n // 2 - 1, n // 2 - 1])

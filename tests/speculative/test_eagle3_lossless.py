@@ -107,7 +107,7 @@ def test_prompt_catch_up_attended_request_by_request(target, plain, tmp_path, mo
     from specserve.attention import sdpa as backend
     from specserve.speculative import eagle
 
-    monkeypatch.setattr(eagle, "KV_ONLY_MIN_ROWS", 10**9)
+    monkeypatch.setattr(eagle, "last_rows_only", lambda q_lens: False)
     head = make_eagle3_head_dir(str(tmp_path / "h"), target, kind="self")
     kw = dict(model_path=target, max_total_tokens=4096, dtype="float32", **spec_kwargs("EAGLE3", head, 4, 3, 8))
 
