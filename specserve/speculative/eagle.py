@@ -297,7 +297,8 @@ class EagleProposer(Proposer):
         """Draft extend: request b's positions [starts[b], starts[b] + len(tokens[b])) with those input tokens
         and target hidden rows (concatenated, [T, h]; None for a draft that reads none). Writes the draft KV at the
         request's own slots. may_split: attend request by request where padding would waste (prompt catch-ups, as
-        the target's prefill).
+        the target's prefill). A one-layer draft runs its layer past the K/V for the last rows alone where
+        ``last_rows_only`` says so.
         -> draft hidden at each request's last position [B, h]."""
         q_lens = [len(t) for t in tokens]
         last_only = self.draft.one_layer and last_rows_only(q_lens)
