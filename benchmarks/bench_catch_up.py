@@ -22,8 +22,7 @@ import specserve.speculative.eagle as eagle
 from specserve import Engine
 from specserve.demo_models import demo_path
 
-RULE = eagle.last_rows_only
-SETTINGS = {"last rows": RULE, "every row": lambda q_lens: False}
+SETTINGS = {"last rows": eagle.last_rows_only, "every row": lambda q_lens: False}
 FILLER = "the quick brown fox jumps over the lazy dog while the cat sleeps near a warm fire"
 
 

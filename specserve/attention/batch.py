@@ -77,14 +77,15 @@ def output_rows(x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 
 def extend_inputs(backend: AttentionBackend, table: torch.Tensor, rows: list[int], starts: list[int],
-                  tokens: list[list[int]], may_split: bool = False, last_only: bool = False):
+                  tokens: list[list[int]], may_split: bool = False, out_rows: torch.Tensor | None = None):
     """The pieces of an extend forward: requests that each append tokens[b] at positions starts[b].. of row
     rows[b] of the req_to_token table (whose slots there are already written), attending causally over the row's
     earlier slots -> (ids [T], positions [T], out_cache_loc [T], metadata).
 
     may_split: the backend may attend request by request where that is cheaper; for eager forwards only (a
-    compiled one would unroll a loop whose length varies with the batch). last_only: the metadata is that of each
-    request's last token alone, over all its keys (a decode's), for a forward with ``ForwardBatch.out_rows``."""
+    compiled one would unroll a loop whose length varies with the batch). out_rows: [B] each request's last row
+    (``last_token_rows``), for a forward with ``ForwardBatch.out_rows``: the metadata is then theirs alone, over all
+    their request's keys (a decode's)."""
     device = table.device
     q_lens = [len(t) for t in tokens]
     pieces = list(zip(rows, starts, q_lens, strict=True))
@@ -92,8 +93,8 @@ def extend_inputs(backend: AttentionBackend, table: torch.Tensor, rows: list[int
     positions = torch.cat([torch.arange(s, s + n) for _, s, n in pieces]).to(device)  # [T]
     out_loc = torch.cat([table[r, s : s + n] for r, s, n in pieces])  # [T]
     kv_lens = [s + n for _, s, n in pieces]
-    if last_only:
-        last = positions.index_select(0, last_token_rows(q_lens, device))  # [B]
+    if out_rows is not None:
+        last = positions.index_select(0, out_rows)  # [B]
         return ids, positions, out_loc, backend.decode(table, torch.tensor(rows, device=device), last, kv_lens)
     return ids, positions, out_loc, backend.extend(table, rows, kv_lens, q_lens, may_split)
 
@@ -101,13 +102,12 @@ def extend_inputs(backend: AttentionBackend, table: torch.Tensor, rows: list[int
 def extend_batch(backend: AttentionBackend, mode: ForwardMode, table: torch.Tensor, rows: list[int],
                  starts: list[int], tokens: list[list[int]], kv_pool: KVPool, may_split: bool = False,
                  last_only: bool = False, **extra) -> ForwardBatch:
-    """ForwardBatch over ``extend_inputs`` (may_split, last_only as there); used for target prefill chunks and draft
-    extends alike. last_only: the forward outputs each request's last row alone (``ForwardBatch.out_rows``; one-layer
-    draft networks). extra: ForwardBatch's optional fields."""
-    if last_only:
-        extra["out_rows"] = last_token_rows([len(t) for t in tokens], table.device)
-    return ForwardBatch(mode, *extend_inputs(backend, table, rows, starts, tokens, may_split, last_only), kv_pool,
-                        **extra)
+    """ForwardBatch over ``extend_inputs`` (may_split as there); used for target prefill chunks and draft extends
+    alike. last_only: the forward outputs each request's last row alone (``ForwardBatch.out_rows``; one-layer draft
+    networks). extra: ForwardBatch's optional fields."""
+    out_rows = last_token_rows([len(t) for t in tokens], table.device) if last_only else None
+    return ForwardBatch(mode, *extend_inputs(backend, table, rows, starts, tokens, may_split, out_rows), kv_pool,
+                        out_rows=out_rows, **extra)
 
 
 def last_token_rows(q_lens: list[int], device) -> torch.Tensor:

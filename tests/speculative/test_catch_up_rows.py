@@ -36,22 +36,30 @@ def setups(target, model_factory, tmp_path_factory, tokenizer_dir):
     return out
 
 
-def _run(target, head, name, last_only, monkeypatch):
-    """Greedy PROMPTS with every catch-up's last_rows_only = last_only -> (outputs, the drafting states each catch-up
-    stored (their hidden [h] and top-k ids, in call order), the last_only flag of each draft extend)."""
-    monkeypatch.setattr(eagle, "last_rows_only", lambda q_lens: last_only)
-    states, flags = [], []
-
-    def recording_store(self, reqs, last_hidden):
-        STORE_STATES(self, reqs, last_hidden)
-        states.extend((r.spec_state.hidden.clone(), r.spec_state.topk_ids.tolist()) for r in reqs)
+def _record_last_only(monkeypatch) -> list[bool]:
+    """-> the list each draft extend's last_only flag is appended to, from now on."""
+    flags = []
 
     def recording_extend(*args, **kwargs):
         flags.append(args[8] if len(args) > 8 else kwargs.get("last_only", False))
         return extend_batch(*args, **kwargs)
 
-    monkeypatch.setattr(eagle.EagleProposer, "_store_states", recording_store)
     monkeypatch.setattr(eagle, "extend_batch", recording_extend)
+    return flags
+
+
+def _run(target, head, name, last_only, monkeypatch):
+    """Greedy PROMPTS with every catch-up's last_rows_only = last_only -> (outputs, the drafting states each catch-up
+    stored (their hidden [h] and top-k ids, in call order), the last_only flag of each draft extend)."""
+    monkeypatch.setattr(eagle, "last_rows_only", lambda q_lens: last_only)
+    states = []
+
+    def recording_store(self, reqs, last_hidden):
+        STORE_STATES(self, reqs, last_hidden)
+        states.extend((r.spec_state.hidden.clone(), r.spec_state.topk_ids.tolist()) for r in reqs)
+
+    monkeypatch.setattr(eagle.EagleProposer, "_store_states", recording_store)
+    flags = _record_last_only(monkeypatch)
     algorithm = "EAGLE" if name == "MTP" else name
     with Engine(model_path=target, max_total_tokens=4096, **spec_kwargs(algorithm, head, 3, 2, 6)) as e:
         outs = e.generate(PROMPTS, greedy(16))
@@ -80,13 +88,7 @@ def test_last_rows_only_catch_up_drafts_as_every_row_does(setups, name, monkeypa
 def test_a_deeper_draft_network_runs_every_row(target, tmp_path, monkeypatch):
     """STANDALONE drafts with a whole LM: its later layers need every row's output for their K/V."""
     monkeypatch.setattr(eagle, "last_rows_only", lambda q_lens: True)
-    flags = []
-
-    def recording_extend(*args, **kwargs):
-        flags.append(args[8] if len(args) > 8 else kwargs.get("last_only", False))
-        return extend_batch(*args, **kwargs)
-
-    monkeypatch.setattr(eagle, "extend_batch", recording_extend)
+    flags = _record_last_only(monkeypatch)
     with Engine(model_path=target, max_total_tokens=4096,
                 **spec_kwargs("STANDALONE", target, 3, 1, 4)) as e:
         outs = e.generate(PROMPTS[:2], greedy(8))
