@@ -56,8 +56,10 @@ logger = logging.getLogger(__name__)
 class DraftState:
     """Per-request drafting state between steps (the draft's view just after the root token)."""
 
-    topk_p: torch.Tensor  # [K] float32 draft probabilities of the root's best children
-    topk_ids: torch.Tensor  # [K] int64 their target token ids
+    # [K] float32 draft probabilities of the root's best children and [K] int64 their target token ids; None for a
+    # request whose root children are ranked when it drafts (``ranks_root_when_drafting``)
+    topk_p: torch.Tensor | None
+    topk_ids: torch.Tensor | None
     hidden: torch.Tensor  # [h] draft hidden to feed with those children at the next draft level
     root_slot: torch.Tensor | None = None  # [1] a drafter's own KV slot for the root (STANDALONE), else None
 
@@ -308,11 +310,24 @@ class EagleProposer(Proposer):
             h = self._forward(fb, hidden)  # [T, h], or [B, h] when last_only
         return h if last_only else h.index_select(0, last_token_rows(q_lens, self.device))
 
+    def ranks_root_when_drafting(self, req) -> bool:
+        """Whether req's root children are ranked afresh when it drafts, so a catch-up need not rank them: a sampled
+        request's with its position's race noise (coupled drafting), a grammar's under what it allows by then."""
+        return (self.couples and not req.params.is_greedy) or (req.grammar is not None and self.grammar_aware)
+
     def _store_states(self, reqs, last_hidden: torch.Tensor) -> None:
-        with torch.inference_mode():
-            p, ids = self._topk(last_hidden, scale=self._score_scale(reqs, 1))  # [B, K] each
-        for req, p_i, ids_i, h_i in zip(reqs, p.unbind(0), ids.unbind(0), last_hidden.unbind(0), strict=True):
-            req.spec_state = DraftState(p_i, ids_i, h_i)
+        """last_hidden [B, h] -> each request's DraftState, with its root's top-K children where drafting reuses
+        them."""
+        stored = [b for b, r in enumerate(reqs) if not self.ranks_root_when_drafting(r)]
+        p = ids = None
+        if stored:
+            rows = last_hidden if len(stored) == len(reqs) else last_hidden[stored]
+            with torch.inference_mode():
+                p, ids = self._topk(rows, scale=self._score_scale([reqs[b] for b in stored], 1))  # [B', K] each
+        at = {b: i for i, b in enumerate(stored)}
+        for b, (req, h_b) in enumerate(zip(reqs, last_hidden.unbind(0), strict=True)):
+            i = at.get(b)
+            req.spec_state = DraftState(None, None, h_b) if i is None else DraftState(p[i], ids[i], h_b)
 
     def _catch_up(self, c: CatchUp) -> None:
         """Run the draft model's catch-up extend; the seeded requests get a new DraftState, and where the draft
@@ -366,31 +381,16 @@ class EagleProposer(Proposer):
         dev, B = self.device, len(reqs)
         states = [r.spec_state for r in reqs]
         roots = torch.tensor([r.last_token for r in reqs], dtype=torch.int64, device=dev)  # [B]
-        root_p = torch.stack([s.topk_p for s in states])[:, :K]  # [B, K] stored top-K are sorted
-        root_ids = torch.stack([s.topk_ids for s in states])[:, :K]
+        hidden = torch.stack([s.hidden for s in states])  # [B, h]
         # structured outputs: each grammar's states along this drafting's paths (None: a request without one)
         walks = [PathStates(r.grammar, r.stop_ids) if r.grammar is not None and self.grammar_aware else None
                  for r in reqs]
-        grammar = [b for b, w in enumerate(walks) if w is not None]
-        self.grammar_walks = walks if grammar else None
-        if grammar:  # the root's children again, over what each grammar allows now
-            with torch.inference_mode():
-                p, ids = self._topk(torch.stack([states[b].hidden for b in grammar]), K,
-                                    self._score_scale([reqs[b] for b in grammar], 1),
-                                    ([walks[b] for b in grammar], [[[]] for _ in grammar]))
-            root_p, root_ids = root_p.clone(), root_ids.clone()
-            root_p[grammar], root_ids[grammar] = p, ids
+        self.grammar_walks = walks if any(w is not None for w in walks) else None
         race = RaceBatch.of(reqs, S) if self.couples else None
-        if race is not None:  # sampled requests: the root's children again, ranked with their position's noise
-            with torch.inference_mode():
-                p, ids = self._topk(torch.stack([s.hidden for s in states]), K, None,
-                                    (walks, [None if w is None else [[]] for w in walks])
-                                    if grammar else None, (race, 0, 1))
-            root_p, root_ids = root_p.clone(), root_ids.clone()
-            root_p[race.rows], root_ids[race.rows] = p[race.rows], ids[race.rows]
+        with torch.inference_mode():
+            root_p, root_ids = self._root_children(reqs, states, hidden, K, walks, race)  # [B, K] each
         cands = EagleCandidates(root_p, root_ids)
         if S > 1:
-            hidden = torch.stack([s.hidden for s in states])  # [B, h]
             live_tokens = cands.tensors()[0]  # [B, K] level 0 = the live branches
             live_hidden = hidden.unsqueeze(1).expand(B, K, hidden.shape[-1])  # [B, K, h]
             self.draft_trees += 1
@@ -398,6 +398,35 @@ class EagleProposer(Proposer):
                 self.draft_forwards += self._draft_levels(reqs, cands, live_tokens, live_hidden, S, K, N - 1, race,
                                                           walks)
         return cands.select(roots, N, distinct=self.distinct_ids)
+
+    def _root_children(self, reqs, states: list[DraftState], hidden: torch.Tensor, K: int,
+                       walks: list[PathStates | None], race: RaceBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The root's top-K children of each request -> (probabilities [B, K], target ids [B, K]): a sampled request's
+        ranked with its position's race noise (race), a grammar's over what it allows now (walks), the others' as
+        their catch-up stored them (ranked here where it did not: ``ranks_root_when_drafting``). hidden [B, h]."""
+        B = len(reqs)
+        raced = set(race.rows) if race is not None else set()
+        fresh = [b for b in range(B) if b not in raced and (walks[b] is not None or states[b].topk_p is None)]
+        stored = [b for b in range(B) if b not in raced and b not in fresh]
+        if len(stored) == B:  # stored top-K are sorted: the first K of them
+            return torch.stack([s.topk_p for s in states])[:, :K], torch.stack([s.topk_ids for s in states])[:, :K]
+        root_p = torch.empty(B, K, dtype=torch.float32, device=self.device)
+        root_ids = torch.empty(B, K, dtype=torch.int64, device=self.device)
+        if stored:
+            root_p[stored] = torch.stack([states[b].topk_p[:K] for b in stored])
+            root_ids[stored] = torch.stack([states[b].topk_ids[:K] for b in stored])
+        if fresh:
+            paths = [[[]] if walks[b] is not None else None for b in fresh]
+            grammar = ([walks[b] for b in fresh], paths) if any(x is not None for x in paths) else None
+            p, ids = self._topk(hidden[fresh], K, self._score_scale([reqs[b] for b in fresh], 1), grammar)
+            root_p[fresh], root_ids[fresh] = p, ids
+        if raced:
+            grammar = (walks, [None if w is None else [[]] for w in walks]) if self.grammar_walks else None
+            p, ids = self._topk(hidden, K, None, grammar, (race, 0, 1))
+            if len(raced) == B:
+                return p, ids
+            root_p[race.rows], root_ids[race.rows] = p[race.rows], ids[race.rows]
+        return root_p, root_ids
 
     def _draft_levels(self, reqs, cands: EagleCandidates, live_tokens, live_hidden, S: int, K: int,
                       keep: int, race: RaceBatch | None = None, walks: list[PathStates | None] | None = None) -> int:

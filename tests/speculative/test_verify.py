@@ -375,3 +375,26 @@ def test_chain_walk_equals_the_level_walk(seed):
     got = verify_mod._chain_walk(tree, ok)
     for w, x in zip(want, got, strict=True):
         assert torch.equal(w, x)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_greedy_verify_equals_the_torch_ops(seed):
+    """verify_greedy's numpy path (any CPU tree) gives the torch ops' results: padded batches, targets that follow
+    the drafted tokens part of the way, full trees."""
+    g = torch.Generator().manual_seed(seed)
+    B, M = 6, 14
+    parents = torch.stack([torch.randint(0, m + 1, (B,), generator=g) for m in range(M)], dim=1)  # parent <= m
+    tokens = torch.randint(0, 6, (B, M), generator=g)
+    num = torch.randint(1, M + 2, (B,), generator=g) if seed % 2 else torch.full((B,), M + 1)
+    tree = build_tree(t([1] * B), tokens, parents, num)
+    # the target agrees with one child of each node most of the time: walks of several levels
+    first_child = tree.first_child
+    follow = tree.tokens.gather(1, first_child.clamp(min=0))
+    target = torch.where(torch.rand(B, tree.width, generator=g) < 0.9, follow, torch.randint(0, 6, (B, tree.width),
+                                                                                             generator=g))
+    want = verify_mod._device_verify_greedy(tree, target)
+    got = verify_mod._host_verify_greedy(tree, target)
+    assert want.accept_len.max() >= 2  # some walks go deep
+    for name in ("accept_len", "accepted_nodes", "bonus_tokens", "last_nodes", "new_tokens"):
+        assert torch.equal(getattr(want, name), getattr(got, name)), name
+    assert got.token_lists() == want.token_lists()
