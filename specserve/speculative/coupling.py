@@ -23,29 +23,33 @@ from specserve.sampling.sampler import filter_top_k_top_p_min_p, request_seeds
 
 @dataclass
 class RaceRows:
-    """The racing rows of one draft call's [R, Vd] logits: rows index [S'], the log of their noise log_expo [S', Vd]
-    over the call's columns, and their filters: 1/T [S', 1], top_k [S'], top_p [S'], min_p [S'] (``on``: which
-    filters any row uses)."""
+    """The racing rows of one draft call's [R, Vd] logits, laid out request-major with rows_per_req rows per racing
+    request: rows index [S' * rows_per_req], the log of each racing request's noise log_expo [S', Vd] over the call's
+    columns, and their filters: 1/T [S', 1, 1], top_k, top_p, min_p [S' * rows_per_req] (``on``: which filters any
+    row uses)."""
 
     index: torch.Tensor
     log_expo: torch.Tensor
+    rows_per_req: int
     inv_temps: torch.Tensor
-    top_ks: torch.Tensor
-    top_ps: torch.Tensor
-    min_ps: torch.Tensor
+    top_ks: torch.Tensor | None  # None where no row uses a filter
+    top_ps: torch.Tensor | None
+    min_ps: torch.Tensor | None
     on: tuple[bool, bool, bool]
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [R, Vd] -> [R, Vd] where the racing rows hold log q - log E, q their filtered distribution
-        (-inf where a filter cut the token), the other rows unchanged; a softmax of either ranks them."""
+        """Draft logits [R, Vd] -> [R, Vd] where the racing rows hold log q - log E up to a constant per row (q their
+        filtered distribution, -inf where a filter cut the token), the other rows unchanged; a softmax of either
+        ranks them (and ignores the constant: without a filter, the log-softmax that would make it 0 is left out)."""
         every_row = self.index.numel() == logits.shape[0]  # then index is 0 .. R-1: no gather, no scatter
-        scaled = (logits if every_row else logits.index_select(0, self.index)) * self.inv_temps  # [S', Vd]
+        racing = logits if every_row else logits.index_select(0, self.index)  # [S' * k, Vd]
+        S, V = self.log_expo.shape
+        scaled = racing.reshape(S, self.rows_per_req, V) * self.inv_temps  # [S', k, Vd]
         if any(self.on):
-            q = filter_top_k_top_p_min_p(torch.softmax(scaled, dim=-1), self.top_ks, self.top_ps, self.min_ps, self.on)
-            log_q = torch.log(q)
-        else:
-            log_q = torch.log_softmax(scaled, dim=-1)
-        scored = race_scores(log_q, self.log_expo)
+            q = filter_top_k_top_p_min_p(torch.softmax(scaled.view(-1, V), dim=-1), self.top_ks, self.top_ps,
+                                         self.min_ps, self.on)
+            scaled = torch.log(q).view(S, self.rows_per_req, V)
+        scored = race_scores(scaled, self.log_expo.unsqueeze(1)).view(-1, V)  # each request's noise, broadcast
         return scored if every_row else logits.index_copy(0, self.index, scored)
 
 
@@ -89,8 +93,8 @@ class RaceBatch:
     def at_level(self, level: int, rows_per_req: int, vocab_ids: torch.Tensor) -> RaceRows:
         """The racing rows of a draft call laid out request-major with rows_per_req rows per request, drafting the
         tokens of output position (next position) + level over the draft columns' target ids vocab_ids [Vd]."""
-        log_expo = self.log_noise(vocab_ids)[:, level].repeat_interleave(rows_per_req, dim=0)  # [S * rows_per_req, Vd]
-        return RaceRows(log_expo=log_expo, **self._layout(rows_per_req, vocab_ids))
+        log_expo = self.log_noise(vocab_ids)[:, level]  # [S, Vd], a view
+        return RaceRows(log_expo=log_expo, rows_per_req=rows_per_req, **self._layout(rows_per_req, vocab_ids))
 
     def _layout(self, rows_per_req: int, vocab_ids: torch.Tensor) -> dict:
         """The rows' index, 1/T, top_k, top_p, min_p and filter switches for this layout (built once per proposal)."""
@@ -105,8 +109,9 @@ class RaceBatch:
                                  dtype=torch.int64, device=dev)
             on = (any(k < V for k in self.top_ks), any(p < 1.0 for p in self.top_ps),
                   any(m > 0.0 for m in self.min_ps))
-            self._layouts[key] = dict(index=index, inv_temps=per_row(self.inv_temps, torch.float32).view(-1, 1),
-                                      top_ks=per_row([min(k, V) for k in self.top_ks], torch.int64),
-                                      top_ps=per_row(self.top_ps, torch.float32),
-                                      min_ps=per_row(self.min_ps, torch.float32), on=on)
+            inv_temps = torch.tensor(self.inv_temps, dtype=torch.float32, device=dev).view(-1, 1, 1)  # [S, 1, 1]
+            filters = (per_row([min(k, V) for k in self.top_ks], torch.int64), per_row(self.top_ps, torch.float32),
+                       per_row(self.min_ps, torch.float32)) if any(on) else (None, None, None)
+            self._layouts[key] = dict(index=index, inv_temps=inv_temps, top_ks=filters[0], top_ps=filters[1],
+                                      min_ps=filters[2], on=on)
         return self._layouts[key]

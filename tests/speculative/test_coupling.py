@@ -43,7 +43,8 @@ def test_scores_carry_verifications_noise_and_the_requests_filters():
 
 def test_scores_when_every_row_races():
     """A batch of sampled requests only (the rows need no gather or scatter) and no filter: each row is its
-    tempered log-softmax minus the log of verification's noise at its level."""
+    tempered log-softmax minus the log of verification's noise at its level, up to a constant per row (the
+    log-softmax's normaliser, which the softmax that ranks the candidates ignores)."""
     reqs = [req(0.5, 7, 4), req(1.0, 9, 1)]
     batch = RaceBatch.of(reqs, levels=2)
     ids = torch.tensor([3, 1, 2])
@@ -54,4 +55,7 @@ def test_scores_when_every_row_races():
     expo = exponentials(race_keys([7, 9], [5, 2], "cpu"), ids)  # positions 4 + 1 and 1 + 1
     inv_t = torch.tensor([[2.0], [2.0], [1.0], [1.0]])
     want = torch.log(torch.softmax(logits * inv_t, -1)) - torch.log(expo.repeat_interleave(2, dim=0))
-    torch.testing.assert_close(out, want)
+    shift = out - want  # [4, 3]: one value per row
+    torch.testing.assert_close(shift, shift[:, :1].expand_as(shift))
+    torch.testing.assert_close(torch.softmax(out, -1), torch.softmax(want, -1))
+    assert not torch.equal(out[0], out[1])  # a request's rows keep their own logits under the shared noise
