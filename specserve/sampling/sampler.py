@@ -34,6 +34,15 @@ def is_plain_greedy(p: SamplingParams, num_output: int) -> bool:
             and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens)
 
 
+def is_plain_sampled(p: SamplingParams, num_output: int, vocab_size: int) -> bool:
+    """True when the row samples from its tempered softmax alone: not greedy, no penalty, bias or min-token ban, no
+    top_k / top_p / min_p filter. Its distribution is then softmax(logits / temperature), as ``probs_from_logits``
+    computes it, with no SamplingBatchInfo needed."""
+    return (not p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens and p.top_p >= 1.0 and p.min_p <= 0.0
+            and _effective_top_k(p, vocab_size) == vocab_size)
+
+
 def greedy_ids(logits: Tensor) -> Tensor:
     """logits [..., V] -> the index of each row's largest value [...] int64, the first one on ties, a NaN counting as
     the largest (argmax's result). float32 on CPU: numpy's argmax, one pass on the calling thread, 2-10x faster than

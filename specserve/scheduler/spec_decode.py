@@ -40,6 +40,7 @@ from specserve.sampling.sampler import (
     apply_penalties_and_bias,
     greedy_ids,
     is_plain_greedy,
+    is_plain_sampled,
     probs_from_logits,
     request_logprobs,
     request_seeds,
@@ -430,6 +431,10 @@ class SpecDecoder(DecodeStep):
             if grammar_ban is not None:  # only grammars to apply: no sampling batch needed
                 logits = logits.masked_fill(grammar_ban.view(logits.shape), float("-inf"))
             return verify_greedy(tree, greedy_ids(logits))
+        temps = self._plain_temperatures(reqs, grammar_ban)
+        if temps is not None:  # every node of every request: the target's tempered softmax, no per-node processing
+            probs = torch.softmax(logits.to(torch.float32) / temps, dim=-1)  # [B, N, V], as probs_from_logits
+            return self._race_verify(reqs, tree, probs, None)
         info, processed = self._processed(reqs, tree, logits, grammar_ban)  # processed [B, N, V]
         greedy = [r.params.is_greedy or self.proposer.force_greedy_verify for r in reqs]
         if all(greedy):
@@ -444,14 +449,35 @@ class SpecDecoder(DecodeStep):
             # greedy rows: one-hot probs, but they must not draw coins from a generator: the argmax walk
             by_argmax = verify_greedy(tree, greedy_ids(processed))
             return _merge_results(torch.tensor(greedy, device=self.device), by_argmax, sampled)
-        # lossless: each sampled row's token at each node is plain decoding's race winner for its seed there
-        ids = greedy_ids(processed)  # [B, N]
-        rows = [b for b, g in enumerate(greedy) if not g]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
+        return self._race_verify(reqs, tree, probs, greedy_ids(processed) if any(greedy) else None, greedy)
+
+    def _race_verify(self, reqs: list[Req], tree: DraftTree, probs: torch.Tensor, ids: torch.Tensor | None,
+                     greedy: list[bool] | None = None) -> VerifyResult:
+        """Lossless sampled verification: each sampled request's token at each node is plain decoding's race winner
+        for its seed there (probs [B, N, V], its processed distribution at each node); ids [B, N]: the greedy
+        requests' tokens (None: no request is greedy, greedy None too)."""
+        rows = list(range(len(reqs))) if greedy is None else [b for b, g in enumerate(greedy) if not g]
         keys = grid_keys(request_seeds([reqs[b].generator for b in rows]), [len(reqs[b].output_ids) for b in rows],
                          tree.max_depth + 1, self.device)  # [S, D+1, 2]: column d keys output position len + d
+        if ids is None:
+            return verify_greedy(tree, race_node_ids(tree.depth, probs, keys))
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
         ids[index] = race_node_ids(tree.depth[index], probs[index], keys)
         return verify_greedy(tree, ids)
+
+    def _plain_temperatures(self, reqs: list[Req], grammar_ban: torch.Tensor | None) -> torch.Tensor | None:
+        """[B, 1, 1] float32 temperatures where every request samples from the target's tempered softmax alone
+        (``is_plain_sampled``: at its root, so at every node of its tree) under lossless verification and no grammar;
+        else None (the nodes go through ``_processed``)."""
+        if grammar_ban is not None or self.proposer.force_greedy_verify:
+            return None
+        if self.threshold_single != 1.0 or self.threshold_acc != 1.0:
+            return None
+        vocab = self.runner.spec.vocab_size
+        if not all(is_plain_sampled(r.params, len(r.output_ids), vocab) for r in reqs):
+            return None
+        temps = [r.params.temperature for r in reqs]
+        return torch.tensor(temps, dtype=torch.float32, device=self.device).view(-1, 1, 1)
 
     def _processed(self, reqs: list[Req], tree: DraftTree, logits: torch.Tensor, grammar_ban: torch.Tensor | None):
         """Penalties, bias and min-token bans per node: node i of request b is judged as plain decoding would

@@ -82,6 +82,32 @@ def test_seeded_request_gives_plain_decodings_tokens_in_every_mode(setups, algor
     assert alone["output_ids"] == batch[1]["output_ids"] == policy == plain
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_requests_sampling_the_tempered_softmax_alone_give_plain_decodings_tokens(setups, algorithm, monkeypatch):
+    """Requests without penalties, bias or filters skip the per-node processing in verification (the softmax of the
+    tempered logits at every node): alone and four together, each gets plain decoding's tokens for its seed."""
+    target, flags = setups[algorithm]
+    params = [sampled(40 + i, n=32, temperature=0.5 + 0.2 * i) for i in range(4)]
+    with Engine(model_path=target, max_total_tokens=8192) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS[:4], params)]
+    shortcut = spec_decode.SpecDecoder._plain_temperatures
+    taken = []
+
+    def watched(self, reqs, grammar_ban):
+        temps = shortcut(self, reqs, grammar_ban)
+        taken.append(temps is not None)
+        return temps
+
+    monkeypatch.setattr(spec_decode.SpecDecoder, "_plain_temperatures", watched)
+    with Engine(model_path=target, max_total_tokens=8192, **flags, **ALWAYS) as e:
+        alone = e.generate(PROMPTS[0], params[0])
+        together = e.generate(PROMPTS[:4], params)
+    assert taken and all(taken)
+    assert_drafting_happened([alone, *together], min_accept_length=1.2)
+    assert alone["output_ids"] == plain[0]
+    assert [o["output_ids"] for o in together] == plain
+
+
 def test_auto_off_switching_mid_request_keeps_the_tokens(target, setups, monkeypatch):
     """The batch policy alternating speculative and plain steps inside one request changes nothing."""
     from specserve.speculative import batch_policy

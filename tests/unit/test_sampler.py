@@ -10,6 +10,7 @@ from specserve.sampling.sampler import (
     apply_penalties_and_bias,
     compute_logprobs,
     greedy_ids,
+    is_plain_sampled,
     probs_from_logits,
     sample_inverse_cdf,
 )
@@ -413,3 +414,22 @@ def test_compute_logprobs_probes_and_temperature():
     assert tops[0] == [(pytest.approx(scaled[3].item()), 3)] and tops[1] == []
     assert probes[0] == [(pytest.approx(scaled[2].item()), 2), (pytest.approx(scaled[0].item()), 0)]
     assert probes[1] is None
+
+
+@pytest.mark.parametrize("kwargs, plain", [
+    ({"temperature": 0.7}, True),
+    ({"temperature": 0.7, "top_k": 100}, True),  # top_k at the vocabulary's size or above cuts nothing
+    ({"temperature": 0.7, "top_k": 99}, False),
+    ({"temperature": 0.7, "top_p": 0.95}, False),
+    ({"temperature": 0.7, "min_p": 0.05}, False),
+    ({"temperature": 0.7, "repetition_penalty": 1.1}, False),
+    ({"temperature": 0.7, "frequency_penalty": 0.5}, False),
+    ({"temperature": 0.7, "presence_penalty": 0.5}, False),
+    ({"temperature": 0.7, "logit_bias": {"3": 1.0}}, False),
+    ({"temperature": 0.7, "min_new_tokens": 5}, False),  # 4 output tokens so far: the stop ids are still banned
+    ({"temperature": 0.7, "min_new_tokens": 4}, True),
+    ({"temperature": 0.0}, False),  # greedy
+])
+def test_is_plain_sampled_by_hand(kwargs, plain):
+    """The rows whose distribution is softmax(logits / temperature) alone (vocabulary 100, 4 tokens generated)."""
+    assert is_plain_sampled(SamplingParams(**kwargs), num_output=4, vocab_size=100) is plain
