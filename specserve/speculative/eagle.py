@@ -308,7 +308,9 @@ class EagleProposer(Proposer):
                           [r.req_pool_idx for r in reqs], starts, tokens, self.kv_pool, may_split, last_only)
         with torch.inference_mode():
             h = self._forward(fb, hidden)  # [T, h], or [B, h] when last_only
-        return h if last_only else h.index_select(0, last_token_rows(q_lens, self.device))
+        if last_only:
+            return h
+        return h[-1:] if len(q_lens) == 1 else h.index_select(0, last_token_rows(q_lens, self.device))
 
     def ranks_root_when_drafting(self, req) -> bool:
         """Whether req's root children are ranked afresh when it drafts, so a catch-up need not rank them: a sampled
