@@ -22,6 +22,7 @@ from specserve.platform.cpu.packing import (
     mix_linears_for_cpu,
     pack_linears_for_cpu,
     packable_bytes,
+    padded_rows,
     upcast_linears_for_cpu,
 )
 from specserve.platform.cpu.policy import CpuPolicy
@@ -39,6 +40,37 @@ def test_packed_linear_matches_plain_linear():
     assert all(isinstance(m, PackedLinear) for m in model)
     for x, want in zip(xs, wants, strict=True):
         torch.testing.assert_close(model(x).float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows, want", [(1, 1), (16, 16), (17, 32), (32, 32), (250, 256), (256, 256),
+                                        (257, 288), (1000, 1024), (1024, 1024), (1025, 1152), (5000, 5120)])
+def test_padded_rows_by_hand(rows, want):
+    assert padded_rows(rows) == want
+
+
+def test_padded_rows_are_few_and_waste_little():
+    """Prompts of 17-8192 tokens share 95 row counts; past 256 rows none is an eighth above the call's own."""
+    counts = {padded_rows(m) for m in range(17, 8193)}
+    assert len(counts) == 15 + 24 + 56  # multiples of 16 in 32-256, of 32 in 288-1024, of 128 in 1152-8192
+    assert all(0 <= padded_rows(m) - m < 16 for m in range(17, 257))
+    assert all(m <= padded_rows(m) < m * 1.125 for m in range(257, 8193))
+
+
+@needs_onednn_bf16
+def test_padded_calls_give_the_rows_of_the_unpadded_call(monkeypatch):
+    """A call padded with zero rows returns the call's own rows: what the same kernel gives them unpadded."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).to(torch.bfloat16)
+    x = torch.randn(250, 64, dtype=torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 96, bias=True).to(torch.bfloat16))
+    model[0].load_state_dict(lin.state_dict())
+    assert pack_linears_for_cpu(model) == 1
+    padded = model(x)  # 256 rows under the hood
+    assert padded.shape == (250, 96) and padded.is_contiguous()
+    monkeypatch.setattr(packing, "PAD_FROM", 10**9)
+    exact = model(x)
+    torch.testing.assert_close(padded.float(), exact.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(padded.float(), lin(x).float(), atol=2e-2, rtol=2e-2)
 
 
 @needs_onednn_bf16
