@@ -206,7 +206,11 @@ def test_probe_times_both_kernels_on_the_models_linears(monkeypatch):
     lins = model()
     got = one_row_probe.probe(lins, reps=3)
     assert got["gemv_ms"] > 0 and got["packed_ms"] > 0
-    assert got["kernel"] == ("gemv" if got["gemv_ms"] < 0.95 * got["packed_ms"] else "packed")
+    # the verdict follows the medians, which the report rounds to 1 us: where they sit that close to the 5% margin,
+    # the rounded figures cannot tell which side the verdict took
+    margin = got["gemv_ms"] - 0.95 * got["packed_ms"]
+    if abs(margin) > 1e-3:
+        assert got["kernel"] == ("gemv" if margin < 0 else "packed")
     monkeypatch.setattr(one_row_probe, "probe", lambda *a, **k: pytest.fail("probed despite the variable"))
     for kernel in ("gemv", "packed"):
         force_one_row_kernel(monkeypatch, kernel)
