@@ -26,6 +26,12 @@ SETTINGS = {"last rows": eagle.last_rows_only, "every row": lambda q_lens: False
 FILLER = "the quick brown fox jumps over the lazy dog while the cat sleeps near a warm fire"
 
 
+def filler_prompt(words: int) -> str:
+    """A prompt of ``words`` words of FILLER, repeated as far as needed."""
+    filler = FILLER.split()
+    return " ".join(filler[i % len(filler)] for i in range(words))
+
+
 def timed_catch_up(engine: Engine) -> list[float]:
     """Wraps the engine's drafter's after_prefill; -> the list its calls' seconds are appended to."""
     proposer = engine.loop.scheduler.decoder.proposer
@@ -52,8 +58,7 @@ def main() -> None:
     engine = Engine(model_path=args.model_path, dtype=args.dtype, num_threads=args.num_threads,
                     speculative_algorithm="EAGLE3", speculative_draft_model_path=demo_path(args.draft_model_path),
                     disable_radix_cache=True)
-    words = FILLER.split()
-    prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
+    prompt = filler_prompt(args.prompt_words)
     params = {"max_new_tokens": 2, "ignore_eos": True, "temperature": 0}
     catch_up = timed_catch_up(engine)
     engine.generate(prompt, params)  # warm-up

@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-WORDS = ("the quick brown fox jumps over the lazy dog while the cat sleeps near a warm fire " * 400).split()
+from bench_catch_up import filler_prompt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def first_token(words: int) -> tuple[float, int]:
         start = time.perf_counter()
-        out = engine.generate(" ".join(WORDS[:words]), {"max_new_tokens": 1})
+        out = engine.generate(filler_prompt(words), {"max_new_tokens": 1})
         return time.perf_counter() - start, out["meta_info"]["prompt_tokens"]
 
     first_token(ns.prompt_words // 2)  # warm-up

@@ -27,19 +27,23 @@ from specserve.sampling.params import SamplingParams
 from specserve.sampling.race import race_sample
 
 
+def _logits_untouched(p: SamplingParams, num_output: int) -> bool:
+    """Nothing changes the row's logits after num_output tokens: no penalty, bias or min-token ban."""
+    return (not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens)
+
+
 def is_plain_greedy(p: SamplingParams, num_output: int) -> bool:
     """True when the row is greedy and nothing changes its logits (no penalty, bias or min-token ban):
     its next token is then just the argmax, with no SamplingBatchInfo needed."""
-    return (p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens)
+    return p.is_greedy and _logits_untouched(p, num_output)
 
 
 def is_plain_sampled(p: SamplingParams, num_output: int, vocab_size: int) -> bool:
     """True when the row samples from its tempered softmax alone: not greedy, no penalty, bias or min-token ban, no
     top_k / top_p / min_p filter. Its distribution is then softmax(logits / temperature), as ``probs_from_logits``
     computes it, with no SamplingBatchInfo needed."""
-    return (not p.is_greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and num_output >= p.min_new_tokens and p.top_p >= 1.0 and p.min_p <= 0.0
+    return (not p.is_greedy and _logits_untouched(p, num_output) and p.top_p >= 1.0 and p.min_p <= 0.0
             and _effective_top_k(p, vocab_size) == vocab_size)
 
 

@@ -423,7 +423,8 @@ class EagleProposer(Proposer):
             p, ids = self._topk(hidden[fresh], K, self._score_scale([reqs[b] for b in fresh], 1), grammar)
             root_p[fresh], root_ids[fresh] = p, ids
         if raced:
-            grammar = (walks, [None if w is None else [[]] for w in walks]) if self.grammar_walks else None
+            paths = [None if w is None else [[]] for w in walks]
+            grammar = (walks, paths) if any(x is not None for x in paths) else None
             p, ids = self._topk(hidden, K, None, grammar, (race, 0, 1))
             if len(raced) == B:
                 return p, ids

@@ -69,9 +69,10 @@ def padded_rows(m: int) -> int:
 def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ a oneDNN-packed weight (+ bias) -> [T, out], through ``padded_rows(T)`` rows."""
     rows = x.shape[0] if x.dim() == 2 else None
-    if rows is None or padded_rows(rows) == rows:
+    extra = 0 if rows is None else padded_rows(rows) - rows
+    if extra == 0:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    padded = F.pad(x, (0, 0, 0, padded_rows(rows) - rows))  # [T', in]: zero rows after x's
+    padded = F.pad(x, (0, 0, 0, extra))  # [T', in]: zero rows after x's
     return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
 
 
