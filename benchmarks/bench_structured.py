@@ -49,8 +49,8 @@ PLAIN_VARIANTS = ("plain-masked",)
 MODELS = {"demo": dict(model_path=demo_path("demo")), SMOLLM2: dict(model_path=SMOLLM2, dtype="bfloat16")}
 
 
-def engines(model: str, backends: list[str], algos: list[str], threads: int | None, compact: bool
-            ) -> dict[tuple[str, str], Engine]:
+def engines(model: str, backends: list[str], algos: list[str], threads: int | None, compact: bool,
+            tree: tuple[int, int, int] | None = None) -> dict[tuple[str, str], Engine]:
     out = {}
     target, head = MODELS[model], bundled_drafter(model)
     for backend in backends:
@@ -63,6 +63,9 @@ def engines(model: str, backends: list[str], algos: list[str], threads: int | No
         # every step speculative: batch-aware speculation's timing-based plain steps would make the figures vary
         spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                     disable_speculative_auto_off=True, **common)
+        if tree is not None:
+            spec.update(speculative_num_steps=tree[0], speculative_eagle_topk=tree[1],
+                        speculative_num_draft_tokens=tree[2])
         for algo in algos:
             if algo in VARIANTS:
                 out[algo, backend] = Engine(**VARIANTS[algo], **spec)
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--constrained-json-disable-any-whitespace", action="store_true",
                    help="JSON without whitespace beyond single spaces after , and : (the server flag)")
+    p.add_argument("--eagle3-tree", default=None, metavar="S,K,N",
+                   help="EAGLE-3's draft tree (steps, top-k, draft tokens); default: the head's own")
     args = p.parse_args(argv)
     backends = args.backends.split(",")
     algos = ["plain", *(a for a in args.algos.split(",") if a != "plain")]
@@ -162,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"--algos: unknown {', '.join(sorted(unknown))}; "
                 f"choose from plain, {', '.join([*PLAIN_VARIANTS, *VARIANTS])}")
-    eng = engines(args.model, backends, algos, args.num_threads, args.constrained_json_disable_any_whitespace)
+    tree = None if args.eagle3_tree is None else tuple(int(x) for x in args.eagle3_tree.split(","))
+    if tree is not None and len(tree) != 3:
+        p.error("--eagle3-tree: three integers S,K,N")
+    eng = engines(args.model, backends, algos, args.num_threads, args.constrained_json_disable_any_whitespace, tree)
     texts = prompts(next(iter(eng.values())), args.model)[:args.num_prompts]
     rows: dict[tuple, dict[str, list]] = {}
     for rnd in range(args.rounds + 1):

@@ -109,6 +109,12 @@ class PlatformPolicy:
         """Whether a draft forward over ``rows`` tokens through mixed-precision linears runs in half precision."""
         return False
 
+    def head_ranker(self, norm: nn.Module, lm_head: nn.Module | None):
+        """A draft head's ranking of its next tokens in one call, where the host has one: f(hidden [R, h], k, scale,
+        to_target [V] or None) -> (softmax(lm_head(norm(hidden)) * scale).topk(k) probabilities [R, k], ids [R, k]
+        through to_target), or None for a call it does not take. None: the head's modules rank."""
+        return None
+
     # ------------------------------------------------------------------ attention
     def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
         """Whether padded queries qb [B, Qmax, H, D] over ``n_kv`` KV heads, with a mask other than plain causal

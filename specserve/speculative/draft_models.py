@@ -30,6 +30,7 @@ The variants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -182,6 +183,17 @@ class DraftModel:
         embeds = _as(self.target.embed(fb.input_ids), compute_dtype(fb.input_ids.shape[0]))
         return _as(self.module(fb, embeds, hidden), self.dtype)
 
+    def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """softmax(logits * scale).topk(k) of draft hidden [R, h] in one call where the draft has one, or with race =
+        (noise [G, Vd], inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows ->
+        (probabilities [R, k] float32, TARGET ids [R, k] int64); None: rank ``logits`` (the default)."""
+        return None
+
+    def vocab_ids(self) -> torch.Tensor | None:
+        """The target ids of ``topk``'s columns [Vd] (what a race's noise is drawn for); None without ``topk``."""
+        return None
+
     def logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """draft hidden [R, h] -> (draft logits [R, Vd] float32, draft id -> target id map [Vd] or None when the
         draft vocabulary is the target's). EAGLE-1/2: the target's LM head, no final norm."""
@@ -250,6 +262,7 @@ class Eagle3HeadDraft(DraftModel):
         super().__init__(args, runner, topk)
         self.capture_layers = eagle3_capture_layers(runner.spec.num_layers, self.module.aux_layer_ids())
         head_vocab = self.module.draft_vocab_size
+        self._columns: torch.Tensor | None = None  # ``vocab_ids`` without a d2t map
         self.d2t_ids = None  # [Vd] target id of each draft id; None = the identity (no gather per draft level)
         if head_vocab:
             ids = torch.arange(head_vocab, device=self.device) + self.module.d2t  # [Vd] target ids
@@ -280,6 +293,35 @@ class Eagle3HeadDraft(DraftModel):
         if self.module.lm_head is None:
             return self.target.compute_logits(normed.to(self.runner.dtype)), None
         return self.module.lm_head(normed).float(), self.d2t_ids
+
+    def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The host's one-call ranking (``PlatformPolicy.head_ranker``) of ``logits`` (see ``DraftModel.topk``); None
+        where it does not take the call."""
+        if self.ranker is None:
+            return None
+        return self.ranker(draft_hidden, k, scale, self.d2t_ids, race)
+
+    def vocab_ids(self) -> torch.Tensor | None:
+        if self.ranker is None:
+            return None
+        if self.d2t_ids is not None:
+            return self.d2t_ids
+        if self._columns is None:
+            self._columns = torch.arange(self.ranker.vocab, device=self.device)
+        return self._columns
+
+    @functools.cached_property
+    def ranker(self):
+        """Asked once, after loading (the LM head's kernel copy exists then): the head's norm and its own LM head, or
+        the target's where it has none (not under tensor parallelism); None with an FR-Spec map or where the host has
+        none."""
+        lm_head = self.module.lm_head
+        if lm_head is None and getattr(self.target, "tp", None) is None:
+            lm_head = getattr(self.target, "lm_head", None)
+        if lm_head is None or self.hot_head is not None:
+            return None
+        return self.platform.head_ranker(self.module.norm, lm_head)
 
 
 class MtpDraft(DraftModel):

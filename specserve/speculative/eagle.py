@@ -93,6 +93,7 @@ class EagleProposer(Proposer):
                         and not args.disable_speculative_coupled_drafting)
         self.grammar_aware = not args.disable_grammar_aware_drafting  # draft only what a request's grammar allows
         self._columns: tuple[torch.Tensor, np.ndarray] | None = None  # ``_draft_columns``' conversion
+        self.one_call_rankings = 0  # draft rows ranked by the draft's one-call ``topk`` (tests read it)
         self.draft = self.draft_model(args, runner, self.topk)
         self.draft.module.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.draft.spec
@@ -230,6 +231,9 @@ class EagleProposer(Proposer):
         request's grammar forbids after a row's path are never drafted (they could never be accepted). race:
         (sampled requests, draft level, rows per request): their rows are scored with their verification's noise
         at that level (``RaceRows.scores``)."""
+        if grammar is None and (ranked := self._one_call_topk(draft_hidden, k or self.topk, scale, race)) is not None:
+            self.one_call_rankings += 1
+            return ranked
         logits, to_target = self._draft_logits(draft_hidden)
         if scale is not None:
             logits = logits * scale
@@ -244,6 +248,22 @@ class EagleProposer(Proposer):
             p, ids = torch.softmax(logits.masked_fill(ban, float("-inf")), dim=-1).topk(k or self.topk, dim=-1)
             p = p.nan_to_num(0.0)
         return p, (ids if to_target is None else to_target[ids])
+
+    def _one_call_topk(self, draft_hidden: torch.Tensor, k: int, scale: float | torch.Tensor | None,
+                       race: tuple[RaceBatch, int, int] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``_topk`` in one call of the draft's own (``DraftModel.topk``) where it has one and the rows need no more
+        than it does: one scale for every row, or every row racing without filters -> (probabilities, target ids) or
+        None."""
+        if race is None:
+            return None if isinstance(scale, torch.Tensor) else self.draft.topk(draft_hidden, k, scale or 1.0)
+        vocab_ids = self.draft.vocab_ids()
+        if scale is not None or vocab_ids is None:
+            return None
+        batch, level, rows_per_req = race
+        rows = batch.at_level(level, rows_per_req, vocab_ids)
+        if rows.index.numel() != draft_hidden.shape[0] or any(rows.on):
+            return None
+        return self.draft.topk(draft_hidden, k, 1.0, (rows.log_expo, rows.inv_temps.view(-1), rows_per_req))
 
     def _grammar_ban(self, walks: list[PathStates | None], paths: list[list[list[int]] | None],
                      to_target: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

@@ -134,28 +134,38 @@ def test_the_engine_gives_the_same_tokens_and_logprobs_with_it(model_factory, mo
 @needs_op
 @pytest.mark.parametrize("algo", ["EAGLE3", "STANDALONE"])
 def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, monkeypatch, algo):
-    """Greedy EAGLE-3 and STANDALONE over a bf16 target whose layers run the operator (the drafts' too: the EAGLE-3
-    head's layer, the STANDALONE model's) give plain decoding's tokens, with drafts accepted and verify trees of several
-    queries per request through it."""
+    """Greedy and seeded sampled EAGLE-3 and STANDALONE over a bf16 target whose layers run the operator (the drafts'
+    too: the EAGLE-3 head's layer, the STANDALONE model's; the EAGLE-3 head's rankings, raced or not, through
+    draft_topk) give plain decoding's tokens, with drafts accepted and verify trees of several queries per request
+    through it."""
     from specserve.test.tiny import make_eagle3_head_dir
 
     kernel_linears(monkeypatch)
     target = model_factory("llama", num_hidden_layers=2, unit_embeddings=True, identity_layers=True, dtype=BF16,
                            **WIDE)
+    seeded = [greedy(24, temperature=0.8, seed=s) for s in range(len(PROMPTS))]
     with Engine(model_path=target, max_total_tokens=4096) as e:
         plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(24)) + e.generate(PROMPTS[:1], greedy(24))]
+        plain_sampled = [o["output_ids"] for o in e.generate(PROMPTS, seeded)]
     draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self") if algo == "EAGLE3" else target
     calls = fused_calls(monkeypatch)
-    kw = spec_kwargs(algo, draft, 4, 3, 8, speculative_draft_dtype="bfloat16")
+    kw = spec_kwargs(algo, draft, 4, 3, 8, speculative_draft_dtype="bfloat16", disable_speculative_auto_off=True)
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         # the batch, then one request alone: its verify trees fit the AVX512-BF16 kernel's 16 rows
         outs = e.generate(PROMPTS, greedy(24)) + e.generate(PROMPTS[:1], greedy(24))
         assert [o["output_ids"] for o in outs] == plain
         assert_drafting_happened(outs, 1.2)
+        ranked = e.loop.call(lambda s: s.decoder.proposer.one_call_rankings)
+        # seeded sampled requests: each position's race noise drafts their candidates (through draft_topk too)
+        sampled = e.generate(PROMPTS, seeded)
+        assert [o["output_ids"] for o in sampled] == plain_sampled
+        assert_drafting_happened(sampled, 1.0)
+        raced = e.loop.call(lambda s: s.decoder.proposer.one_call_rankings) - ranked
         assert_no_kv_leak(e)
     assert any(n > bsz for name, n, bsz in calls if name == "DecoderLayer")  # verify trees: several a request
-    if algo == "EAGLE3":  # the head's draft levels
+    if algo == "EAGLE3":  # the head's draft levels, ranked by the draft_topk operator
         assert any(name == "Eagle3MidLayer" for name, _, _ in calls)
+        assert ranked > 0 and raced > 0
 
 
 @needs_op

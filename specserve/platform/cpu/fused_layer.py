@@ -44,10 +44,7 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
     """The operator's steps as calls of the single operators (what the C++ implementation runs)."""
 
     def linear(rows: torch.Tensor, i: int) -> torch.Tensor:
-        packed, scales, bias = linears[3 * i : 3 * i + 3]
-        if scales is not None:
-            return int8_gemm(rows, packed, scales, bias, amx_from)
-        return avx2_gemm(rows, packed, bias) if _native("avx2_gemm") else small_gemm(rows, packed, bias, amx_from)
+        return kernel_linear(rows, *linears[3 * i : 3 * i + 3], amx_from)
 
     tokens, kv_heads, dim = x.shape[0], k_buf.shape[1], k_buf.shape[2]
     a = elementwise.rms_norm(x, norm1, eps)
@@ -60,6 +57,15 @@ def decoder_layer_reference(x, linears, norm1, norm2, eps, cos, sin, k_buf, v_bu
     q = qk[:, :heads].view(kv_slots.shape[0], -1, heads, dim)  # [B, Qmax, H, D]
     h = x + linear(tree_attention.tree_attention_op(q, k_buf, v_buf, kv_slots, mask, scale), 1)
     return h + linear(elementwise.silu_mul(linear(elementwise.rms_norm(h, norm2, eps), 2)), 3)
+
+
+def kernel_linear(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+                  amx_from: int = 0) -> torch.Tensor:
+    """rows [M, K] bf16 through a linear's kernel copy (``_kernel_copy``'s entries) -> [M, N] bf16: the int8 kernel
+    with scales, else this build's bf16 few-row kernel."""
+    if scales is not None:
+        return int8_gemm(rows, packed, scales, bias, amx_from)
+    return avx2_gemm(rows, packed, bias) if _native("avx2_gemm") else small_gemm(rows, packed, bias, amx_from)
 
 
 # x [T, h] bf16 -> the layer's output [T, h]; linears: (packed, int8 scales or None, bias or None) of qkv, o, gate_up

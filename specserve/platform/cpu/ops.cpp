@@ -1,5 +1,5 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store and decoder_layer), in C++: what the Python
+// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store, decoder_layer and draft_topk), in C++: what the Python
 // implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py and fused_layer.py do, without
 // Python between the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback)
 // beside those files; this library, linked with the kernels' sources, registers their CPU kernels (native.py builds
@@ -8,10 +8,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <math.h>
 #include <string.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
+
+#ifdef SPECSERVE_OPS_AVX2
+#include "simd_avx2.h"
+#else
+#include "simd.h"
+#endif
 
 // Built for AVX512-BF16 with small_gemm.cpp, int8_gemm.cpp, tree_attention.cpp and elementwise.cpp, or, with
 // SPECSERVE_OPS_AVX2 defined, for AVX2 and FMA with avx2_gemm.cpp, tree_attention_avx2.cpp and elementwise_avx2.cpp:
@@ -284,6 +292,129 @@ at::Tensor decoder_layer(const at::Tensor& x, const c10::List<std::optional<at::
                             amx_from);
 }
 
+#ifdef SPECSERVE_OPS_AVX2
+// z[0..v) <- the bf16 row [v] in float32 times s, minus noise [v] where given -> their maximum
+float scaled_row(const uint16_t* row, int64_t v, float s, const float* noise, float* z) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    const __m256 scale = _mm256_set1_ps(s);
+    int64_t j = 0;
+    for (; j + 8 <= v; j += 8) {
+        __m256 x = _mm256_mul_ps(load_bf16_8(row + j), scale);
+        if (noise) x = _mm256_sub_ps(x, _mm256_loadu_ps(noise + j));
+        _mm256_storeu_ps(z + j, x);
+        top = _mm256_max_ps(top, x);
+    }
+    float out[8];
+    _mm256_storeu_ps(out, top);
+    float m = out[0];
+    for (int i = 1; i < 8; i++) m = out[i] > m ? out[i] : m;
+    for (; j < v; j++) {
+        uint32_t bits = static_cast<uint32_t>(row[j]) << 16;
+        memcpy(z + j, &bits, sizeof(float));
+        z[j] *= s;
+        if (noise) z[j] -= noise[j];
+        m = z[j] > m ? z[j] : m;
+    }
+    return m;
+}
+
+// sum of e^(z[j] - top) over z[0..v)
+float exp_total(const float* z, int64_t v, float top) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 t = _mm256_set1_ps(top);
+    int64_t j = 0;
+    for (; j + 8 <= v; j += 8) total = _mm256_add_ps(total, exp8(_mm256_sub_ps(_mm256_loadu_ps(z + j), t)));
+    float out[8];
+    _mm256_storeu_ps(out, total);
+    float sum = 0.0f;
+    for (int i = 0; i < 8; i++) sum += out[i];
+    for (; j < v; j++) sum += std::exp(z[j] - top);
+    return sum;
+}
+#else
+// z[0..v) <- the bf16 row [v] in float32 times s, minus noise [v] where given -> their maximum
+float scaled_row(const uint16_t* row, int64_t v, float s, const float* noise, float* z) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    const __m512 scale = _mm512_set1_ps(s);
+    for (int64_t j = 0; j < v; j += 16) {
+        const __mmask16 m = lanes(v - j);
+        __m512 x = _mm512_mul_ps(bf16_to_f32(row + j, m), scale);
+        if (noise) x = _mm512_sub_ps(x, _mm512_maskz_loadu_ps(m, noise + j));
+        _mm512_mask_storeu_ps(z + j, m, x);
+        top = _mm512_mask_max_ps(top, m, top, x);
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
+// sum of e^(z[j] - top) over z[0..v)
+float exp_total(const float* z, int64_t v, float top) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512 t = _mm512_set1_ps(top);
+    for (int64_t j = 0; j < v; j += 16) {
+        const __mmask16 m = lanes(v - j);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + j), t))));
+    }
+    return _mm512_reduce_add_ps(total);
+}
+#endif
+
+// A draft head's ranking of its next tokens: x [R, h] bf16 (its pre-norm output) -> rms_norm, its LM head (one
+// linear as decoder_layer's: packed weight, int8 scales or None, float32 bias or None) to bf16 logits [R, V], in
+// float32 times scale, softmax, the k largest -> (probabilities [R, k] float32, ids [R, k] int64: best first, the
+// smaller id among equal values; through to_target [V] where given). With noise [G, V] float32 (a race's log E) and
+// inv_temps [G], row r of group g = r / rows_per_group is scored logit * inv_temps[g] - noise[g] instead.
+// draft_topk_reference in draft_topk.py is the same steps as single operators.
+std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Tensor& norm, double eps,
+                                              const c10::List<std::optional<at::Tensor>>& linear, double scale,
+                                              int64_t k, const std::optional<at::Tensor>& to_target,
+                                              int64_t amx_from, const std::optional<at::Tensor>& noise_,
+                                              const std::optional<at::Tensor>& inv_temps_, int64_t rows_per_group) {
+    TORCH_CHECK(linear.size() == 3, "draft_topk: one linear of 3 entries, not ", linear.size());
+    const at::Tensor logits = layer_linear(rms_norm(x, norm, eps), linear, 0, amx_from).contiguous();  // [R, V]
+    const int64_t rows = logits.size(0), v = logits.size(1);
+    TORCH_CHECK(k >= 1 && k <= v, "draft_topk: k = ", k, " of ", v, " logits");
+    const at::Tensor map = to_target.has_value() ? to_target->contiguous() : at::Tensor();
+    TORCH_CHECK(!map.defined() || (map.scalar_type() == at::kLong && map.numel() == v),
+                "draft_topk: to_target must be int64 [", v, "]");
+    const at::Tensor noise = noise_.has_value() ? noise_->to(at::kFloat).contiguous() : at::Tensor();
+    const at::Tensor inv_temps = inv_temps_.has_value() ? inv_temps_->to(at::kFloat).contiguous() : at::Tensor();
+    TORCH_CHECK(!noise.defined() || (inv_temps.defined() && rows_per_group >= 1 && noise.size(1) == v &&
+                                     noise.size(0) * rows_per_group == rows && inv_temps.numel() == noise.size(0)),
+                "draft_topk: noise [", rows, " / rows_per_group, ", v, "] goes with inv_temps, one per group");
+    const float* np = noise.defined() ? noise.data_ptr<float>() : nullptr;
+    const float* tp = inv_temps.defined() ? inv_temps.data_ptr<float>() : nullptr;
+    at::Tensor probs = at::empty({rows, k}, x.options().dtype(at::kFloat));
+    at::Tensor ids = at::empty({rows, k}, x.options().dtype(at::kLong));
+    const uint16_t* lp = ptr<uint16_t>(logits);
+    const int64_t* mp = map.defined() ? map.data_ptr<int64_t>() : nullptr;
+    float* pp = probs.data_ptr<float>();
+    int64_t* ip = ids.data_ptr<int64_t>();
+    const float s = static_cast<float>(scale);
+    at::parallel_for(0, rows, 8, [&](int64_t lo, int64_t hi) {
+        std::vector<float> z(v);
+        std::vector<int64_t> best;
+        best.reserve(k + 1);
+        for (int64_t r = lo; r < hi; r++) {
+            const int64_t g = np ? r / rows_per_group : 0;
+            const float top = scaled_row(lp + r * v, v, np ? tp[g] : s, np ? np + g * v : nullptr, z.data());
+            const float total = exp_total(z.data(), v, top);
+            best.clear();  // the k largest, best first; a later id goes after equal values
+            for (int64_t j = 0; j < v; j++) {
+                if ((int64_t)best.size() == k && !(z[j] > z[best.back()])) continue;
+                auto at = best.end();
+                while (at != best.begin() && z[*(at - 1)] < z[j]) --at;
+                best.insert(at, j);
+                if ((int64_t)best.size() > k) best.pop_back();
+            }
+            for (int64_t i = 0; i < k; i++) {
+                pp[r * k + i] = std::exp(z[best[i]] - top) / total;
+                ip[r * k + i] = mp ? mp[best[i]] : best[i];
+            }
+        }
+    });
+    return {probs, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
@@ -293,6 +424,7 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("small_gemm", TORCH_FN(small_gemm));
 #endif
     m.impl("decoder_layer", TORCH_FN(decoder_layer));
+    m.impl("draft_topk", TORCH_FN(draft_topk));
     m.impl("tree_attention", TORCH_FN(tree_attention));
     m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("rms_norm", TORCH_FN(rms_norm));

@@ -14,6 +14,7 @@ from torch import nn
 
 from specserve.platform.cpu import (
     avx2_gemm,
+    draft_topk,
     elementwise,
     fused_layer,
     int8_gemm,
@@ -282,6 +283,13 @@ class CpuPolicy(PlatformPolicy):
         bsz, max_q, n_heads, _ = qb.shape
         return (qb.device.type == "cpu" and qb.dtype in HALF_DTYPES and n_heads > n_kv and masked
                 and bsz >= FOLD_MIN_BATCH and max_q <= FOLD_MAX_Q)
+
+    def head_ranker(self, norm: nn.Module, lm_head: nn.Module | None):
+        """The ``draft_topk`` operator (``draft_topk.py``) where the decoder layers fuse here and the head's LM head
+        runs on a few-row kernel."""
+        if not (self.elementwise and self.tree_attention):
+            return None
+        return draft_topk.HeadTopk.for_head(norm, lm_head)
 
     def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor):
         """specserve's kernel (``tree_attention.py``) for bf16 queries, up to its MAX_QUERIES per request; inside a
