@@ -183,15 +183,17 @@ class DraftModel:
         embeds = _as(self.target.embed(fb.input_ids), compute_dtype(fb.input_ids.shape[0]))
         return _as(self.module(fb, embeds, hidden), self.dtype)
 
-    def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None,
+             ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """softmax(logits * scale).topk(k) of draft hidden [R, h] in one call where the draft has one, or with race =
-        (noise [G, Vd], inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows ->
-        (probabilities [R, k] float32, TARGET ids [R, k] int64); None: rank ``logits`` (the default)."""
+        (noise [G, Vd], inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows; ban
+        [R, Vd] bool: tokens never ranked -> (probabilities [R, k] float32, TARGET ids [R, k] int64); None: rank
+        ``logits`` (the default)."""
         return None
 
-    def vocab_ids(self) -> torch.Tensor | None:
-        """The target ids of ``topk``'s columns [Vd] (what a race's noise is drawn for); None without ``topk``."""
+    def vocab_ids(self, draft_hidden: torch.Tensor) -> torch.Tensor | None:
+        """The target ids of ``topk``'s columns [Vd] (what a race's noise is drawn for, what a ban covers) where
+        ``topk`` takes these rows; None where it does not (the default: never)."""
         return None
 
     def logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -294,16 +296,16 @@ class Eagle3HeadDraft(DraftModel):
             return self.target.compute_logits(normed.to(self.runner.dtype)), None
         return self.module.lm_head(normed).float(), self.d2t_ids
 
-    def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None,
+             ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The host's one-call ranking (``PlatformPolicy.head_ranker``) of ``logits`` (see ``DraftModel.topk``); None
         where it does not take the call."""
         if self.ranker is None:
             return None
-        return self.ranker(draft_hidden, k, scale, self.d2t_ids, race)
+        return self.ranker(draft_hidden, k, scale, self.d2t_ids, race, ban)
 
-    def vocab_ids(self) -> torch.Tensor | None:
-        if self.ranker is None:
+    def vocab_ids(self, draft_hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.ranker is None or not self.ranker.fits(draft_hidden):
             return None
         if self.d2t_ids is not None:
             return self.d2t_ids

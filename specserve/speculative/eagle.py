@@ -231,7 +231,7 @@ class EagleProposer(Proposer):
         request's grammar forbids after a row's path are never drafted (they could never be accepted). race:
         (sampled requests, draft level, rows per request): their rows are scored with their verification's noise
         at that level (``RaceRows.scores``)."""
-        if grammar is None and (ranked := self._one_call_topk(draft_hidden, k or self.topk, scale, race)) is not None:
+        if (ranked := self._one_call_topk(draft_hidden, k or self.topk, scale, race, grammar)) is not None:
             self.one_call_rankings += 1
             return ranked
         logits, to_target = self._draft_logits(draft_hidden)
@@ -250,20 +250,28 @@ class EagleProposer(Proposer):
         return p, (ids if to_target is None else to_target[ids])
 
     def _one_call_topk(self, draft_hidden: torch.Tensor, k: int, scale: float | torch.Tensor | None,
-                       race: tuple[RaceBatch, int, int] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``_topk`` in one call of the draft's own (``DraftModel.topk``) where it has one and the rows need no more
-        than it does: one scale for every row, or every row racing without filters -> (probabilities, target ids) or
-        None."""
-        if race is None:
-            return None if isinstance(scale, torch.Tensor) else self.draft.topk(draft_hidden, k, scale or 1.0)
-        vocab_ids = self.draft.vocab_ids()
-        if scale is not None or vocab_ids is None:
+                       race: tuple[RaceBatch, int, int] | None,
+                       grammar: tuple[list[PathStates | None], list[list[list[int]] | None]] | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``_topk`` in one call of the draft's own (``DraftModel.topk``) where it has one for these rows and they need
+        no more than it does: one scale for every row, or every row racing without filters; a grammar's bans given to
+        it -> (probabilities, target ids), or None."""
+        vocab_ids = self.draft.vocab_ids(draft_hidden)
+        if vocab_ids is None or isinstance(scale, torch.Tensor) or (race is not None and scale is not None):
             return None
-        batch, level, rows_per_req = race
-        rows = batch.at_level(level, rows_per_req, vocab_ids)
-        if rows.index.numel() != draft_hidden.shape[0] or any(rows.on):
-            return None
-        return self.draft.topk(draft_hidden, k, 1.0, (rows.log_expo, rows.inv_temps.view(-1), rows_per_req))
+        noise = None
+        if race is not None:
+            batch, level, rows_per_req = race
+            rows = batch.at_level(level, rows_per_req, vocab_ids)
+            if rows.index.numel() != draft_hidden.shape[0] or any(rows.on):
+                return None
+            noise = (rows.log_expo, rows.inv_temps.view(-1), rows_per_req)
+        ban = None
+        if grammar is not None:
+            ban = self._grammar_ban(*grammar, self.draft.d2t_ids, torch.Size((draft_hidden.shape[0], len(vocab_ids))))
+            if ban is not None and ban.shape[1] != len(vocab_ids):
+                return None
+        return self.draft.topk(draft_hidden, k, scale or 1.0, noise, ban)
 
     def _grammar_ban(self, walks: list[PathStates | None], paths: list[list[list[int]] | None],
                      to_target: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

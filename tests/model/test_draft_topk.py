@@ -28,14 +28,17 @@ def lm_head(gen: torch.Generator, vocab: int, hidden: int, int8: bool, bias: boo
     return [pack(w.to(BF16)), None, b]  # the AVX2 kernel's layout is the few-row kernel's
 
 
-def expected_ranking(x, norm, linear, scale: float, k: int, to_target, race=None):
-    """softmax(logits * scale) (or per group of rows logits * inv_temp - noise) over the single operators' logits, its
-    k best by (largest score, smallest id) -> (probabilities [R, k], ids [R, k])."""
+def expected_ranking(x, norm, linear, scale: float, k: int, to_target, race=None, ban=None):
+    """softmax(logits * scale) (or per group of rows logits * inv_temp - noise; banned tokens -inf) over the single
+    operators' logits, its k best by (largest score, smallest id) -> (probabilities [R, k], 0 on a row with nothing
+    allowed; ids [R, k])."""
     logits = kernel_linear(elementwise.rms_norm(x, norm, 1e-6), *linear).float() * scale  # [R, V]
     if race is not None:
         noise, inv_temps, per = race
         logits = logits / scale * inv_temps.repeat_interleave(per)[:, None] - noise.repeat_interleave(per, dim=0)
-    probs = torch.softmax(logits, dim=-1)
+    if ban is not None:
+        logits = logits.masked_fill(ban, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     ids = torch.arange(logits.shape[1])
     best = torch.stack([torch.tensor(sorted(range(logits.shape[1]), key=lambda j: (-row[j].item(), j))[:k])
                         for row in logits])  # [R, k]
@@ -47,9 +50,10 @@ def expected_ranking(x, norm, linear, scale: float, k: int, to_target, race=None
 @pytest.mark.parametrize("rows,k,scale", [(1, 1, 1.0), (3, 3, 1.0), (12, 8, 0.5), (20, 3, 2.0)])
 def test_the_operator_ranks_as_its_steps(int8, rows, k, scale):
     """Rows of random hidden states through a random LM head (bf16 or int8, a bias on the bf16 one), with and
-    without a draft -> target id map, and racing in groups of rows (each group's temperature and noise): the
-    operator's ids are the k largest of the single operators' logits * scale (or * 1/T - noise; bf16 logits tie
-    often: the smaller id first), its probabilities their softmax's, as the reference's."""
+    without a draft -> target id map, racing in groups of rows (each group's temperature and noise), with half the
+    tokens banned (a row all banned): the operator's ids are the k largest of the single operators' logits * scale
+    (or * 1/T - noise; bf16 logits tie often: the smaller id first), its probabilities their softmax's (0 on the row
+    with nothing allowed), as the reference's."""
     gen = torch.Generator().manual_seed(rows * 10 + k + int8)
     hidden, vocab = 128, 960
     linear = lm_head(gen, vocab, hidden, int8, bias=not int8)
@@ -60,14 +64,17 @@ def test_the_operator_ranks_as_its_steps(int8, rows, k, scale):
     per = rows // groups[-1]
     race = (torch.rand(groups[-1], vocab, generator=gen).log().neg().log(), torch.rand(groups[-1], generator=gen) + 0.5,
             per)  # noise: log E of exponentials E
-    for mapping, racing in ((None, None), (to_target, None), (to_target, race)):
-        extra = () if racing is None else (0, *racing)
-        p, ids = draft_topk(x, norm, 1e-6, linear, scale, k, mapping, *extra)
-        want_p, want_ids = expected_ranking(x, norm, linear, scale, k, mapping, racing)
+    ban = torch.rand(rows, vocab, generator=gen) < 0.5
+    ban[0] = True  # a row with nothing allowed
+    for mapping, racing, banned in ((None, None, None), (to_target, None, None), (to_target, race, None),
+                                    (to_target, race, ban), (None, None, ban)):
+        extra = dict(noise=racing[0], inv_temps=racing[1], rows_per_group=racing[2]) if racing else {}
+        p, ids = draft_topk(x, norm, 1e-6, linear, scale, k, mapping, ban=banned, **extra)
+        want_p, want_ids = expected_ranking(x, norm, linear, scale, k, mapping, racing, banned)
         assert p.dtype == torch.float32 and ids.dtype == torch.int64
         assert torch.equal(ids, want_ids)  # the k largest logits, the smaller id first among equal ones
         torch.testing.assert_close(p, want_p, rtol=1e-5, atol=1e-7)  # another exp, another order of the sum
-        ref_p, _ = draft_topk_reference(x, norm, 1e-6, linear, scale, k, mapping, *extra)  # by torch.topk
+        ref_p, _ = draft_topk_reference(x, norm, 1e-6, linear, scale, k, mapping, ban=banned, **extra)  # torch.topk
         torch.testing.assert_close(ref_p, p, rtol=1e-5, atol=1e-7)
 
 

@@ -169,6 +169,40 @@ def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, m
 
 
 @needs_op
+def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factory, tmp_path, monkeypatch):
+    """Constrained requests (a regex, a JSON schema) beside a free one, greedy EAGLE-3 over a bf16 target with fused
+    layers: the head's draft levels under the grammars are ranked by draft_topk with their bans, and the outputs are
+    constrained plain decoding's."""
+    from specserve.platform.cpu.draft_topk import HeadTopk
+    from specserve.test.tiny import make_eagle3_head_dir
+
+    kernel_linears(monkeypatch)
+    target = model_factory("llama", num_hidden_layers=2, unit_embeddings=True, identity_layers=True, dtype=BF16,
+                           **WIDE)
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    params = [greedy(24, regex="[a-m ]{0,40}"), greedy(24, json_schema=schema), greedy(24)]
+    with Engine(model_path=target, max_total_tokens=4096) as e:
+        plain = [o["output_ids"] for o in e.generate(PROMPTS[:3], params)]
+    banned: list[int] = []
+    original = HeadTopk.__call__
+
+    def counting(self, x, k, scale, to_target, race=None, ban=None):
+        if ban is not None:
+            banned.append(x.shape[0])
+        return original(self, x, k, scale, to_target, race, ban)
+
+    monkeypatch.setattr(HeadTopk, "__call__", counting)
+    draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
+    kw = spec_kwargs("EAGLE3", draft, 4, 3, 8, speculative_draft_dtype="bfloat16", disable_speculative_auto_off=True)
+    with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
+        outs = e.generate(PROMPTS[:3], params)
+        assert_no_kv_leak(e)
+    assert [o["output_ids"] for o in outs] == plain
+    assert_drafting_happened(outs[:2], 1.0)
+    assert banned  # draft levels under a grammar went through the operator
+
+
+@needs_op
 def test_compiled_forwards_trace_the_modules(model_factory, monkeypatch, fresh_dynamo):
     """Under --enable-torch-compile the graphs trace the layers' modules (the hook steps aside while compiling) and
     decode what the eager engine with fused layers does, up to the ties its decode attention breaks otherwise."""

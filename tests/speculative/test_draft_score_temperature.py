@@ -19,7 +19,7 @@ from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 def _proposer(temperature: float) -> EagleProposer:
     prop = EagleProposer.__new__(EagleProposer)  # only what _score_scale and _topk read
     prop.score_temperature, prop.device = temperature, torch.device("cpu")
-    prop.draft = SimpleNamespace(topk=lambda *args: None)  # no one-call ranking: _topk ranks _draft_logits
+    prop.draft = SimpleNamespace(vocab_ids=lambda hidden: None)  # no one-call ranking: _topk ranks _draft_logits
     return prop
 
 
