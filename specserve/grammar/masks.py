@@ -42,6 +42,19 @@ def allowed_rows(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[se
     return allowed
 
 
+def allow_stops(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int
+                ) -> torch.Tensor:
+    """Rows of ``fill_rows`` / ``jump_forward`` (int32 [R, W]) -> the same bitmask with each accepting row's stop ids
+    below vocab_size allowed too (what ``allowed_rows`` allows, still as bits), in place."""
+    words = bitmask.numpy()
+    for r, (ok, stops) in enumerate(zip(accepting, stop_ids, strict=True)):
+        if ok:
+            for t in stops:
+                if t < vocab_size:
+                    words[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    return bitmask
+
+
 def ban_mask(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int,
              device: torch.device | str, columns: np.ndarray | None = None) -> torch.Tensor:
     """Rows of ``fill_rows`` / ``jump_forward`` -> bool [R, V] ban mask (True = banned: what ``allowed_rows`` does not

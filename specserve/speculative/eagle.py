@@ -40,7 +40,7 @@ from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_to
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
 from specserve.grammar.backend import new_bitmask
-from specserve.grammar.masks import PathStates, ban_mask
+from specserve.grammar.masks import PathStates, allow_stops, ban_mask
 from specserve.platform import PlatformPolicy
 from specserve.speculative.base import GRAMMAR_ROOM, DraftMemory, PrefillChunk, Proposer, VerifiedStep
 from specserve.speculative.batch_policy import TreeShape
@@ -254,8 +254,8 @@ class EagleProposer(Proposer):
                        grammar: tuple[list[PathStates | None], list[list[list[int]] | None]] | None
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``_topk`` in one call of the draft's own (``DraftModel.topk``) where it has one for these rows and they need
-        no more than it does: one scale for every row, or every row racing without filters; a grammar's bans given to
-        it -> (probabilities, target ids), or None."""
+        no more than it does: one scale for every row, or every row racing without filters; a grammar's rows given to
+        it as their bitmask -> (probabilities, target ids), or None."""
         vocab_ids = self.draft.vocab_ids(draft_hidden)
         if vocab_ids is None or isinstance(scale, torch.Tensor) or (race is not None and scale is not None):
             return None
@@ -266,34 +266,46 @@ class EagleProposer(Proposer):
             if rows.index.numel() != draft_hidden.shape[0] or any(rows.on):
                 return None
             noise = (rows.log_expo, rows.inv_temps.view(-1), rows_per_req)
-        ban = None
+        allowed = None
         if grammar is not None:
-            ban = self._grammar_ban(*grammar, self.draft.d2t_ids, torch.Size((draft_hidden.shape[0], len(vocab_ids))))
-            if ban is not None and ban.shape[1] != len(vocab_ids):
-                return None
-        return self.draft.topk(draft_hidden, k, scale or 1.0, noise, ban)
+            if self.draft.d2t_ids is None and len(vocab_ids) != self.runner.spec.vocab_size:
+                return None  # an LM head wider than the vocabulary: ``_grammar_ban`` crops to it
+            first = next((w for w in grammar[0] if w is not None), None)
+            if first is not None:
+                with first.matcher.stats.masking():
+                    allowed = allow_stops(*self._grammar_rows(*grammar, draft_hidden.shape[0]),
+                                          self.runner.spec.vocab_size)
+        return self.draft.topk(draft_hidden, k, scale or 1.0, noise, allowed)
 
     def _grammar_ban(self, walks: list[PathStates | None], paths: list[list[list[int]] | None],
                      to_target: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
         """bool [R, Vd] draft-vocabulary bans for rows laid out request-major, R / B rows per request: request b's
         rows follow its ``paths[b]`` from its grammar's state (``walks[b]``; None: a request without a grammar,
         nothing banned). None when no request has a grammar. One bitmask and one ban for the whole batch."""
-        grammar = [b for b, w in enumerate(walks) if w is not None]
-        if not grammar:
+        first = next((w for w in walks if w is not None), None)
+        if first is None:
             return None
-        rows_per_req = shape[0] // len(walks)
-        first = walks[grammar[0]].matcher
-        with first.stats.masking():
-            bitmask = new_bitmask(shape[0], first.vocab_size)  # [R, W] all allowed: rows without a grammar
-            accepting, stops = [False] * shape[0], [set()] * shape[0]
-            for b in grammar:
-                assert len(paths[b]) == rows_per_req
-                rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
-                accepting[rows] = walks[b].fill(paths[b], bitmask, b * rows_per_req)
-                stops[rows] = [walks[b].stop_ids] * rows_per_req
+        with first.matcher.stats.masking():
             # [R, V], or [R, Vd] over the draft vocabulary's tokens
-            return ban_mask(bitmask, accepting, stops, self.runner.spec.vocab_size, self.device,
+            return ban_mask(*self._grammar_rows(walks, paths, shape[0]), self.runner.spec.vocab_size, self.device,
                             None if to_target is None else self._draft_columns(to_target))
+
+    @staticmethod
+    def _grammar_rows(walks: list[PathStates | None], paths: list[list[list[int]] | None], R: int
+                      ) -> tuple[torch.Tensor, list[bool], list[set[int]]]:
+        """The grammars' rows for R draft rows laid out request-major (see ``_grammar_ban``; some request has a
+        grammar) -> (int32 bitmask [R, W], all allowed in the rows of requests without one; accepting [R]; each row's
+        stop ids)."""
+        grammar = [b for b, w in enumerate(walks) if w is not None]
+        rows_per_req = R // len(walks)
+        bitmask = new_bitmask(R, walks[grammar[0]].matcher.vocab_size)  # [R, W] all allowed
+        accepting, stops = [False] * R, [set()] * R
+        for b in grammar:
+            assert len(paths[b]) == rows_per_req
+            rows = slice(b * rows_per_req, (b + 1) * rows_per_req)
+            accepting[rows] = walks[b].fill(paths[b], bitmask, b * rows_per_req)
+            stops[rows] = [walks[b].stop_ids] * rows_per_req
+        return bitmask, accepting, stops
 
     def _draft_columns(self, to_target: torch.Tensor) -> np.ndarray:
         """The draft vocabulary's target ids (``to_target`` [Vd]) as a CPU array, converted once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.grammar.masks import allowed_tokens
 from specserve.models.layers import RMSNorm
 from specserve.platform.cpu import draft_topk as dt
 from specserve.platform.cpu import elementwise, native
@@ -50,10 +51,10 @@ def expected_ranking(x, norm, linear, scale: float, k: int, to_target, race=None
 @pytest.mark.parametrize("rows,k,scale", [(1, 1, 1.0), (3, 3, 1.0), (12, 8, 0.5), (20, 3, 2.0)])
 def test_the_operator_ranks_as_its_steps(int8, rows, k, scale):
     """Rows of random hidden states through a random LM head (bf16 or int8, a bias on the bf16 one), with and
-    without a draft -> target id map, racing in groups of rows (each group's temperature and noise), with half the
-    tokens banned (a row all banned): the operator's ids are the k largest of the single operators' logits * scale
-    (or * 1/T - noise; bf16 logits tie often: the smaller id first), its probabilities their softmax's (0 on the row
-    with nothing allowed), as the reference's."""
+    without a draft -> target id map, racing in groups of rows (each group's temperature and noise), under a grammar's
+    bitmask rows allowing about half the tokens (a row none): the operator's ids are the k largest of the single
+    operators' logits * scale (or * 1/T - noise; bf16 logits tie often: the smaller id first), its probabilities their
+    softmax's (0 on the row with nothing allowed), as the reference's."""
     gen = torch.Generator().manual_seed(rows * 10 + k + int8)
     hidden, vocab = 128, 960
     linear = lm_head(gen, vocab, hidden, int8, bias=not int8)
@@ -64,17 +65,20 @@ def test_the_operator_ranks_as_its_steps(int8, rows, k, scale):
     per = rows // groups[-1]
     race = (torch.rand(groups[-1], vocab, generator=gen).log().neg().log(), torch.rand(groups[-1], generator=gen) + 0.5,
             per)  # noise: log E of exponentials E
-    ban = torch.rand(rows, vocab, generator=gen) < 0.5
-    ban[0] = True  # a row with nothing allowed
-    for mapping, racing, banned in ((None, None, None), (to_target, None, None), (to_target, race, None),
-                                    (to_target, race, ban), (None, None, ban)):
+    allowed = torch.randint(-(2**31), 2**31, (rows, 4 * vocab // 32), generator=gen, dtype=torch.int64).to(
+        torch.int32)  # bitmask rows over the 4 * vocab target ids: about half of them allowed
+    allowed[0] = 0  # a row with nothing allowed
+    for mapping, racing, bits in ((None, None, None), (to_target, None, None), (to_target, race, None),
+                                  (to_target, race, allowed), (None, None, allowed)):
         extra = dict(noise=racing[0], inv_temps=racing[1], rows_per_group=racing[2]) if racing else {}
-        p, ids = draft_topk(x, norm, 1e-6, linear, scale, k, mapping, ban=banned, **extra)
-        want_p, want_ids = expected_ranking(x, norm, linear, scale, k, mapping, racing, banned)
+        p, ids = draft_topk(x, norm, 1e-6, linear, scale, k, mapping, allowed=bits, **extra)
+        ban = None if bits is None else ~allowed_tokens(bits, 4 * vocab)[:, mapping if mapping is not None else
+                                                                            torch.arange(vocab)]
+        want_p, want_ids = expected_ranking(x, norm, linear, scale, k, mapping, racing, ban)
         assert p.dtype == torch.float32 and ids.dtype == torch.int64
         assert torch.equal(ids, want_ids)  # the k largest logits, the smaller id first among equal ones
         torch.testing.assert_close(p, want_p, rtol=1e-5, atol=1e-7)  # another exp, another order of the sum
-        ref_p, _ = draft_topk_reference(x, norm, 1e-6, linear, scale, k, mapping, ban=banned, **extra)  # torch.topk
+        ref_p, _ = draft_topk_reference(x, norm, 1e-6, linear, scale, k, mapping, allowed=bits, **extra)
         torch.testing.assert_close(ref_p, p, rtol=1e-5, atol=1e-7)
 
 

@@ -171,8 +171,8 @@ def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, m
 @needs_op
 def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factory, tmp_path, monkeypatch):
     """Constrained requests (a regex, a JSON schema) beside a free one, greedy EAGLE-3 over a bf16 target with fused
-    layers: the head's draft levels under the grammars are ranked by draft_topk with their bans, and the outputs are
-    constrained plain decoding's."""
+    layers: the head's draft levels under the grammars are ranked by draft_topk with their bitmask rows, and the outputs
+    are constrained plain decoding's."""
     from specserve.platform.cpu.draft_topk import HeadTopk
     from specserve.test.tiny import make_eagle3_head_dir
 
@@ -186,10 +186,10 @@ def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factor
     banned: list[int] = []
     original = HeadTopk.__call__
 
-    def counting(self, x, k, scale, to_target, race=None, ban=None):
-        if ban is not None:
+    def counting(self, x, k, scale, to_target, race=None, allowed=None):
+        if allowed is not None:
             banned.append(x.shape[0])
-        return original(self, x, k, scale, to_target, race, ban)
+        return original(self, x, k, scale, to_target, race, allowed)
 
     monkeypatch.setattr(HeadTopk, "__call__", counting)
     draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")

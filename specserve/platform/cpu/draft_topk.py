@@ -24,7 +24,7 @@ from specserve.platform.cpu.ops import cpu_op
 
 
 def draft_topk_reference(x, norm, eps, linear, scale, k, to_target=None, amx_from=0, noise=None, inv_temps=None,
-                         rows_per_group=1, ban=None):
+                         rows_per_group=1, allowed=None):
     """The operator's steps as single operators: x [R, h] bf16 -> (probabilities [R, k] float32, ids [R, k] int64)."""
     logits = kernel_linear(elementwise.rms_norm(x, norm, eps), *linear, amx_from).float()  # [R, V]
     if noise is not None:  # a race: each group's rows scored with its temperature and its noise
@@ -32,24 +32,27 @@ def draft_topk_reference(x, norm, eps, linear, scale, k, to_target=None, amx_fro
         logits = (logits.view(G, rows_per_group, V) * inv_temps.view(G, 1, 1) - noise.view(G, 1, V)).view(-1, V)
     elif scale != 1.0:
         logits = logits * scale
-    if ban is not None:
-        logits = logits.masked_fill(ban, float("-inf"))
+    if allowed is not None:  # the bits of each column's token
+        tokens = torch.arange(logits.shape[1]) if to_target is None else to_target  # [V]
+        words = allowed[:, (tokens // 32).clamp(max=allowed.shape[1] - 1)]  # [R, V]
+        bits = (words >> (tokens % 32).to(torch.int32)) & 1
+        logits = logits.masked_fill((bits == 0) | (tokens >= 32 * allowed.shape[1]), float("-inf"))
     p, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
     return p.nan_to_num(0.0), (ids if to_target is None else to_target[ids])
 
 
 def _fake(x, norm, eps, linear, scale, k, to_target=None, amx_from=0, noise=None, inv_temps=None, rows_per_group=1,
-          ban=None):
+          allowed=None):
     return x.new_empty(x.shape[0], k, dtype=torch.float32), x.new_empty(x.shape[0], k, dtype=torch.int64)
 
 
 # x [R, h] bf16, norm [h]; linear: (packed, int8 scales or None, bias or None) of the LM head; scale: the logits'
 # factor before the softmax; to_target [V] int64 or None; noise [G, V] float32 and inv_temps [G]: row r of group
-# r // rows_per_group scored logit * inv_temps[g] - noise[g] instead; ban [R, V] bool: those tokens never ranked
-# -> (probabilities [R, k] float32, ids [R, k] int64)
+# r // rows_per_group scored logit * inv_temps[g] - noise[g] instead; allowed [R, W] int32: a grammar's bitmask rows
+# over the target vocabulary (the tokens they do not allow never ranked) -> (probabilities [R, k] float32, ids [R, k])
 draft_topk = cpu_op("draft_topk(Tensor x, Tensor norm, float eps, Tensor?[] linear, float scale, int k, "
                     "Tensor? to_target=None, int amx_from=0, Tensor? noise=None, Tensor? inv_temps=None, "
-                    "int rows_per_group=1, Tensor? ban=None) -> (Tensor, Tensor)", draft_topk_reference, _fake)
+                    "int rows_per_group=1, Tensor? allowed=None) -> (Tensor, Tensor)", draft_topk_reference, _fake)
 
 
 def native() -> bool:
@@ -80,14 +83,14 @@ class HeadTopk:
                 and (self.copy is None or self.copy.takes(x)))
 
     def __call__(self, x: torch.Tensor, k: int, scale: float, to_target: torch.Tensor | None,
-                 race: tuple[torch.Tensor, torch.Tensor, int] | None = None, ban: torch.Tensor | None = None
+                 race: tuple[torch.Tensor, torch.Tensor, int] | None = None, allowed: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x [R, h] -> (probabilities [R, k], ids [R, k]) of softmax(logits * scale), or with race = (noise [G, V],
-        inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows; ban [R, V] bool: those
-        tokens never ranked (probabilities 0 on a row with nothing left). None where the call does not fit the
-        operator (``fits``)."""
+        inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows; allowed [R, W] int32:
+        a grammar's bitmask rows, the tokens they do not allow never ranked (probabilities 0 on a row with nothing
+        left). None where the call does not fit the operator (``fits``)."""
         if not self.fits(x):
             return None
         noise, inv_temps, per = (None, None, 1) if race is None else race
         return draft_topk(x, self.norm, self.eps, self.linear, scale if race is None else 1.0, k, to_target,
-                          self.amx_from, noise, inv_temps, per, ban)
+                          self.amx_from, noise, inv_temps, per, allowed)

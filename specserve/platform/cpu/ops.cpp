@@ -358,11 +358,13 @@ float exp_total(const float* z, int64_t v, float top) {
 }
 #endif
 
-// z[j] <- -inf where ban[j] -> the maximum of the others (-inf where every one is banned)
-float banned(float* z, const bool* ban, int64_t v) {
+// z[j] <- -inf where the bitmask row words [w] does not allow column j's token (map[j], or j; bit t % 32 of word
+// t / 32) -> the maximum of the others (-inf where none is allowed)
+float banned(float* z, const int32_t* words, int64_t w, const int64_t* map, int64_t v) {
     float top = -INFINITY;
     for (int64_t j = 0; j < v; j++) {
-        if (ban[j]) z[j] = -INFINITY;
+        const int64_t t = map ? map[j] : j;
+        if (t >= 32 * w || !((static_cast<uint32_t>(words[t >> 5]) >> (t & 31)) & 1u)) z[j] = -INFINITY;
         top = z[j] > top ? z[j] : top;
     }
     return top;
@@ -372,15 +374,16 @@ float banned(float* z, const bool* ban, int64_t v) {
 // linear as decoder_layer's: packed weight, int8 scales or None, float32 bias or None) to bf16 logits [R, V], in
 // float32 times scale, softmax, the k largest -> (probabilities [R, k] float32, ids [R, k] int64: best first, the
 // smaller id among equal values; through to_target [V] where given). With noise [G, V] float32 (a race's log E) and
-// inv_temps [G], row r of group g = r / rows_per_group is scored logit * inv_temps[g] - noise[g] instead. With ban
-// [R, V] bool, the banned tokens score -inf (a row with nothing left: probabilities 0). draft_topk_reference in
+// inv_temps [G], row r of group g = r / rows_per_group is scored logit * inv_temps[g] - noise[g] instead. With
+// allowed [R, W] int32 (a grammar's bitmask rows over the target vocabulary: bit t % 32 of word t / 32 allows token
+// t), the tokens a row does not allow score -inf (a row with nothing left: probabilities 0). draft_topk_reference in
 // draft_topk.py is the same steps as single operators.
 std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Tensor& norm, double eps,
                                               const c10::List<std::optional<at::Tensor>>& linear, double scale,
                                               int64_t k, const std::optional<at::Tensor>& to_target,
                                               int64_t amx_from, const std::optional<at::Tensor>& noise_,
                                               const std::optional<at::Tensor>& inv_temps_, int64_t rows_per_group,
-                                              const std::optional<at::Tensor>& ban_) {
+                                              const std::optional<at::Tensor>& allowed_) {
     TORCH_CHECK(linear.size() == 3, "draft_topk: one linear of 3 entries, not ", linear.size());
     const at::Tensor logits = layer_linear(rms_norm(x, norm, eps), linear, 0, amx_from).contiguous();  // [R, V]
     const int64_t rows = logits.size(0), v = logits.size(1);
@@ -393,10 +396,12 @@ std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Ten
     TORCH_CHECK(!noise.defined() || (inv_temps.defined() && rows_per_group >= 1 && noise.size(1) == v &&
                                      noise.size(0) * rows_per_group == rows && inv_temps.numel() == noise.size(0)),
                 "draft_topk: noise [", rows, " / rows_per_group, ", v, "] goes with inv_temps, one per group");
-    const at::Tensor ban = ban_.has_value() ? ban_->to(at::kBool).contiguous() : at::Tensor();
-    TORCH_CHECK(!ban.defined() || (ban.dim() == 2 && ban.size(0) == rows && ban.size(1) == v),
-                "draft_topk: ban must be bool [", rows, ", ", v, "]");
-    const bool* bp = ban.defined() ? ban.data_ptr<bool>() : nullptr;
+    const at::Tensor allowed = allowed_.has_value() ? allowed_->contiguous() : at::Tensor();
+    TORCH_CHECK(!allowed.defined() || (allowed.scalar_type() == at::kInt && allowed.dim() == 2 &&
+                                       allowed.size(0) == rows),
+                "draft_topk: allowed must be an int32 bitmask [", rows, ", words]");
+    const int32_t* ap = allowed.defined() ? allowed.data_ptr<int32_t>() : nullptr;
+    const int64_t words = allowed.defined() ? allowed.size(1) : 0;
     const float* np = noise.defined() ? noise.data_ptr<float>() : nullptr;
     const float* tp = inv_temps.defined() ? inv_temps.data_ptr<float>() : nullptr;
     at::Tensor probs = at::empty({rows, k}, x.options().dtype(at::kFloat));
@@ -413,7 +418,7 @@ std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Ten
         for (int64_t r = lo; r < hi; r++) {
             const int64_t g = np ? r / rows_per_group : 0;
             float top = scaled_row(lp + r * v, v, np ? tp[g] : s, np ? np + g * v : nullptr, z.data());
-            if (bp) top = banned(z.data(), bp + r * v, v);
+            if (ap) top = banned(z.data(), ap + r * words, words, mp, v);
             if (top == -INFINITY) {  // nothing allowed: probabilities 0 (as torch's NaNs put to 0), the first ids
                 for (int64_t i = 0; i < k; i++) {
                     pp[r * k + i] = 0.0f;
