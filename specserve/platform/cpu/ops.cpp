@@ -1,9 +1,9 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store, decoder_layer and draft_topk), in C++: what the Python
-// implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py and fused_layer.py do, without
-// Python between the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback)
-// beside those files; this library, linked with the kernels' sources, registers their CPU kernels (native.py builds
-// and loads it).
+// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store, decoder_layer and draft_topk), in C++: what
+// the Python implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py, fused_layer.py and
+// draft_topk.py do, without Python between the dispatcher and the kernel. The operators are defined (schema, fake
+// tensors, Python fallback) beside those files; this library, linked with the kernels' sources, registers their CPU
+// kernels (native.py builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -352,7 +352,8 @@ float exp_total(const float* z, int64_t v, float top) {
     const __m512 t = _mm512_set1_ps(top);
     for (int64_t j = 0; j < v; j += 16) {
         const __mmask16 m = lanes(v - j);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + j), t))));
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + j), t));
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
     }
     return _mm512_reduce_add_ps(total);
 }
