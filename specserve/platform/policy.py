@@ -111,8 +111,9 @@ class PlatformPolicy:
 
     def head_ranker(self, norm: nn.Module, lm_head: nn.Module | None):
         """A draft head's ranking of its next tokens in one call, where the host has one: f(hidden [R, h], k, scale,
-        to_target [V] or None) -> (softmax(lm_head(norm(hidden)) * scale).topk(k) probabilities [R, k], ids [R, k]
-        through to_target), or None for a call it does not take. None: the head's modules rank."""
+        to_target [V] or None, race, allowed) -> (softmax(lm_head(norm(hidden)) * scale).topk(k) probabilities [R, k],
+        ids [R, k] through to_target; race and allowed as ``DraftModel.topk``'s), or None for a call it does not take
+        (``draft_topk.HeadTopk`` on CPU). None: the head's modules rank."""
         return None
 
     # ------------------------------------------------------------------ attention

@@ -184,16 +184,16 @@ class DraftModel:
         return _as(self.module(fb, embeds, hidden), self.dtype)
 
     def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None,
-             ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+             allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """softmax(logits * scale).topk(k) of draft hidden [R, h] in one call where the draft has one, or with race =
-        (noise [G, Vd], inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows; ban
-        [R, Vd] bool: tokens never ranked -> (probabilities [R, k] float32, TARGET ids [R, k] int64); None: rank
-        ``logits`` (the default)."""
+        (noise [G, Vd], inv_temps [G], rows per group) of softmax(logits * inv_temps - noise) per group of rows;
+        allowed [R, W] int32: a grammar's bitmask rows over the target vocabulary (the tokens they do not allow never
+        ranked) -> (probabilities [R, k] float32, TARGET ids [R, k] int64); None: rank ``logits`` (the default)."""
         return None
 
     def vocab_ids(self, draft_hidden: torch.Tensor) -> torch.Tensor | None:
-        """The target ids of ``topk``'s columns [Vd] (what a race's noise is drawn for, what a ban covers) where
-        ``topk`` takes these rows; None where it does not (the default: never)."""
+        """The target ids of ``topk``'s columns [Vd] (what a race's noise is drawn for) where ``topk`` takes these
+        rows; None where it does not (the default: never)."""
         return None
 
     def logits(self, draft_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -297,12 +297,12 @@ class Eagle3HeadDraft(DraftModel):
         return self.module.lm_head(normed).float(), self.d2t_ids
 
     def topk(self, draft_hidden: torch.Tensor, k: int, scale: float, race: tuple | None = None,
-             ban: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+             allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The host's one-call ranking (``PlatformPolicy.head_ranker``) of ``logits`` (see ``DraftModel.topk``); None
         where it does not take the call."""
         if self.ranker is None:
             return None
-        return self.ranker(draft_hidden, k, scale, self.d2t_ids, race, ban)
+        return self.ranker(draft_hidden, k, scale, self.d2t_ids, race, allowed)
 
     def vocab_ids(self, draft_hidden: torch.Tensor) -> torch.Tensor | None:
         if self.ranker is None or not self.ranker.fits(draft_hidden):
