@@ -169,10 +169,11 @@ def test_speculation_through_fused_layers_is_lossless(model_factory, tmp_path, m
 
 
 @needs_op
-def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factory, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factory, tmp_path, monkeypatch, backend):
     """Constrained requests (a regex, a JSON schema) beside a free one, greedy EAGLE-3 over a bf16 target with fused
-    layers: the head's draft levels under the grammars are ranked by draft_topk with their bitmask rows, and the outputs
-    are constrained plain decoding's."""
+    layers, with either grammar engine (their bitmasks share a layout): the head's draft levels under the grammars are
+    ranked by draft_topk with their bitmask rows, and the outputs are constrained plain decoding's."""
     from specserve.platform.cpu.draft_topk import HeadTopk
     from specserve.test.tiny import make_eagle3_head_dir
 
@@ -181,7 +182,7 @@ def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factor
                            **WIDE)
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     params = [greedy(24, regex="[a-m ]{0,40}"), greedy(24, json_schema=schema), greedy(24)]
-    with Engine(model_path=target, max_total_tokens=4096) as e:
+    with Engine(model_path=target, max_total_tokens=4096, grammar_backend=backend) as e:
         plain = [o["output_ids"] for o in e.generate(PROMPTS[:3], params)]
     banned: list[int] = []
     original = HeadTopk.__call__
@@ -193,7 +194,8 @@ def test_constrained_drafting_ranks_through_the_operator_losslessly(model_factor
 
     monkeypatch.setattr(HeadTopk, "__call__", counting)
     draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
-    kw = spec_kwargs("EAGLE3", draft, 4, 3, 8, speculative_draft_dtype="bfloat16", disable_speculative_auto_off=True)
+    kw = spec_kwargs("EAGLE3", draft, 4, 3, 8, speculative_draft_dtype="bfloat16", disable_speculative_auto_off=True,
+                     grammar_backend=backend)
     with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
         outs = e.generate(PROMPTS[:3], params)
         assert_no_kv_leak(e)
