@@ -32,26 +32,23 @@ def allowed_rows(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[se
                  ) -> np.ndarray:
     """Rows of ``fill_rows`` / ``jump_forward`` -> uint8 [R, V] 0/1 (1 = allowed), V being the model's vocabulary
     (the grammar's may be larger: its tokens past V are dropped). A row where the grammar is accepting also allows
-    its request's stop ids."""
-    allowed = allowed_bits(bitmask, vocab_size)  # [R, V]
-    rows = [r for r, (ok, stops) in enumerate(zip(accepting, stop_ids, strict=True)) if ok for t in stops
-            if t < vocab_size]
-    cols = [t for ok, stops in zip(accepting, stop_ids, strict=True) if ok for t in stops if t < vocab_size]
-    if rows:
-        allowed[rows, cols] = 1
-    return allowed
+    its request's stop ids (``allow_stops``, on a copy: the caller's bitmask is left as it is)."""
+    if any(accepting):
+        bitmask = allow_stops(bitmask.clone(), accepting, stop_ids, vocab_size)
+    return allowed_bits(bitmask, vocab_size)  # [R, V]
 
 
 def allow_stops(bitmask: torch.Tensor, accepting: list[bool], stop_ids: list[set[int]], vocab_size: int
                 ) -> torch.Tensor:
-    """Rows of ``fill_rows`` / ``jump_forward`` (int32 [R, W]) -> the same bitmask with each accepting row's stop ids
-    below vocab_size allowed too (what ``allowed_rows`` allows, still as bits), in place."""
-    words = bitmask.numpy()
+    """Rows of ``fill_rows`` / ``jump_forward`` (int32 [R, W]) -> the same bitmask, in place, with each accepting row's
+    stop ids below vocab_size allowed too: a request ends on its own stop ids, whatever the grammar engine calls its
+    EOS."""
+    words = bitmask.numpy().view(np.uint32)
     for r, (ok, stops) in enumerate(zip(accepting, stop_ids, strict=True)):
         if ok:
             for t in stops:
                 if t < vocab_size:
-                    words[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+                    words[r, t // 32] |= np.uint32(1 << (t % 32))
     return bitmask
 
 
