@@ -116,6 +116,14 @@ class PlatformPolicy:
         (``draft_topk.HeadTopk`` on CPU). None: the head's modules rank."""
         return None
 
+    def head_levels(self, layer_hook, ranker, embedding: nn.Module | None):
+        """An EAGLE-3 head's draft levels after the root's children in one call, where the host has one: its layer's
+        ``fused`` hook, its ``head_ranker`` and the target's token embedding module -> f(root_p, root_ids, hidden,
+        positions, k_buf, v_buf, scratch, kv_slots, base, scale, to_target, race, keep, threshold) -> the levels'
+        (scores, tokens, parents), with ``fits(rows, k, k_buf, v_buf)`` (``draft_levels.HeadLevels`` on CPU). None:
+        level by level."""
+        return None
+
     # ------------------------------------------------------------------ attention
     def folds_query_heads(self, qb: torch.Tensor, n_kv: int, masked: bool) -> bool:
         """Whether padded queries qb [B, Qmax, H, D] over ``n_kv`` KV heads, with a mask other than plain causal

@@ -191,6 +191,9 @@ class DraftModel:
         ranked) -> (probabilities [R, k] float32, TARGET ids [R, k] int64); None: rank ``logits`` (the default)."""
         return None
 
+    #: the levels after the root's children in one call where the draft has that (``Eagle3HeadDraft.levels``)
+    levels = None
+
     def vocab_ids(self, draft_hidden: torch.Tensor) -> torch.Tensor | None:
         """The target ids of ``topk``'s columns [Vd] (what a race's noise is drawn for) where ``topk`` takes these
         rows; None where it does not (the default: never)."""
@@ -307,11 +310,25 @@ class Eagle3HeadDraft(DraftModel):
     def vocab_ids(self, draft_hidden: torch.Tensor) -> torch.Tensor | None:
         if self.ranker is None or not self.ranker.fits(draft_hidden):
             return None
+        return self.ranked_ids()
+
+    def ranked_ids(self) -> torch.Tensor:
+        """The target ids of the ranking's columns [Vd] (it exists: ``ranker``)."""
         if self.d2t_ids is not None:
             return self.d2t_ids
         if self._columns is None:
             self._columns = torch.arange(self.ranker.vocab, device=self.device)
         return self._columns
+
+    @functools.cached_property
+    def levels(self):
+        """Asked once, after loading, as ``ranker``: the host's draft levels in one call
+        (``PlatformPolicy.head_levels``) where the head ranks in one call, its layer runs one operator and the target's
+        embeddings are its own (not under TP); None elsewhere."""
+        if self.ranker is None or getattr(self.target, "tp", None) is not None:
+            return None
+        embedding = getattr(getattr(self.target, "model", None), "embed_tokens", None)
+        return self.platform.head_levels(self.module.midlayer.fused, self.ranker, embedding)
 
     @functools.cached_property
     def ranker(self):

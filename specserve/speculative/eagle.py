@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from specserve.attention import ForwardBatch, ForwardMode, extend_batch, last_token_rows
+from specserve.attention.sdpa import TreeKeys
 from specserve.cache.kv_pool import KVPool
 from specserve.flags import SPEC_V2_NAMES, ConfigError, flag_name, require_positive
 from specserve.grammar.backend import new_bitmask
@@ -94,6 +95,7 @@ class EagleProposer(Proposer):
         self.grammar_aware = not args.disable_grammar_aware_drafting  # draft only what a request's grammar allows
         self._columns: tuple[torch.Tensor, np.ndarray] | None = None  # ``_draft_columns``' conversion
         self.one_call_rankings = 0  # draft rows ranked by the draft's one-call ``topk`` (tests read it)
+        self.one_call_trees = 0  # trees whose levels the draft's ``levels`` drafted in one call (tests read it)
         self.draft = self.draft_model(args, runner, self.topk)
         self.draft.module.set_max_positions(runner.context_len + self.max_positions_ahead() + 8)
         spec = self.draft.spec
@@ -495,6 +497,9 @@ class EagleProposer(Proposer):
         paths = [None if w is None else [[t] for t in live_tokens[b].tolist()] for b, w in enumerate(walks)]
         grammar = (walks, paths) if any(w is not None for w in walks) else None
         try:
+            if grammar is None and (n := self._one_call_levels(cands, live_tokens, live_hidden[:, 0], S, K, keep, race,
+                                                                scale, scratch, keys, positions)) is not None:
+                return n
             for j in range(1, S):
                 if cands.can_stop(keep, self.stop_threshold):
                     return j - 1
@@ -516,6 +521,35 @@ class EagleProposer(Proposer):
                 ancestors = mask.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
         finally:
             self.kv.free(scratch.reshape(-1))
+
+    def _one_call_levels(self, cands: EagleCandidates, root_ids: torch.Tensor, hidden: torch.Tensor, S: int, K: int,
+                         keep: int, race: RaceBatch | None, scale: float | torch.Tensor | None, scratch: torch.Tensor,
+                         keys, positions: torch.Tensor) -> int | None:
+        """Levels 1 .. S-1 in one call of the draft's own (``DraftModel.levels``) where it takes them: bf16 rows its
+        kernels take, one score scale for every row or every request racing without filters (no grammar: the caller's
+        condition) -> the number of levels drafted (their candidates added to cands), or None. root_ids [B, K]: level
+        0's tokens; hidden [B, h]: the roots' draft hidden; scratch [B, S-1, K]; positions [B K]: level 1's."""
+        levels, B = self.draft.levels, root_ids.shape[0]
+        if levels is None or isinstance(scale, torch.Tensor) or type(keys) is not TreeKeys:
+            return None
+        k_buf, v_buf = self.kv_pool.layer(levels.layer.layer_id)
+        if (hidden.dtype != torch.bfloat16 or self.compute_dtype(B * K) != torch.bfloat16
+                or not levels.fits(B * K, K, k_buf, v_buf)):
+            return None
+        noise = None
+        if race is not None:
+            vocab_ids = self.draft.ranked_ids()
+            rows = race.at_level(1, K, vocab_ids)
+            if scale is not None or rows.index.numel() != B * K or any(rows.on):
+                return None
+            noise = (race.log_noise(vocab_ids), rows.inv_temps.view(-1))
+        level_positions = positions.unsqueeze(0) + torch.arange(S - 1, device=self.device).unsqueeze(1)  # [S-1, B K]
+        scores, tokens, parents = levels(torch.as_tensor(cands.live_scores), root_ids, hidden, level_positions, k_buf,
+                                         v_buf, scratch, keys.kv_slots, keys.base, scale or 1.0, self.draft.d2t_ids,
+                                         noise, keep, self.stop_threshold)  # [B, n K K] each
+        cands.extend_levels(scores, tokens, parents)
+        self.one_call_trees += 1
+        return scores.shape[1] // (K * K)
 
 
 def last_rows_only(q_lens: list[int]) -> bool:

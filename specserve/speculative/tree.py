@@ -402,6 +402,21 @@ class EagleCandidates:
         self._count += scores.shape[1]
         return torch.from_numpy(best) if self.host else best
 
+    def extend_levels(self, scores: Tensor, tokens: Tensor, parents: Tensor) -> None:
+        """Levels drafted in one call (``DraftModel.levels``): scores [B, n] and tokens, parents [B, n] (candidate
+        indices) of the n candidates after those so far, in candidate order. Only ``select`` follows: the live
+        branches are not tracked."""
+        if scores.shape[1] == 0:
+            return
+        if self.host:
+            scores, tokens, parents = _host(scores), _host(tokens), _host(parents)
+        self._scores.append(scores)
+        self._tokens.append(tokens)
+        self._parents.append(parents)
+        self._all_scores = None
+        self._count += scores.shape[1]
+        self.live_index = self.live_scores = None
+
     def can_stop(self, keep: int, threshold: float = 0.0) -> bool:
         """True when no request needs a deeper level (``drafting_can_stop`` for every request)."""
         if self._count < keep:  # too few candidates for the exact stop: only the threshold can stop

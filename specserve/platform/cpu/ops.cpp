@@ -1,9 +1,9 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store, decoder_layer and draft_topk), in C++: what
-// the Python implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py, fused_layer.py and
-// draft_topk.py do, without Python between the dispatcher and the kernel. The operators are defined (schema, fake
-// tensors, Python fallback) beside those files; this library, linked with the kernels' sources, registers their CPU
-// kernels (native.py builds and loads it).
+// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store, decoder_layer, draft_topk and draft_levels),
+// in C++: what the Python implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py,
+// fused_layer.py, draft_topk.py and draft_levels.py do, without Python between the dispatcher and the kernel. The
+// operators are defined (schema, fake tensors, Python fallback) beside those files; this library, linked with the
+// kernels' sources, registers their CPU kernels (native.py builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 #include <math.h>
 #include <string.h>
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -445,6 +446,147 @@ std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Ten
     return {probs, ids};
 }
 
+
+// One draft level's bookkeeping per request (eagle.py's EagleCandidates on host arrays): the K live branches'
+// children scored live score x probability, the best K of the K*K (score desc, equal scores: the earlier first) the
+// next live branches. Exactly tree.py's float32 products and stable ranking.
+struct LevelBook {
+    std::vector<float> live_scores;  // [K]
+    std::vector<int64_t> live_index;  // [K] candidate index of each live branch
+    std::vector<float> all_scores;    // every candidate's score so far, candidate order
+};
+
+// drafting_can_stop for one request: at least `keep` candidates rank before any deeper one (score >= the best live
+// score), or the best live score is below a positive threshold
+bool request_can_stop(const LevelBook& r, int64_t keep, double threshold) {
+    const float best = *std::max_element(r.live_scores.begin(), r.live_scores.end());
+    int64_t above = 0;
+    for (float s : r.all_scores) above += s >= best;
+    return above >= keep || (threshold > 0 && best < static_cast<float>(threshold));
+}
+
+// The levels 1 .. L of an EAGLE-3 head's draft tree in one call: eagle.py's _draft_levels where the head's layer is
+// decoder_layer's and its ranking draft_topk's, every request with the same K live branches, no grammar. Per level
+// j (stopping first where drafting_can_stop holds for every request, as EagleCandidates.can_stop):
+//   the live branches' tokens' embeddings and hidden states [B K, h] -> the head's layer over request b's keys
+//   (its base[b] prefix columns of kv_slots, then the levels' scratch columns, each branch seeing its ancestors and
+//   itself; K and V written at scratch[:, j - 1]) -> the ranking's top-K children per branch (scores scaled by
+//   rank_scale, or with noise [B, S, V] and inv_temps [B] each request's race at level j) -> candidates.
+// root_p / root_ids [B, K]: level 0; hidden [B, h]: the root's draft hidden; embed [V, h]: the token embeddings;
+// cos / sin [L, B K, 1, D]: each level's rows. -> (scores, tokens, parents) [B, n K K] of the n levels
+// drafted, candidate order after level 0's K (parents: candidate indices, level 0's 0 .. K - 1).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
+    const at::Tensor& root_p, const at::Tensor& root_ids, const at::Tensor& hidden, const at::Tensor& embed,
+    const c10::List<std::optional<at::Tensor>>& linears, const at::Tensor& norm1, const at::Tensor& norm2,
+    const at::Tensor& embed_norm, double eps, int64_t heads, double attn_scale, int64_t amx_from,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& scratch_,
+    const at::Tensor& kv_slots, at::IntArrayRef base, const at::Tensor& head_norm, double head_eps,
+    const c10::List<std::optional<at::Tensor>>& head_linear, double rank_scale,
+    const std::optional<at::Tensor>& to_target, int64_t rank_amx_from, const std::optional<at::Tensor>& noise,
+    const std::optional<at::Tensor>& inv_temps, int64_t keep, double threshold) {
+    const int64_t B = root_p.size(0), K = root_p.size(1), L = cos.size(0);
+    TORCH_CHECK(root_ids.size(0) == B && root_ids.size(1) == K && hidden.size(0) == B &&
+                    (int64_t)base.size() == B && scratch_.dim() == 3 && scratch_.size(0) == B &&
+                    scratch_.size(1) == L && scratch_.size(2) == K && cos.size(1) == B * K && sin.sizes() == cos.sizes(),
+                "draft_levels: root [B, K], hidden [B, h], base [B], scratch [B, L, K], cos / sin [L, B K, 1, D]");
+    const at::Tensor scratch = scratch_.to(at::kLong).contiguous();
+    const at::Tensor p0 = root_p.to(at::kFloat).contiguous(), ids0 = root_ids.to(at::kLong).contiguous();
+    const int64_t max_base = *std::max_element(base.begin(), base.end()), tree_cols = L * K;
+    TORCH_CHECK(kv_slots.size(0) == B && kv_slots.size(1) >= max_base + tree_cols,
+                "draft_levels: kv_slots [B, max(base) + L K]");
+    std::vector<LevelBook> books(B);
+    for (int64_t b = 0; b < B; b++) {
+        LevelBook& r = books[b];
+        r.live_scores.assign(p0.data_ptr<float>() + b * K, p0.data_ptr<float>() + (b + 1) * K);
+        r.all_scores = r.live_scores;
+        r.live_index.resize(K);
+        for (int64_t i = 0; i < K; i++) r.live_index[i] = i;
+    }
+    int64_t count = K;  // candidates so far, per request
+    at::Tensor tokens = ids0.view({B * K});                        // [B K] the live branches' tokens
+    at::Tensor x = hidden.repeat_interleave(K, 0).contiguous();    // [B K, h] their hidden states
+    std::vector<uint8_t> anc(B * K * tree_cols, 0), next_anc(B * K * tree_cols, 0);  // [B, K, L K] ancestors
+    std::vector<at::Tensor> out_scores, out_tokens, out_parents;
+    for (int64_t j = 1; j <= L; j++) {
+        bool stop;
+        if (count < keep) {  // too few candidates for the exact stop: the threshold alone, over the whole batch
+            float best = -INFINITY;
+            for (const LevelBook& r : books) best = std::max(best, *std::max_element(r.live_scores.begin(),
+                                                                                      r.live_scores.end()));
+            stop = threshold > 0 && best < static_cast<float>(threshold);
+        } else {
+            stop = true;
+            for (const LevelBook& r : books) stop = stop && request_can_stop(r, keep, threshold);
+        }
+        if (stop) break;
+        const int64_t width = max_base + j * K, done = (j - 1) * K;
+        at::Tensor mask = at::zeros({B, 1, K, width}, hidden.options().dtype(at::kBool));
+        uint8_t* mp = static_cast<uint8_t*>(mask.data_ptr());
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < K; i++) {
+                uint8_t* row = mp + (b * K + i) * width;
+                memset(row, 1, base[b]);
+                memcpy(row + base[b], anc.data() + (b * K + i) * tree_cols, done);
+                row[base[b] + done + i] = 1;  // itself
+            }
+        const at::Tensor out = decoder_layer(
+            x, linears, norm1, norm2, eps, cos.select(0, j - 1), sin.select(0, j - 1),
+            k_buf, v_buf, scratch.select(1, j - 1).reshape({B * K}), kv_slots.narrow(1, 0, width), mask, heads,
+            attn_scale, at::embedding(embed, tokens), embed_norm, amx_from);  // [B K, h]
+        std::optional<at::Tensor> level_noise;
+        if (noise.has_value()) level_noise = noise->select(1, j);  // [B, V]
+        const auto [probs_, ids_] = draft_topk(out, head_norm, head_eps, head_linear, noise.has_value() ? 1.0 : rank_scale,
+                                               K, to_target, rank_amx_from, level_noise, inv_temps, K, std::nullopt);
+        const float* pp = probs_.data_ptr<float>();
+        const int64_t* ip = ids_.data_ptr<int64_t>();
+        at::Tensor scores = at::empty({B, K * K}, p0.options()), level_tokens = at::empty({B, K * K}, ids0.options());
+        at::Tensor parents = at::empty({B, K * K}, ids0.options());
+        float* sp = scores.data_ptr<float>();
+        int64_t *tp = level_tokens.data_ptr<int64_t>(), *pa = parents.data_ptr<int64_t>();
+        std::vector<int64_t> order(K * K), branch(B * K), child(B * K);
+        for (int64_t b = 0; b < B; b++) {
+            LevelBook& r = books[b];
+            for (int64_t l = 0; l < K; l++)
+                for (int64_t c = 0; c < K; c++) {
+                    const int64_t n = l * K + c;
+                    sp[b * K * K + n] = r.live_scores[l] * pp[(b * K + l) * K + c];
+                    tp[b * K * K + n] = ip[(b * K + l) * K + c];
+                    pa[b * K * K + n] = r.live_index[l];
+                }
+            const float* s = sp + b * K * K;
+            for (int64_t n = 0; n < K * K; n++) order[n] = n;
+            std::stable_sort(order.begin(), order.end(), [s](int64_t a, int64_t c) { return s[a] > s[c]; });
+            r.all_scores.insert(r.all_scores.end(), s, s + K * K);
+            for (int64_t i = 0; i < K; i++) {
+                r.live_index[i] = count + order[i];
+                r.live_scores[i] = s[order[i]];
+                branch[b * K + i] = b * K + order[i] / K;
+                child[b * K + i] = order[i] % K;
+            }
+        }
+        count += K * K;
+        out_scores.push_back(scores);
+        out_tokens.push_back(level_tokens);
+        out_parents.push_back(parents);
+        if (j == L) break;
+        at::Tensor next_tokens = at::empty({B * K}, ids0.options());
+        int64_t* nt = next_tokens.data_ptr<int64_t>();
+        for (int64_t r = 0; r < B * K; r++) {
+            nt[r] = ip[branch[r] * K + child[r]];
+            const int64_t b = r / K, from = branch[r] % K;  // the live branch the new one extends
+            memcpy(next_anc.data() + r * tree_cols, mp + (b * K + from) * width + base[b], done + K);  // its tree row
+        }
+        std::swap(anc, next_anc);
+        tokens = next_tokens;
+        x = out.index_select(0, at::from_blob(branch.data(), {B * K}, at::kLong).clone());
+    }
+    if (out_scores.empty()) {
+        const at::Tensor none = at::empty({B, 0}, ids0.options());
+        return {at::empty({B, 0}, p0.options()), none, none.clone()};
+    }
+    return {at::cat(out_scores, 1), at::cat(out_tokens, 1), at::cat(out_parents, 1)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
@@ -455,6 +597,7 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
 #endif
     m.impl("decoder_layer", TORCH_FN(decoder_layer));
     m.impl("draft_topk", TORCH_FN(draft_topk));
+    m.impl("draft_levels", TORCH_FN(draft_levels));
     m.impl("tree_attention", TORCH_FN(tree_attention));
     m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("rms_norm", TORCH_FN(rms_norm));

@@ -14,6 +14,7 @@ from torch import nn
 
 from specserve.platform.cpu import (
     avx2_gemm,
+    draft_levels,
     draft_topk,
     elementwise,
     fused_layer,
@@ -290,6 +291,13 @@ class CpuPolicy(PlatformPolicy):
         if not (self.elementwise and self.tree_attention):
             return None
         return draft_topk.HeadTopk.for_head(norm, lm_head)
+
+    def head_levels(self, layer_hook, ranker, embedding: nn.Module | None):
+        """The ``draft_levels`` operator (``draft_levels.py``) where the head's layer runs ``decoder_layer`` and its
+        ranking ``draft_topk``."""
+        if not (self.elementwise and self.tree_attention):
+            return None
+        return draft_levels.HeadLevels.for_head(layer_hook, ranker, embedding)
 
     def few_query_attention(self, qb: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor):
         """specserve's kernel (``tree_attention.py``) for bf16 queries, up to its MAX_QUERIES per request; inside a
