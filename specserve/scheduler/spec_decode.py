@@ -55,6 +55,7 @@ from specserve.speculative.tree import DraftTree, build_tree, cap_depth
 from specserve.speculative.verify import (
     VerifyResult,
     race_node_ids,
+    race_verify,
     simulate_accept,
     verify_greedy,
     verify_sampling,
@@ -460,7 +461,7 @@ class SpecDecoder(DecodeStep):
         keys = grid_keys(request_seeds([reqs[b].generator for b in rows]), [len(reqs[b].output_ids) for b in rows],
                          tree.max_depth + 1, self.device)  # [S, D+1, 2]: column d keys output position len + d
         if ids is None:
-            return verify_greedy(tree, race_node_ids(tree.depth, probs, keys))
+            return race_verify(tree, probs, keys)
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
         ids[index] = race_node_ids(tree.depth[index], probs[index], keys)
         return verify_greedy(tree, ids)

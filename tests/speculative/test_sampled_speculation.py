@@ -11,6 +11,7 @@ import pytest
 from specserve import Engine
 from specserve.scheduler import spec_decode
 from specserve.speculative.accept_stats import accept_length
+from specserve.speculative.verify import verify_greedy
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, joint_counts, spec_kwargs
@@ -214,6 +215,7 @@ def test_a_broken_verifier_fails_the_distribution_test(target, setups, plain_run
     """Sampled rows verified by the target's argmax instead of its race (a lossy verifier) shift the distribution
     far beyond the threshold at temperature 1."""
     monkeypatch.setattr(spec_decode, "race_node_ids", lambda depth, probs, keys: probs.argmax(dim=-1))
+    monkeypatch.setattr(spec_decode, "race_verify", lambda tree, probs, keys: verify_greedy(tree, probs.argmax(dim=-1)))
     i = CONFIGS.index((1.0, {"top_k": 20}))
     with Engine(model_path=target, max_total_tokens=16384, **setups["EAGLE"][1], **ALWAYS) as e:
         outs = e.generate([PROMPT] * N, _params(*CONFIGS[i], range(N)))

@@ -183,6 +183,44 @@ def test_race_emits_what_plain_sampling_with_the_same_seed_emits():
     assert accepted > 100  # the walk went into the tree often (P(first token is a child) = .5)
 
 
+@pytest.mark.parametrize("impl", ["operator", "reference"])
+def test_the_one_call_race_walk_gives_what_racing_every_node_gives(impl):
+    """race_walk (the CPU's one-call walk, racing only the nodes it reaches) against every node's winner and the
+    greedy walk: the same accepted paths, bonus tokens and new tokens, over the hand-drawn tree for 300 seeds and over
+    random trees with padding nodes, a vocabulary wider than the operator's chunk of ids, and a root-only tree."""
+    from specserve.platform.cpu import native, race_walk
+
+    if impl == "operator" and not (native.native_ops() and race_walk.native()):
+        pytest.skip("ops.cpp does not build here (a CPU with AVX2 or AVX512-BF16, and a compiler)")
+    walk = race_walk.race_walk if impl == "operator" else race_walk.race_walk_reference
+
+    def check(tree, probs, seeds, start):
+        keys = grid_keys(seeds, [start] * len(seeds), tree.max_depth + 1, "cpu")
+        want = verify_greedy(tree, race_node_ids(tree.depth, probs, keys))
+        got = verify_mod.VerifyResult(*walk(probs, tree.tokens, tree.parents, tree.depth, tree.num_nodes, keys))
+        assert got.token_lists() == want.token_lists()
+        for field in ("accept_len", "accepted_nodes", "bonus_tokens", "last_nodes"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+        return want
+
+    seeds = list(range(300 if impl == "operator" else 40))
+    res = check(sampling_tree(len(seeds)), S_PROBS.expand(len(seeds), -1, -1).contiguous(), seeds, 11)
+    assert res.accept_len.sum() > len(seeds) // 4  # walks went into the tree
+    g = gen(5)
+    for rows, vocab in ((3, 64), (2, 9000)):
+        probs = torch.rand(rows, 8, vocab, generator=g) ** 8  # peaked: children get accepted now and then
+        probs = probs / probs.sum(-1, keepdim=True)
+        tokens = torch.randint(0, vocab, (rows, 7), generator=g)
+        keys_seeds = torch.randint(0, 2**40, (rows,), generator=g).tolist()
+        winners = race_node_ids(torch.zeros(rows, 8, dtype=torch.int64), probs,
+                                grid_keys(keys_seeds, [0] * rows, 1, "cpu"))  # the root's and depth-1 winners
+        tokens[:, 0] = winners[:, 0]  # the root's winner is a child: the walk goes below the root
+        tree = build_tree(t([0] * rows), tokens, t([[0, 1, 1, 2, 0, 4, 6]] * rows), num_nodes=t([8, 6, 8][:rows]))
+        check(tree, probs, keys_seeds, 0)
+    root_only = build_tree(t([3]), torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64))
+    check(root_only, S_PROBS[:1].unsqueeze(0).contiguous(), [3], 5)
+
+
 def test_race_rows_do_not_depend_on_batch_mates_or_the_draft():
     # A row's tokens are fixed by its distributions, its seed and its position: another batch (other trees, other
     # seeds) or a root-only tree (no draft: one token per step) gives the same tokens, position by position.

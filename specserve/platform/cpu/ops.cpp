@@ -1,9 +1,9 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, race_exponentials, kv_store, decoder_layer, draft_topk and draft_levels),
-// in C++: what the Python implementations in small_gemm.py, int8_gemm.py, tree_attention.py, elementwise.py,
-// fused_layer.py, draft_topk.py and draft_levels.py do, without Python between the dispatcher and the kernel. The
-// operators are defined (schema, fake tensors, Python fallback) beside those files; this library, linked with the
-// kernels' sources, registers their CPU kernels (native.py builds and loads it).
+// element-wise rms_norm, silu_mul and rope, race_exponentials, race_walk, kv_store, decoder_layer, draft_topk and
+// draft_levels), in C++: what the Python implementations in small_gemm.py, int8_gemm.py, tree_attention.py,
+// elementwise.py, race_walk.py, fused_layer.py, draft_topk.py and draft_levels.py do, without Python between the
+// dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback) beside those files;
+// this library, linked with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -587,6 +587,95 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
     return {at::cat(out_scores, 1), at::cat(out_tokens, 1), at::cat(out_parents, 1)};
 }
 
+
+// The exponential race's winner over one row of probabilities [v] for keys (k1, k2): argmax p[x] / E(x) with torch's
+// arithmetic (a float32 division per token; the first index among equal values, as max(dim)), over chunks of ID_GRAIN
+// token ids in parallel, reduced in id order
+int64_t race_winner(const float* p, int64_t v, int32_t k1, int32_t k2, const int32_t* ids) {
+    const int64_t chunks = (v + ID_GRAIN - 1) / ID_GRAIN;
+    std::vector<float> best_value(chunks, -INFINITY);
+    std::vector<int64_t> best_id(chunks, -1);
+    at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
+        std::vector<float> e(ID_GRAIN);
+        for (int64_t c = lo; c < hi; c++) {
+            const int64_t first = c * ID_GRAIN, m = std::min(ID_GRAIN, v - first);
+            race_exponentials(&k1, &k2, 1, ids + first, 0, m, e.data(), m);
+            float top = -INFINITY;
+            int64_t at = -1;
+            for (int64_t j = 0; j < m; j++) {
+                const float r = p[first + j] / e[j];
+                if (at < 0 || r > top || (r != r && top == top)) {  // NaN wins, as in torch's max
+                    top = r;
+                    at = first + j;
+                }
+            }
+            best_value[c] = top;
+            best_id[c] = at;
+        }
+    });
+    int64_t winner = best_id[0];
+    float top = best_value[0];
+    for (int64_t c = 1; c < chunks; c++)
+        if (best_value[c] > top || (best_value[c] != best_value[c] && top == top)) {
+            top = best_value[c];
+            winner = best_id[c];
+        }
+    return winner;
+}
+
+// Sampled verification of draft trees by the exponential race in one call: verify.py's verify_greedy over
+// race_node_ids, racing only the nodes the walk reaches. From the root, the current node's winner (its depth's keys)
+// is the token plain decoding samples there for the request's seed; the first child carrying it is accepted, and the
+// walk stops at a node none of whose children does, whose winner is the bonus token.
+// probs [B, N, V] float32; tokens, parents, depth [B, N] int64 (parents -1 for the root); num_nodes [B] (nodes past
+// a request's count are padding); keys [B, D + 1, 2] int32, column d keying a node of depth d
+// -> (accept_len [B], accepted_nodes [B, D + 1], bonus [B], last [B], new_tokens [B, D + 1]) int64, VerifyResult's
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_walk(
+    const at::Tensor& probs_, const at::Tensor& tokens_, const at::Tensor& parents_, const at::Tensor& depth_,
+    const at::Tensor& num_nodes_, const at::Tensor& keys_) {
+    const at::Tensor probs = probs_.to(at::kFloat).contiguous(), keys = keys_.to(at::kInt).contiguous();
+    const at::Tensor tokens = tokens_.to(at::kLong).contiguous(), parents = parents_.to(at::kLong).contiguous();
+    const at::Tensor depth = depth_.to(at::kLong).contiguous(), num_nodes = num_nodes_.to(at::kLong).contiguous();
+    const int64_t B = probs.size(0), N = probs.size(1), V = probs.size(2), D1 = keys.size(1);
+    TORCH_CHECK(tokens.size(0) == B && tokens.size(1) == N && parents.sizes() == tokens.sizes() &&
+                    depth.sizes() == tokens.sizes() && num_nodes.numel() == B && keys.size(0) == B && keys.size(2) == 2,
+                "race_walk: probs [B, N, V], tokens / parents / depth [B, N], num_nodes [B], keys [B, D + 1, 2]");
+    std::vector<int32_t> ids(V);
+    for (int64_t x = 0; x < V; x++) ids[x] = static_cast<int32_t>(x);
+    const at::TensorOptions longs = tokens.options();
+    at::Tensor accept_len = at::zeros({B}, longs), path = at::full({B, D1}, -1, longs), bonus = at::empty({B}, longs);
+    at::Tensor last = at::empty({B}, longs), new_tokens = at::full({B, D1}, -1, longs);
+    const float* pp = probs.data_ptr<float>();
+    const int32_t* kp = keys.data_ptr<int32_t>();
+    const int64_t *tp = tokens.data_ptr<int64_t>(), *pa = parents.data_ptr<int64_t>(), *dp = depth.data_ptr<int64_t>();
+    const int64_t* np = num_nodes.data_ptr<int64_t>();
+    int64_t *al = accept_len.data_ptr<int64_t>(), *ph = path.data_ptr<int64_t>(), *bo = bonus.data_ptr<int64_t>();
+    int64_t *la = last.data_ptr<int64_t>(), *nt = new_tokens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) {
+        int64_t cur = 0, accepted = 0;
+        ph[b * D1] = 0;
+        for (;;) {
+            const int64_t d = std::min(dp[b * N + cur], D1 - 1);
+            const int32_t* key = kp + (b * D1 + d) * 2;
+            const int64_t winner = race_winner(pp + (b * N + cur) * V, V, key[0], key[1], ids.data());
+            int64_t next = -1;
+            for (int64_t c = 1; c < np[b] && next < 0; c++)
+                if (pa[b * N + c] == cur && tp[b * N + c] == winner) next = c;
+            if (next < 0 || accepted + 1 >= D1) {
+                bo[b] = winner;
+                break;
+            }
+            cur = next;
+            nt[b * D1 + accepted] = tp[b * N + cur];
+            ph[b * D1 + ++accepted] = cur;
+        }
+        al[b] = accepted;
+        la[b] = cur;
+        nt[b * D1 + accepted] = bo[b];
+    }
+    return {accept_len, path, bonus, last, new_tokens};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {
@@ -598,6 +687,7 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
     m.impl("decoder_layer", TORCH_FN(decoder_layer));
     m.impl("draft_topk", TORCH_FN(draft_topk));
     m.impl("draft_levels", TORCH_FN(draft_levels));
+    m.impl("race_walk", TORCH_FN(race_walk));
     m.impl("tree_attention", TORCH_FN(tree_attention));
     m.impl("int8_gemm", TORCH_FN(int8_gemm));
     m.impl("rms_norm", TORCH_FN(rms_norm));

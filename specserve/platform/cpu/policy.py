@@ -20,6 +20,7 @@ from specserve.platform.cpu import (
     fused_layer,
     int8_gemm,
     native,
+    race_walk,
     small_gemm,
     tree_attention,
     upcast_probe,
@@ -44,6 +45,7 @@ from specserve.platform.cpu.packing import (
 from specserve.platform.cpu.upcast_probe import choose_upcast_rows
 from specserve.platform.policy import PlatformPolicy
 from specserve.sampling import race
+from specserve.speculative import verify
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -91,6 +93,8 @@ class CpuPolicy(PlatformPolicy):
         self.fused_layers = 0  # decoder layers run as one operator call (fused_layer.py), all models together
         if device.type == "cpu" and native.native_ops():
             race.use_kernel(elementwise.race_exponentials)  # seeded sampling's noise without a first-request compile
+            if race_walk.native():
+                verify.use_race_walk(race_walk.race_walk)  # sampled trees verified in one call
 
     @property
     def packs_weights(self) -> bool:
