@@ -19,10 +19,7 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    estimate in a bucket of up to PLAIN_FIRST_ABOVE requests is measured over a whole try; buckets of more measure
    plain steps first, since speculation usually loses there): a step's time
    varies far less than that between steps, so more steps of a mode that slow would only repeat the loss (the
-   demo's sampled batches of 16: speculative steps at about 0.65x plain ones' rate). And a try whose mode lost sets
-   the interval to at least what keeps such tries within TRY_BUDGET of the run's time: its extra seconds over the
-   winner's for its tokens, divided by that share of a winning step (a try of speculation in a large batch replays
-   every request's backlog and verifies a tree for each, tens of plain steps' time). A mode's rate is
+   demo's sampled batches of 16: speculative steps at about 0.65x plain ones' rate). A mode's rate is
    its tokens per step over its seconds per step; speculation's tokens per step come from a longer window
    (ACCEPT_DECAY) that a try does not restart, since acceptance varies from step to step far more than step time.
    Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
@@ -58,7 +55,6 @@ speculating: it is timed with the speculative step it precedes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from specserve.speculative.tree import max_tree_nodes
@@ -76,11 +72,6 @@ SPEC_MARGIN = 0.03  # speculation wins only when faster than plain decoding by m
 MIN_TRY_TOKENS = 16  # new tokens left, below which a batch whose drafter is behind starts no try
 CLEAR_LOSS = 0.25  # a try's mode this far below the other's rate has lost: its try ends at once
 CLEAR_BACKOFF = 4  # and the interval to its next try grows by this factor (2 for a narrower loss)
-#: a try whose mode lost costs at most this share of the winning mode's time until the next try: the interval is at
-#: least the try's extra seconds (its steps' time less the winner's for as many tokens) over this share of a winning
-#: step (the demo's sampled batches of 16: a try of speculation cost about 50 ms, its backlog's replay included,
-#: against 3.4 ms plain steps, so tries at 128 and 512 steps took 3-4% of a run)
-TRY_BUDGET = 0.01
 #: buckets of more requests than this measure plain steps first, and their first try of speculation may end early
 #: too: a step's accepted tokens are summed over that many requests, so one step already measures acceptance fairly
 PLAIN_FIRST_ABOVE = 8
@@ -192,14 +183,11 @@ class _Bucket:
     try_records: int = 0  # steps of the current try still to be measured
     try_skip: int = 0  # warm-up steps of the current try still to be run unmeasured
     try_refresh: bool = False  # the current try's mode had an estimate before it (not its first measurement)
-    try_seconds: float = 0.0  # the current try's steps' time so far, warm-up included
-    try_tokens: int = 0  # and their tokens
 
     def start_try(self, speculative: bool, warmup: int = 0) -> None:
         """The next TRY_STEPS steps run `speculative`; its estimate restarts from them (fresh conditions) at the
         first of them that is measured. The try runs `warmup` more steps first, which are not measured."""
         self.try_skip = warmup
-        self.try_seconds, self.try_tokens = 0.0, 0
         self.try_refresh = self.mode(speculative).rate is not None
         self.trying, self.try_choices, self.try_records = speculative, TRY_STEPS + self.try_skip, TRY_STEPS
 
@@ -213,16 +201,6 @@ class _Bucket:
         if self.spec.rate is None or self.plain.rate is None:
             return None
         return self.spec.rate > self.plain.rate * (1.0 + SPEC_MARGIN)
-
-    def budget_interval(self, budget: float) -> int:
-        """Steps until the next try for the try that just lost (its mode: ``trying``) to cost at most ``budget`` of
-        the winning mode's time meanwhile (see TRY_BUDGET); 0 where it cost nothing or budget is 0."""
-        winner = self.mode(not self.trying)
-        if budget <= 0 or winner.rate is None or winner.steps <= 0:
-            return 0
-        extra = self.try_seconds - self.try_tokens / winner.rate
-        step = winner.seconds / winner.steps
-        return math.ceil(extra / (budget * step)) if extra > 0 and step > 0 else 0
 
     def clearly_behind(self, speculative: bool) -> bool:
         """Speculative (True) or plain (False) steps run below the other mode's rate by more than CLEAR_LOSS (both
@@ -239,7 +217,6 @@ class BatchPolicy:
     auto_off: bool = True
     explore_every: int = EXPLORE_EVERY
     warmup_steps: int = WARMUP_STEPS
-    try_budget: float = TRY_BUDGET
     rates: dict[tuple[int, str], _Bucket] = field(default_factory=dict)
 
     def _bucket(self, batch: int, kind: str) -> _Bucket:
@@ -294,9 +271,6 @@ class BatchPolicy:
             if r.trying == speculative:
                 r.try_choices += 1
             return
-        if r.trying == speculative:  # what the try costs (``_Bucket.budget_interval``)
-            r.try_seconds += seconds
-            r.try_tokens += tokens
         if r.trying == speculative and r.try_skip > 0:  # a warm-up step: run, its time not measured
             r.try_skip -= 1
             if speculative:  # what it accepted is as telling as any step's (a try may end after one more step)
@@ -319,8 +293,6 @@ class BatchPolicy:
         if win is not None:  # a try that confirms the current winner makes the next one come later
             backoff = CLEAR_BACKOFF if clear else 2
             r.interval = min(r.interval * backoff, MAX_EXPLORE_EVERY) if win != r.trying else self.explore_every
-            if win != r.trying:  # the tried mode lost: its tries may cost at most the budget
-                r.interval = max(r.interval, min(r.budget_interval(self.try_budget), MAX_EXPLORE_EVERY))
             r.next_try = r.steps + r.interval
         r.trying, r.try_choices, r.try_records = None, 0, 0
 
