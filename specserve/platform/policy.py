@@ -116,6 +116,12 @@ class PlatformPolicy:
         (``draft_topk.HeadTopk`` on CPU). None: the head's modules rank."""
         return None
 
+    def race_walk(self):
+        """Sampled verification's tree walk in one call, where the host has one: f(probs [B, N, V], tokens, parents,
+        depth [B, N], num_nodes [B], keys [B, D+1, 2]) -> ``verify.VerifyResult``'s fields, what ``verify_greedy`` over
+        ``race_node_ids`` gives (``race_walk.race_walk`` on CPU). None: those."""
+        return None
+
     def head_levels(self, layer_hook, ranker, embedding: nn.Module | None):
         """An EAGLE-3 head's draft levels after the root's children in one call, where the host has one: its layer's
         ``fused`` hook, its ``head_ranker`` and the target's token embedding module -> f(root_p, root_ids, hidden,

@@ -172,6 +172,7 @@ class SpecDecoder(DecodeStep):
         args = ctx.args
         self.threshold_single = args.speculative_accept_threshold_single
         self.threshold_acc = args.speculative_accept_threshold_acc
+        self.race_walk = ctx.runner.platform.race_walk()  # sampled trees walked in one call where the host has it
         # SPECSERVE_SIMULATE_ACC_LEN (benchmarking only, lossy): None = normal verification
         self.simulator = AcceptSimulator.from_env(args.random_seed)
         self.policy = self._batch_policy(args)
@@ -461,7 +462,7 @@ class SpecDecoder(DecodeStep):
         keys = grid_keys(request_seeds([reqs[b].generator for b in rows]), [len(reqs[b].output_ids) for b in rows],
                          tree.max_depth + 1, self.device)  # [S, D+1, 2]: column d keys output position len + d
         if ids is None:
-            return race_verify(tree, probs, keys)
+            return race_verify(tree, probs, keys, self.race_walk)
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [S]
         ids[index] = race_node_ids(tree.depth[index], probs[index], keys)
         return verify_greedy(tree, ids)

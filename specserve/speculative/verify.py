@@ -223,24 +223,13 @@ def verify_sampling_with_coins(tree: DraftTree, target_probs: Tensor, coins: Ten
     return _result(tree, accept_len, path, last, bonus)
 
 
-#: the host's one-call race walk (``use_race_walk``), or None
-_race_walk = None
-
-
-def use_race_walk(fn) -> None:
-    """Have ``race_verify`` walk CPU trees with fn (probs, tokens, parents, depth, num_nodes, keys) -> VerifyResult's
-    fields, the same result as ``verify_greedy`` over ``race_node_ids``: the CPU platform installs its operator here
-    (``platform/cpu/race_walk.py``)."""
-    global _race_walk
-    _race_walk = fn
-
-
-def race_verify(tree: DraftTree, target_probs: Tensor, keys: Tensor) -> VerifyResult:
+def race_verify(tree: DraftTree, target_probs: Tensor, keys: Tensor, walk=None) -> VerifyResult:
     """Lossless sampled verification of every request of the tree: ``verify_greedy`` over each node's race winner
-    (``race_node_ids``; target_probs [B, N, V], keys [B, D+1, 2]). On a CPU with the installed walk (``use_race_walk``)
-    in one call that races only the nodes the walk reaches."""
-    if _race_walk is not None and target_probs.device.type == "cpu":
-        return VerifyResult(*_race_walk(target_probs, tree.tokens, tree.parents, tree.depth, tree.num_nodes, keys))
+    (``race_node_ids``; target_probs [B, N, V], keys [B, D+1, 2]). walk: the host's one-call walk
+    (``PlatformPolicy.race_walk``: (probs, tokens, parents, depth, num_nodes, keys) -> VerifyResult's fields, the same
+    result, racing only the nodes the walk reaches), or None."""
+    if walk is not None:
+        return VerifyResult(*walk(target_probs, tree.tokens, tree.parents, tree.depth, tree.num_nodes, keys))
     return verify_greedy(tree, race_node_ids(tree.depth, target_probs, keys))
 
 

@@ -85,7 +85,7 @@ def test_seeded_sampling_is_the_same_alone_batched_and_without_speculation(targe
     assert_drafting_happened([batch[1]], min_accept_length=2.0)
 
 
-@pytest.mark.parametrize("threshold_acc, rule", [(1.0, "race_node_ids"), (0.5, "verify_sampling")])
+@pytest.mark.parametrize("threshold_acc, rule", [(1.0, "race_verify"), (0.5, "verify_sampling")])
 def test_sampled_rows_race_unless_thresholds_are_lossy(target, monkeypatch, threshold_acc, rule):
     """Lossless thresholds: the exponential race of each position (plain decoding's tokens); SGLang's lossy accept
     thresholds need its running-sum rule."""
@@ -101,7 +101,7 @@ def test_sampled_rows_race_unless_thresholds_are_lossy(target, monkeypatch, thre
             return real(*args, **kwargs)
         return wrapper
 
-    for name in ("verify_sampling", "race_node_ids"):
+    for name in ("verify_sampling", "race_verify"):
         monkeypatch.setattr(spec_decode, name, spy(name))
     with Engine(model_path=target, max_total_tokens=8192, speculative_accept_threshold_acc=threshold_acc,
                 **NGRAM) as e:

@@ -215,7 +215,8 @@ def test_a_broken_verifier_fails_the_distribution_test(target, setups, plain_run
     """Sampled rows verified by the target's argmax instead of its race (a lossy verifier) shift the distribution
     far beyond the threshold at temperature 1."""
     monkeypatch.setattr(spec_decode, "race_node_ids", lambda depth, probs, keys: probs.argmax(dim=-1))
-    monkeypatch.setattr(spec_decode, "race_verify", lambda tree, probs, keys: verify_greedy(tree, probs.argmax(dim=-1)))
+    monkeypatch.setattr(spec_decode, "race_verify",
+                        lambda tree, probs, keys, walk=None: verify_greedy(tree, probs.argmax(dim=-1)))
     i = CONFIGS.index((1.0, {"top_k": 20}))
     with Engine(model_path=target, max_total_tokens=16384, **setups["EAGLE"][1], **ALWAYS) as e:
         outs = e.generate([PROMPT] * N, _params(*CONFIGS[i], range(N)))

@@ -18,6 +18,7 @@ every one races without filters, and no grammar (a grammar's rows come from its 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specserve.models.direct_call import Embedding
@@ -26,7 +27,6 @@ from specserve.platform.cpu.draft_topk import HeadTopk, draft_topk
 from specserve.platform.cpu.draft_topk import native as draft_topk_native
 from specserve.platform.cpu.fused_layer import FusedLayer, decoder_layer
 from specserve.platform.cpu.ops import cpu_op
-from specserve.speculative.tree import EagleCandidates
 
 BF16 = torch.bfloat16
 
@@ -35,16 +35,26 @@ def draft_levels_reference(root_p, root_ids, hidden, embed, linears, norm1, norm
                            amx_from, cos, sin, k_buf, v_buf, scratch, kv_slots, base, head_norm, head_eps,
                            head_linear, rank_scale, to_target=None, rank_amx_from=0, noise=None, inv_temps=None,
                            keep=1, threshold=0.0):
-    """The operator's steps as the level-by-level path takes them: ``decoder_layer``, ``draft_topk`` and
-    ``EagleCandidates``' host bookkeeping (see ``draft_levels`` below)."""
+    """The operator's steps one call at a time: ``decoder_layer``, ``draft_topk``, and the bookkeeping of
+    ``speculative/tree.py``'s ``EagleCandidates`` in numpy (see ``draft_levels`` below)."""
     B, K = root_p.shape
     L = cos.shape[0]
-    cands = EagleCandidates(root_p.float(), root_ids, host=True)
+    live = root_p.float().numpy().copy()  # [B, K] the live branches' scores
+    live_index = np.broadcast_to(np.arange(K), (B, K))  # [B, K] their candidate indices
+    seen = [live]  # every level's candidate scores [B, *]
+    scores, tokens_out, parents = [], [], []
+    count, rows = K, np.arange(B)[:, None]
     tokens, x = root_ids.reshape(-1), hidden.repeat_interleave(K, 0)  # [B K], [B K, h]
     ancestors = torch.zeros(B, K, 0, dtype=torch.bool)  # [B, K, (j - 1) K] over the levels' columns
     eye = torch.eye(K, dtype=torch.bool).expand(B, K, K)
     for j in range(1, L + 1):
-        if cands.can_stop(keep, threshold):
+        best_live = live.max(axis=1)  # [B]; drafting_can_stop
+        if count < keep:
+            stop = threshold > 0 and bool(best_live.max() < threshold)
+        else:
+            exact = (np.concatenate(seen, axis=1) >= best_live[:, None]).sum(axis=1) >= keep
+            stop = bool((exact | (best_live < threshold) if threshold > 0 else exact).all())
+        if stop:
             break
         tree = torch.cat([ancestors, eye], dim=2)  # [B, K, j K]
         mask = torch.zeros(B, K, max(base) + j * K, dtype=torch.bool)  # prefix visible, then the tree
@@ -57,15 +67,23 @@ def draft_levels_reference(root_p, root_ids, hidden, embed, linears, norm1, norm
         race = {} if noise is None else dict(noise=noise[:, j].contiguous(), inv_temps=inv_temps, rows_per_group=K)
         p, ids = draft_topk(out, head_norm, head_eps, head_linear, rank_scale if noise is None else 1.0, K, to_target,
                             rank_amx_from, **race)  # [B K, K] each
-        best = cands.add_level(p.view(B, K, K), ids.view(B, K, K))  # [B, K]
+        level = (live[:, :, None] * p.numpy().reshape(B, K, K)).reshape(B, K * K)  # float32 products
+        best = np.argsort(-level, axis=1, kind="stable")[:, :K]  # [B, K]: score desc, the earlier first
+        scores.append(level)
+        tokens_out.append(ids.numpy().reshape(B, K * K))
+        parents.append(np.repeat(live_index, K, axis=1))
+        seen.append(level)
+        live, live_index, count = level[rows, best], count + best, count + K * K
         if j == L:
             break
-        branch = best // K  # [B, K] the live branch each new one extends
-        tokens = ids.view(B, K * K).gather(1, best).reshape(-1)
+        branch = torch.from_numpy(best // K)  # [B, K] the live branch each new one extends
+        tokens = ids.view(B, K * K).gather(1, torch.from_numpy(best)).reshape(-1)
         x = out.view(B, K, -1).gather(1, branch.unsqueeze(-1).expand(B, K, out.shape[-1])).reshape(B * K, -1)
         ancestors = tree.gather(1, branch.unsqueeze(-1).expand(B, K, j * K))
-    all_tokens, parents, scores = cands.tensors()
-    return scores[:, K:].contiguous(), all_tokens[:, K:].contiguous(), parents[:, K:].contiguous()
+    if not scores:
+        return torch.empty(B, 0), torch.empty(B, 0, dtype=torch.int64), torch.empty(B, 0, dtype=torch.int64)
+    return tuple(torch.from_numpy(np.ascontiguousarray(np.concatenate(a, axis=1)))
+                 for a in (scores, tokens_out, parents))
 
 
 def _fake(root_p, *args, **kwargs):

@@ -45,7 +45,6 @@ from specserve.platform.cpu.packing import (
 from specserve.platform.cpu.upcast_probe import choose_upcast_rows
 from specserve.platform.policy import PlatformPolicy
 from specserve.sampling import race
-from specserve.speculative import verify
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -93,8 +92,6 @@ class CpuPolicy(PlatformPolicy):
         self.fused_layers = 0  # decoder layers run as one operator call (fused_layer.py), all models together
         if device.type == "cpu" and native.native_ops():
             race.use_kernel(elementwise.race_exponentials)  # seeded sampling's noise without a first-request compile
-            if race_walk.native():
-                verify.use_race_walk(race_walk.race_walk)  # sampled trees verified in one call
 
     @property
     def packs_weights(self) -> bool:
@@ -295,6 +292,12 @@ class CpuPolicy(PlatformPolicy):
         if not (self.elementwise and self.tree_attention):
             return None
         return draft_topk.HeadTopk.for_head(norm, lm_head)
+
+    def race_walk(self):
+        """The ``race_walk`` operator (``race_walk.py``) where ``ops.cpp`` registered it, for CPU tensors."""
+        if self.device.type != "cpu" or not (native.native_ops() and race_walk.native()):
+            return None
+        return race_walk.race_walk
 
     def head_levels(self, layer_hook, ranker, embedding: nn.Module | None):
         """The ``draft_levels`` operator (``draft_levels.py``) where the head's layer runs ``decoder_layer`` and its

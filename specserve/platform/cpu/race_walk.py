@@ -6,7 +6,8 @@ argmax p(x) / E(x) with the noise of the node's output position, then the greedy
 where the walk reads the winners of the nodes it reaches only (the accepted path and the node after it), and it
 takes a dozen operator and numpy calls. The operator walks the tree and races the nodes it reaches, with the same
 noise kernel and torch's arithmetic (a float32 division per token, the first index among equal values), so it gives
-the same result. The CPU platform installs it (``verify.use_race_walk``) where ``ops.cpp`` is built.
+the same result. The CPU platform offers it (``CpuPolicy.race_walk``) where ``ops.cpp`` is built, and the
+speculative decoder hands it to ``verify.race_verify``.
 """
 
 from __future__ import annotations
