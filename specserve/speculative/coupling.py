@@ -37,6 +37,11 @@ class RaceRows:
     min_ps: torch.Tensor | None
     on: tuple[bool, bool, bool]
 
+    def unfiltered_all(self, rows: int) -> bool:
+        """Every one of a call's `rows` rows races, and none through a filter: what a one-call ranking takes as a race
+        (its noise and temperatures alone)."""
+        return self.index.numel() == rows and not any(self.on)
+
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [R, Vd] -> [R, Vd] where the racing rows hold log q - log E up to a constant per row (q their
         filtered distribution, -inf where a filter cut the token), the other rows unchanged; a softmax of either

@@ -265,7 +265,7 @@ class EagleProposer(Proposer):
         if race is not None:
             batch, level, rows_per_req = race
             rows = batch.at_level(level, rows_per_req, vocab_ids)
-            if rows.index.numel() != draft_hidden.shape[0] or any(rows.on):
+            if not rows.unfiltered_all(draft_hidden.shape[0]):
                 return None
             noise = (rows.log_expo, rows.inv_temps.view(-1), rows_per_req)
         allowed = None
@@ -540,7 +540,7 @@ class EagleProposer(Proposer):
         if race is not None:
             vocab_ids = self.draft.ranked_ids()
             rows = race.at_level(1, K, vocab_ids)
-            if scale is not None or rows.index.numel() != B * K or any(rows.on):
+            if scale is not None or not rows.unfiltered_all(B * K):
                 return None
             noise = (race.log_noise(vocab_ids), rows.inv_temps.view(-1))
         level_positions = positions.unsqueeze(0) + torch.arange(S - 1, device=self.device).unsqueeze(1)  # [S-1, B K]

@@ -12,6 +12,7 @@ from specserve.models.layers import DecoderLayer
 from specserve.platform.cpu import fused_layer, native, packing, small_gemm
 from specserve.platform.cpu.fused_layer import FusedLayer, decoder_layer, decoder_layer_reference
 from specserve.platform.cpu.int8_gemm import pack as pack_int8
+from specserve.platform.cpu.ops import registered
 from specserve.platform.cpu.small_gemm import pack
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
@@ -28,7 +29,7 @@ def kernel_linears(monkeypatch) -> None:
     kernel's linears); on AVX512-BF16 the few-row kernel takes calls of 1 to 16 rows, untimed (its probe's verdict
     would depend on the machine's load)."""
     native.native_ops()
-    if fused_layer._native("avx2_gemm"):
+    if registered("avx2_gemm"):
         monkeypatch.setattr(packing, "_pack", lambda *a, **k: None)
     else:
         monkeypatch.setenv(small_gemm.ENV, "on")

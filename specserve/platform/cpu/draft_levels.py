@@ -26,7 +26,7 @@ from specserve.platform.cpu import tree_attention
 from specserve.platform.cpu.draft_topk import HeadTopk, draft_topk
 from specserve.platform.cpu.draft_topk import native as draft_topk_native
 from specserve.platform.cpu.fused_layer import FusedLayer, decoder_layer
-from specserve.platform.cpu.ops import cpu_op
+from specserve.platform.cpu.ops import cpu_op, registered
 
 BF16 = torch.bfloat16
 
@@ -110,7 +110,7 @@ draft_levels = cpu_op(
 
 def native() -> bool:
     """``ops.cpp`` registered the operator's C++ implementation (with draft_topk's, which it calls)."""
-    return draft_topk_native() and torch._C._dispatch_has_kernel_for_dispatch_key("specserve::draft_levels", "CPU")
+    return draft_topk_native() and registered("draft_levels")
 
 
 class HeadLevels:

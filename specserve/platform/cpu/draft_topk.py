@@ -20,7 +20,7 @@ import torch
 from specserve.models.layers import RMSNorm
 from specserve.platform.cpu import elementwise
 from specserve.platform.cpu.fused_layer import _kernel_copy, available, kernel_linear
-from specserve.platform.cpu.ops import cpu_op
+from specserve.platform.cpu.ops import cpu_op, registered
 
 
 def draft_topk_reference(x, norm, eps, linear, scale, k, to_target=None, amx_from=0, noise=None, inv_temps=None,
@@ -57,7 +57,7 @@ draft_topk = cpu_op("draft_topk(Tensor x, Tensor norm, float eps, Tensor?[] line
 
 def native() -> bool:
     """``ops.cpp`` registered the operator's C++ implementation (the fused layers' condition, ``available``)."""
-    return available() and torch._C._dispatch_has_kernel_for_dispatch_key("specserve::draft_topk", "CPU")
+    return available() and registered("draft_topk")
 
 
 class HeadTopk:

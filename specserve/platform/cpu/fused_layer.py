@@ -30,7 +30,7 @@ from specserve.models.quantize import QuantLinear
 from specserve.platform.cpu import elementwise, native, tree_attention
 from specserve.platform.cpu.avx2_gemm import Avx2Linear, avx2_gemm
 from specserve.platform.cpu.int8_gemm import Int8Copy, int8_gemm
-from specserve.platform.cpu.ops import cpu_op
+from specserve.platform.cpu.ops import cpu_op, registered
 from specserve.platform.cpu.packing import PackedLinear
 from specserve.platform.cpu.small_gemm import available as small_gemm_available
 from specserve.platform.cpu.small_gemm import small_gemm
@@ -65,7 +65,7 @@ def kernel_linear(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     with scales, else this build's bf16 few-row kernel."""
     if scales is not None:
         return int8_gemm(rows, packed, scales, bias, amx_from)
-    return avx2_gemm(rows, packed, bias) if _native("avx2_gemm") else small_gemm(rows, packed, bias, amx_from)
+    return avx2_gemm(rows, packed, bias) if registered("avx2_gemm") else small_gemm(rows, packed, bias, amx_from)
 
 
 # x [T, h] bf16 -> the layer's output [T, h]; linears: (packed, int8 scales or None, bias or None) of qkv, o, gate_up
@@ -78,29 +78,24 @@ decoder_layer = cpu_op("decoder_layer(Tensor x, Tensor?[] linears, Tensor norm1,
                        decoder_layer_reference, lambda x, *rest, **kw: torch.empty_like(x))
 
 
-def _native(op: str) -> bool:
-    """``ops.cpp`` registered specserve::op's C++ implementation here (its build has that kernel)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"specserve::{op}", "CPU")
-
-
 def available() -> bool:
     """SPECSERVE_CPU_FUSED_LAYER is not off and ``ops.cpp`` registered the operator's C++ implementation here."""
-    return native.env_mode(ENV, MODES) == "on" and native.native_ops() and _native("decoder_layer")
+    return native.env_mode(ENV, MODES) == "on" and native.native_ops() and registered("decoder_layer")
 
 
 def runs_here() -> bool:
     """The operator is available and this build's bf16 few-row kernel is one the engine's bf16 linears run on: the
     AVX2 kernel, or on AVX512-BF16 the few-row kernel unless SPECSERVE_SMALL_GEMM is off (its probe at load may still
     keep a model's one-row calls off it, where another kernel times faster)."""
-    return available() and (_native("avx2_gemm") or small_gemm_available())
+    return available() and (registered("avx2_gemm") or small_gemm_available())
 
 
 def _kernel_copy(linear) -> tuple | None:
     """(packed, scales, bias) of a linear on the kernel that the operator calls for it in this build of ``ops.cpp``:
     the AVX2 bf16 kernel, the AVX512-BF16 few-row one (a PackedLinear's ``small`` copy), the int8 one; else None."""
-    if type(linear) is Avx2Linear and _native("avx2_gemm"):
+    if type(linear) is Avx2Linear and registered("avx2_gemm"):
         return linear.packed, None, linear.bias
-    if type(linear) is PackedLinear and linear.small is not None and _native("small_gemm"):
+    if type(linear) is PackedLinear and linear.small is not None and registered("small_gemm"):
         return linear.small.packed, None, linear.small.bias
     if isinstance(linear, QuantLinear) and isinstance(linear.few_rows, Int8Copy):
         return linear.few_rows.packed, linear.few_rows.scales, linear.few_rows.bias

@@ -446,7 +446,6 @@ std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Ten
     return {probs, ids};
 }
 
-
 // One draft level's bookkeeping per request (eagle.py's EagleCandidates on host arrays): the K live branches'
 // children scored live score x probability, the best K of the K*K (score desc, equal scores: the earlier first) the
 // next live branches. Exactly tree.py's float32 products and stable ranking.
@@ -479,7 +478,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
     const at::Tensor& root_p, const at::Tensor& root_ids, const at::Tensor& hidden, const at::Tensor& embed,
     const c10::List<std::optional<at::Tensor>>& linears, const at::Tensor& norm1, const at::Tensor& norm2,
     const at::Tensor& embed_norm, double eps, int64_t heads, double attn_scale, int64_t amx_from,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& scratch_,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
+    const at::Tensor& scratch_,
     const at::Tensor& kv_slots, at::IntArrayRef base, const at::Tensor& head_norm, double head_eps,
     const c10::List<std::optional<at::Tensor>>& head_linear, double rank_scale,
     const std::optional<at::Tensor>& to_target, int64_t rank_amx_from, const std::optional<at::Tensor>& noise,
@@ -487,7 +487,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
     const int64_t B = root_p.size(0), K = root_p.size(1), L = cos.size(0);
     TORCH_CHECK(root_ids.size(0) == B && root_ids.size(1) == K && hidden.size(0) == B &&
                     (int64_t)base.size() == B && scratch_.dim() == 3 && scratch_.size(0) == B &&
-                    scratch_.size(1) == L && scratch_.size(2) == K && cos.size(1) == B * K && sin.sizes() == cos.sizes(),
+                    scratch_.size(1) == L && scratch_.size(2) == K && cos.size(1) == B * K &&
+                    sin.sizes() == cos.sizes(),
                 "draft_levels: root [B, K], hidden [B, h], base [B], scratch [B, L, K], cos / sin [L, B K, 1, D]");
     const at::Tensor scratch = scratch_.to(at::kLong).contiguous();
     const at::Tensor p0 = root_p.to(at::kFloat).contiguous(), ids0 = root_ids.to(at::kLong).contiguous();
@@ -535,8 +536,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
             attn_scale, at::embedding(embed, tokens), embed_norm, amx_from);  // [B K, h]
         std::optional<at::Tensor> level_noise;
         if (noise.has_value()) level_noise = noise->select(1, j);  // [B, V]
-        const auto [probs_, ids_] = draft_topk(out, head_norm, head_eps, head_linear, noise.has_value() ? 1.0 : rank_scale,
-                                               K, to_target, rank_amx_from, level_noise, inv_temps, K, std::nullopt);
+        const double level_scale = noise.has_value() ? 1.0 : rank_scale;
+        const auto [probs_, ids_] = draft_topk(out, head_norm, head_eps, head_linear, level_scale, K, to_target,
+                                               rank_amx_from, level_noise, inv_temps, K, std::nullopt);
         const float* pp = probs_.data_ptr<float>();
         const int64_t* ip = ids_.data_ptr<int64_t>();
         at::Tensor scores = at::empty({B, K * K}, p0.options()), level_tokens = at::empty({B, K * K}, ids0.options());
@@ -586,7 +588,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
     }
     return {at::cat(out_scores, 1), at::cat(out_tokens, 1), at::cat(out_parents, 1)};
 }
-
 
 // The exponential race's winner over one row of probabilities [v] for keys (k1, k2): argmax p[x] / E(x) with torch's
 // arithmetic (a float32 division per token; the first index among equal values, as max(dim)), over chunks of ID_GRAIN

@@ -26,3 +26,8 @@ def cpu_op(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"specserve::{name}", fake, lib=_LIB)
     return getattr(torch.ops.specserve, name).default
+
+
+def registered(name: str) -> bool:
+    """``ops.cpp`` registered specserve::name's C++ implementation here (its build has that kernel)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"specserve::{name}", "CPU")

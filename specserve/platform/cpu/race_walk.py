@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.platform.cpu.ops import cpu_op
+from specserve.platform.cpu.ops import cpu_op, registered
 
 
 def race_walk_reference(probs, tokens, parents, depth, num_nodes, keys):
@@ -62,4 +62,4 @@ race_walk = cpu_op("race_walk(Tensor probs, Tensor tokens, Tensor parents, Tenso
 
 def native() -> bool:
     """``ops.cpp`` registered the operator's C++ implementation."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("specserve::race_walk", "CPU")
+    return registered("race_walk")
