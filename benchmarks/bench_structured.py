@@ -15,16 +15,18 @@ At batch 1 (one request at a time) and at ``--batch`` (that many at once). EAGLE
 tokens a grammar forces appended to the draft tree), without jump-forward (``--disable-grammar-jump-forward``) and,
 as other engines do it, drafting blind to the grammar with only verification masking it (``nojf`` plus
 ``--disable-grammar-aware-drafting``); the last two constrained only. All three produce the same outputs, so their
-accept lengths compare on the same text. ``plain-masked`` is the plain engine with check-first sampling off (every
-constrained token's mask built before it is drawn; the same outputs). Tokens/s is completion tokens over the
-round's summed wall time, the median over ``--rounds`` (after one uncounted warm-up round), with ratios taken round
-by round. EAGLE-3 rows add
-the accept length (completion tokens per verify step), the same without the grammar-forced tokens ("drafted"), and
-the forced tokens accepted per verify step. "g. share" is the share of the constrained run's wall time that the
-engine's grammar work took on its scheduler thread (``grammar_mask_seconds`` of the server info: the masks of
-sampling, verify trees and drafting, and check-first sampling's token checks; not a redrawn row's argmax), the
-median over rounds: the grammar's own cost, which a neighbour's load on a shared machine moves far less than it
-moves two tokens/s figures taken seconds apart.
+accept lengths compare on the same text. Plain decoding jumps over the tokens a grammar forces (appends them without
+a forward of their own); ``plain-nojf`` is the plain engine without that (``--disable-grammar-jump-forward``: every
+token its own forward, so only the grammar's own work sets it apart from free decoding), ``plain-masked`` the plain
+engine with check-first sampling off (every constrained token's mask built before it is drawn); the same outputs.
+Tokens/s is completion tokens over the round's summed wall time, the median over ``--rounds`` (after one uncounted
+warm-up round), with ratios taken round by round. EAGLE-3 rows add the accept length (completion tokens per verify
+step), the same without the grammar-forced tokens ("drafted"), and the forced tokens accepted per verify step.
+"g. share" is the share of the constrained run's wall time that the engine's grammar work took on its scheduler
+thread (``grammar_mask_seconds`` of the server info: the masks of sampling, verify trees and drafting, check-first
+sampling's token checks and jump-forward's; not a redrawn row's argmax), the median over rounds: the grammar's own
+cost, which a neighbour's load on a shared machine moves far less than it moves two tokens/s figures taken seconds
+apart.
 
     python benchmarks/bench_structured.py --rounds 3 [--model smollm2]
 """
@@ -45,7 +47,7 @@ VARIANTS = {"eagle3": {}, "eagle3-nojf": dict(disable_grammar_jump_forward=True)
             "eagle3-blind": dict(disable_grammar_jump_forward=True, disable_grammar_aware_drafting=True)}
 # plain decoding's variant on the same engine (bf16 engines in one process may round apart, so a second engine
 # would not give the same outputs): every constrained token's mask built before drawing it
-PLAIN_VARIANTS = ("plain-masked",)
+PLAIN_VARIANTS = ("plain-masked", "plain-nojf")
 MODELS = {"demo": dict(model_path=demo_path("demo")), SMOLLM2: dict(model_path=SMOLLM2, dtype="bfloat16")}
 
 
@@ -119,6 +121,12 @@ def run(engine: Engine, texts: list[str], group: range, lengths: list[int] | Non
     return secs, tokens, verify, forced, grammar
 
 
+def _plain_variant(outputs, algo: str) -> None:
+    """The plain engine's output processor set for ``algo`` (plain or one of PLAIN_VARIANTS)."""
+    outputs.check_first_grammar = algo != "plain-masked"
+    outputs.jump_forward_grammar = algo != "plain-nojf"
+
+
 def run_round(eng: dict[tuple[str, str], Engine], texts: list[str], batch: int, max_new: int
               ) -> dict[tuple[str, str, bool], list]:
     """Every case, `batch` at a time; each group of cases runs on every engine in turn, constrained then free with the
@@ -128,8 +136,8 @@ def run_round(eng: dict[tuple[str, str], Engine], texts: list[str], batch: int, 
     for i in range(0, len(texts), batch):
         group = range(i, min(i + batch, len(texts)))
         for (algo, backend), engine in eng.items():
-            if algo.startswith("plain"):  # check-first sampling on, but for plain-masked
-                engine.loop.call(lambda s, on=algo == "plain": setattr(s.outputs, "check_first_grammar", on))
+            if algo.startswith("plain"):  # check-first sampling and jump-forward on, but for their variants
+                engine.loop.call(lambda s, a=algo: _plain_variant(s.outputs, a))
             con = run(engine, texts, group, None, max_new)
             runs = {True: con}
             if algo in ("plain", "eagle3"):  # without a grammar, the variants change nothing
@@ -151,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="also run one request at a time (--no-batch-1: only --batch)")
     p.add_argument("--algos", default="plain,eagle3,eagle3-nojf,eagle3-blind",
                    help="what runs: plain (always), plain-masked (every mask built before drawing: check-first "
-                        "sampling off) and EAGLE-3's variants (eagle3, eagle3-nojf, eagle3-blind)")
+                        "sampling off), plain-nojf (no jump-forward) and EAGLE-3's variants (eagle3, eagle3-nojf, "
+                        "eagle3-blind)")
     p.add_argument("--num-prompts", type=int, default=len(SCHEMA_CASES), help="the first N of the 20 cases")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
@@ -198,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     for (batch, algo, backend, constrained), r in rows.items():
         if not constrained:
             continue
-        free = rows.get((batch, algo, backend, False))  # run for plain and eagle3 only
+        free = rows.get((batch, "plain" if algo in PLAIN_VARIANTS else algo, backend, False))  # plain, eagle3 only
         plain = rows[batch, "plain", backend, True]["tps"]
         vs_plain = statistics.median(a / b for a, b in zip(r["tps"], plain, strict=True))
 
@@ -214,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         if info.get("grammar_checked_tokens"):
             print(f"{algo} {backend}: {info['grammar_check_refusals']} of {info['grammar_checked_tokens']} tokens "
                   f"drawn check-first were refused (then the forced token, or a draw under the mask)")
+        if info.get("grammar_jump_forward_tokens"):
+            print(f"{algo} {backend}: {info['grammar_jump_forward_tokens']} tokens appended by jump-forward (no "
+                  f"forward of their own)")
 
 if __name__ == "__main__":
     main()

@@ -115,8 +115,9 @@ class ServerArgs:
         "help": "JSON outputs of a json_schema / response_format take no whitespace beyond the separators (by "
                 "default up to 24 whitespace characters may stand between two JSON tokens)."})
     disable_grammar_jump_forward: bool = field(default=False, metadata={
-        "help": "Speculative decoding of structured outputs: do not append the tokens a grammar forces (a JSON key, a "
-                "closing brace) to the draft tree in place of the nodes it forbids (outputs are the same either way)."})
+        "help": "Structured outputs: do not jump over the tokens a grammar forces (a JSON key, a closing brace). By "
+                "default plain decoding appends them without a forward of their own, and speculative decoding appends "
+                "them to the draft tree in place of the nodes the grammar forbids (outputs are the same either way)."})
     disable_grammar_aware_drafting: bool = field(default=False, metadata={
         "help": "Speculative decoding of structured outputs: the EAGLE family drafts blind to the grammar (only "
                 "verification masks it, as other engines do), for A/B benchmarks (outputs are the same either way)."})

@@ -91,6 +91,8 @@ class Req:
         # since the matcher itself may already be past that token (a verify step feeds it all its tokens first)
         self.grammar_end: int | None = None
         self.grammar_error: tuple[int, str] | None = None
+        # the output length after which jump-forward found no token forced (the next pick need not look again)
+        self.grammar_unforced: int | None = None
         # KV state: row in req_to_token, tokens whose KV is stored there, radix lock
         self.req_pool_idx: int | None = None
         self.kv_len = 0
@@ -134,6 +136,11 @@ class Req:
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
 
+    def token_at(self, position: int) -> int:
+        """The sequence's token at ``position`` (``fill_ids[position]`` without building the list)."""
+        n = len(self.origin_input_ids)
+        return self.origin_input_ids[position] if position < n else self.output_ids[position - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
@@ -160,7 +167,7 @@ class Req:
         """Check-first sampling: `tok`, the n_out-th output token, was drawn without the grammar's mask. -> the token
         a draw under the mask gives, with the grammar advanced over it, where the grammar knows it without a mask
         (``Matcher.pick``); None when only the mask can say. A drawn stop id is the mask's to judge."""
-        if tok in self.stop_ids or (picked := self.grammar.pick(tok)) is None:
+        if tok in self.stop_ids or (picked := self.grammar.pick(tok, self.grammar_unforced == n_out - 1)) is None:
             return None
         if self.grammar.terminated():
             self.grammar_end = n_out

@@ -55,6 +55,16 @@ def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
 
 
+def single_token(row: torch.Tensor) -> int | None:
+    """The one token an int32 bitmask row [W] allows, or None when it allows none or several."""
+    words = row.nonzero()
+    if words.numel() != 1:
+        return None
+    w = int(words[0, 0])
+    bits = int(row[w]) & 0xFFFFFFFF
+    return w * 32 + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
+
+
 class Matcher:
     """One output's state in its grammar (see the module docstring). ``vocab_size``: bits per bitmask row; ``stats``:
     its backend's GrammarStats (where the mask work of its steps is counted)."""
@@ -68,11 +78,12 @@ class Matcher:
     def accept(self, token: int) -> bool:
         raise NotImplementedError
 
-    def pick(self, token: int) -> int | None:
+    def pick(self, token: int, unforced: bool = False) -> int | None:
         """``token`` was drawn without the mask. Where the engine knows, without filling a mask, which token a draw
         under it would give, advance by that token and return it: ``token`` when the mask allows it, or the only
         token the mask allows (with the grammar not accepting, so no stop token either). Else None, the state
-        unchanged. Default: ``accept``, for engines whose mask allows exactly what their parser accepts."""
+        unchanged. unforced: the caller knows ``forced_token`` is None here. Default: ``accept``, for engines whose
+        mask allows exactly what their parser accepts."""
         return token if self.accept(token) else None
 
     def fork(self) -> Matcher:
@@ -88,6 +99,18 @@ class Matcher:
         """Tokens the grammar forces from this state, as the engine tokenizes the forced text (a jump-forward
         guess: ``masks.jump_forward`` checks each before appending it). Default: none known."""
         return []
+
+    def forced_token(self) -> int | None:
+        """The token every draw under this state's mask gives, whatever the logits: the only one the mask allows,
+        with the grammar not accepting (so no stop token either); None where the grammar leaves a choice. The state
+        is unchanged. Default: the first of ``forced_tokens``, checked against a mask (none is built where the
+        engine names no forced text)."""
+        run = self.forced_tokens()
+        if not run:
+            return None
+        row = new_bitmask(1, self.vocab_size)
+        self.fill(row, 0)
+        return run[0] if not self.accepting() and single_token(row[0]) == run[0] else None
 
 
 class GrammarBackend:

@@ -46,14 +46,19 @@ class LLGuidanceMatcher(Matcher):
         # try_consume_tokens leaves the state as it was on a refused token (consume_token would enter an error state)
         return self.m.try_consume_tokens([token]) == 1
 
-    def pick(self, token: int) -> int | None:
-        """Where the grammar forces bytes (a JSON key), llguidance's mask allows only the first token of their
-        canonical tokenization, though its parser would accept a shorter prefix token too ("d" of "done"): that
-        token is the pick, whatever was drawn. Elsewhere its mask allows what its parser accepts."""
-        forced = self.m.compute_ff_tokens() if self.m.compute_ff_bytes() else []  # bytes first: 1.5 us against 7
-        if forced:
-            return forced[0] if self.accept(forced[0]) else None
+    def pick(self, token: int, unforced: bool = False) -> int | None:
+        """The forced token (``forced_token``) where there is one, whatever was drawn; elsewhere llguidance's mask
+        allows what its parser accepts."""
+        forced = None if unforced else self.forced_token()
+        if forced is not None:
+            return forced if self.accept(forced) else None
         return token if self.accept(token) else None
+
+    def forced_token(self) -> int | None:
+        """Where the grammar forces bytes (a JSON key), llguidance's mask allows only the first token of their
+        canonical tokenization, though its parser would accept a shorter prefix token too ("d" of "done")."""
+        forced = self.m.compute_ff_tokens() if self.m.compute_ff_bytes() else []  # bytes first: 1.5 us against 7
+        return forced[0] if forced else None
 
     def fork(self) -> LLGuidanceMatcher:
         twin = copy.copy(self)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.grammar.backend import Matcher, new_bitmask
+from specserve.grammar.backend import Matcher, new_bitmask, single_token
 
 
 def allowed_bits(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
@@ -142,16 +142,6 @@ class PathStates:
         accepting = state.accepting()
         self._rows[path] = (bitmask.numpy()[row].copy(), accepting)
         return accepting
-
-
-def single_token(row: torch.Tensor) -> int | None:
-    """The one token an int32 bitmask row [W] allows, or None when it allows none or several."""
-    words = row.nonzero()
-    if words.numel() != 1:
-        return None
-    w = int(words[0, 0])
-    bits = int(row[w]) & 0xFFFFFFFF
-    return w * 32 + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
 
 
 @dataclass

@@ -105,6 +105,11 @@ class PlatformPolicy:
         run in another dtype than its own (EAGLE heads): the draft's own."""
         return draft_dtype
 
+    def decode_rows(self, model: nn.Module) -> int | None:
+        """The most rows a decode forward of ``model`` (one per request, plus tokens a grammar forced) may have and
+        keep the host's fastest kernels, or None where more rows cost little more (no such limit)."""
+        return None
+
     def runs_half_precision(self, rows: int) -> bool:
         """Whether a draft forward over ``rows`` tokens through mixed-precision linears runs in half precision."""
         return False

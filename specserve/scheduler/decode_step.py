@@ -57,6 +57,10 @@ class DecodeStep(ABC):
         """KV slots one request may take during a step."""
         return 1
 
+    def slots_needed(self, reqs: list[Req]) -> int:
+        """KV slots the step over ``reqs`` may take."""
+        return len(reqs) * self.slots_per_request()
+
     def mixed_inputs(self, reqs: list[Req]):
         """The decode rows of a prefill forward (only when ``mixes_with_prefill``): (ids [B], positions [B],
         out_cache_loc [B], AttnMetadata)."""
@@ -99,25 +103,65 @@ class PlainDecode(DecodeStep):
     def run(self, reqs: list[Req]) -> list[ReqOutput]:
         return self.forward(reqs)[0]
 
+    def slots_needed(self, reqs: list[Req]) -> int:
+        return sum(self.rows(reqs))
+
+    def rows(self, reqs: list[Req]) -> list[int]:
+        """Rows each request runs in the next forward: its tokens without KV (one, or more after tokens its grammar
+        forced: ``OutputProcessor.append_forced``), the forced ones only while the forward keeps the model's fastest
+        kernels (``ModelRunner.decode_rows``; every request has at least its one row, earlier requests first)."""
+        pending = [r.seq_len - r.kv_len for r in reqs]
+        limit = self.ctx.runner.decode_rows
+        if limit is None or sum(pending) <= max(limit, len(reqs)):
+            return pending
+        room, take = max(limit - len(reqs), 0), []
+        for p in pending:
+            extra = min(p - 1, room)
+            room -= extra
+            take.append(1 + extra)
+        return take
+
     def forward(self, reqs: list[Req], capture_layers: tuple[int, ...] = ()) -> tuple[list[ReqOutput], ModelOutput]:
         """One plain decode forward (one token per request): sample, append, release finished ones.
-        -> (outputs, the forward's ModelOutput: hidden [B, h] and the captured layers, for a drafter's backlog)."""
+        -> (outputs, the forward's ModelOutput: hidden [B, h] and the captured layers, for a drafter's backlog).
+        A request whose grammar forced tokens after its last sampled one runs them in this forward too, a row each
+        (``rows``), and samples from its last row; one that has some left for the next forward samples nothing."""
         ctx = self.ctx
-        fb = ForwardBatch(ForwardMode.DECODE, *self.mixed_inputs(reqs), ctx.runner.kv_pool,
+        take = self.rows(reqs)
+        done = [r.kv_len + t == r.seq_len for r, t in zip(reqs, take, strict=True)]
+        logits_rows = None
+        if len(take) < sum(take) or not all(done):
+            ends = torch.tensor(take).cumsum(0) - 1  # [B] each request's last row
+            logits_rows = ends[torch.tensor(done)].to(ctx.kv.device)
+        mode = ForwardMode.DECODE if logits_rows is None else ForwardMode.EXTEND  # graphs take one row a request
+        fb = ForwardBatch(mode, *self.mixed_inputs(reqs, take), ctx.runner.kv_pool, logits_indices=logits_rows,
                           capture_layers=capture_layers)
-        out = ctx.runner.forward(fb)  # logits [B, V]
-        for r in reqs:
-            r.kv_len += 1
-        return ctx.outputs.sample_and_append(reqs, out.logits), out
+        out = ctx.runner.forward(fb)  # logits [B', V]: the requests that sample
+        for r, t in zip(reqs, take, strict=True):
+            r.kv_len += t
+        sampled = [r for r, d in zip(reqs, done, strict=True) if d]
+        return (ctx.outputs.sample_and_append(sampled, out.logits) if sampled else []), out
 
-    def mixed_inputs(self, reqs: list[Req]):
+    def mixed_inputs(self, reqs: list[Req], q_lens: list[int] | None = None):
         """A slot per request for its next token, written into the table -> (ids [B], positions [B],
-        out_cache_loc [B], AttnMetadata): the decode rows of a plain or mixed forward."""
+        out_cache_loc [B], AttnMetadata): the decode rows of a plain or mixed forward. q_lens: rows per request
+        (default one each; ``rows``): its next q_lens[b] tokens, which attend as q_lens[b] one-token decodes of
+        growing length over its row of the table, so the forward keeps the decode kernels (T rows, T >= B)."""
         kv = self.ctx.kv
-        slots = kv.alloc(len(reqs))
-        kv_lens = [r.seq_len for r in reqs]  # the new token is the last key
-        host = [r.req_pool_idx for r in reqs] + [n - 1 for n in kv_lens] + [r.last_token for r in reqs]
-        rows, positions, ids = torch.tensor(host, dtype=torch.int64, device=kv.device).view(3, -1).unbind(0)  # [B]
+        if q_lens is None or len(q_lens) == sum(q_lens):
+            slots = kv.alloc(len(reqs))
+            kv_lens = [r.kv_len + 1 for r in reqs]  # the new token is the last key
+            host = ([r.req_pool_idx for r in reqs] + [r.kv_len for r in reqs]
+                    + [r.token_at(r.kv_len) for r in reqs])
+        else:
+            pairs = list(zip(reqs, q_lens, strict=True))
+            slots = kv.alloc(sum(q_lens))
+            kv_lens = [r.kv_len + i + 1 for r, q in pairs for i in range(q)]
+            host = ([r.req_pool_idx for r, q in pairs for _ in range(q)] + [n - 1 for n in kv_lens]
+                    + [r.token_at(r.kv_len + i) for r, q in pairs for i in range(q)])
+        if slots is None:
+            raise RuntimeError("no KV slots for the decode step (the scheduler should have made room)")
+        rows, positions, ids = torch.tensor(host, dtype=torch.int64, device=kv.device).view(3, -1).unbind(0)  # [T]
         kv.write(rows, positions, slots)
         return ids, positions, slots, self.ctx.runner.attn_backend.decode(kv.table, rows, positions, kv_lens)
 

@@ -68,6 +68,7 @@ class ModelRunner:
         self._weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             m.integer_bytes() for m in self.model.modules() if isinstance(m, QuantLinear))
         self.platform.pack_weights(self.model)
+        self.decode_rows = self.platform.decode_rows(self.model)  # PlainDecode.rows: None = no limit
         # an SGLang GPU backend name was accepted with a warning at start-up: it runs on the default backend
         backend = args.attention_backend if args.attention_backend in ATTENTION_BACKENDS else None
         self.attn_backend = create_attention_backend(backend, self.platform)

@@ -19,13 +19,15 @@ from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, gree
 
 class OutputProcessor:
     def __init__(self, stream_interval: int, context_len: int, vocab_size: int, device,
-                 release: Callable[[Req], None], check_first_grammar: bool = True) -> None:
+                 release: Callable[[Req], None], check_first_grammar: bool = True,
+                 jump_forward_grammar: bool = False) -> None:
         self.stream_interval, self.context_len, self.vocab_size, self.device = (
             stream_interval, context_len, vocab_size, device)
         self.release = release  # gives back a finished request's KV and decoding state
         self.reports_spec_meta = False  # outputs carry the request's speculative counters (set by the decoder)
         self.generated_tokens = 0  # tokens appended to outputs since start
         self.check_first_grammar = check_first_grammar  # see sample_constrained
+        self.jump_forward_grammar = jump_forward_grammar  # see append_forced (plain decoding only)
 
     # ------------------------------------------------------------------ sampling
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
@@ -43,11 +45,39 @@ class OutputProcessor:
                 req.accept_grammar(tok, len(req.output_ids))
             self.check_finish(req, tok, len(req.output_ids))
             self.generated_tokens += 1
+            if self.jump_forward_grammar and req.grammar is not None and not req.finished:
+                self.append_forced(req)
             if req.finished:
                 self.release(req)
             if (out := self.step_output(req)) is not None:
                 outputs.append(out)
         return outputs
+
+    def append_forced(self, req: Req) -> None:
+        """Jump-forward: the tokens req's grammar forces after its output so far (a JSON key, ``": "``, a closing
+        brace: each the only token its mask allows, the grammar not accepting), appended as outputs without a forward
+        of their own; the next forward runs them beside the request's last sampled token (``PlainDecode``). A draw
+        under such a mask gives its one token whatever the logits, sampler and seed, so the output is the one
+        token-by-token decoding gives. Not for a request that wants logprobs (each token's need its own logits)."""
+        if req.wants_logprobs():
+            return
+        grammar, n = req.grammar, 0
+        with grammar.stats.masking():
+            while not req.finished and not grammar.terminated():
+                tok = grammar.forced_token()
+                if tok is None:
+                    req.grammar_unforced = len(req.output_ids)
+                    break
+                if tok >= self.vocab_size or tok in req.stop_ids or not grammar.accept(tok):
+                    break
+                req.output_ids.append(tok)
+                n += 1
+                if grammar.terminated():
+                    req.grammar_end = len(req.output_ids)
+                self.check_finish(req, tok, len(req.output_ids))
+        if n:
+            self.generated_tokens += n
+            grammar.stats.add_jumped(n)
 
     def sample_constrained(self, reqs: list[Req], logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
         """logits [B, V] -> (next ids [B] int64, the rows whose grammar has already advanced over its token).

@@ -90,7 +90,9 @@ class Scheduler:
         # would keep its KV pools alive after its engine is gone, until a full garbage collection
         self.outputs = OutputProcessor(args.stream_interval, self.context_len, self.runner.spec.vocab_size,
                                        self.device, _weak_method(self._release),
-                                       check_first_grammar=not args.disable_grammar_check_first)
+                                       check_first_grammar=not args.disable_grammar_check_first,
+                                       jump_forward_grammar=(args.speculative_algorithm is None
+                                                             and not args.disable_grammar_jump_forward))
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
         self._start_counting()
 
@@ -373,7 +375,8 @@ class Scheduler:
         """--enable-mixed-chunk: the running requests decode in the prefill's forward, when their slots are free
         now (a step never retracts in the middle of a prefill; the next decode step does that if needed)."""
         return (self.args.enable_mixed_chunk and self.decoder.mixes_with_prefill and bool(self.running)
-                and self.kv.available() >= len(self.running))
+                and self.kv.available() >= len(self.running)
+                and all(r.seq_len - r.kv_len == 1 for r in self.running))  # no forced tokens waiting for KV
 
     def _run_mixed(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
         """One forward over a decode token per running request (rows first) and the batch's prefill chunks, each
@@ -426,10 +429,11 @@ class Scheduler:
         logger.info(line)
 
     def _ensure_decode_room(self) -> None:
-        """Retract until the step's slots fit (one per running request; with speculation, its drafting and
+        """Retract until the step's slots fit (one per running request, or one per token a grammar forced since its
+        last forward; with speculation, its drafting and
         verify slots): a part-prefilled request first, then running requests, latest admitted first. A lone
         request that still does not fit is failed."""
-        while self.running and self.kv.available() < len(self.running) * self.decoder.slots_per_request():
+        while self.running and self.kv.available() < self.decoder.slots_needed(self.running):
             if self.decoder.has_pending():
                 self._drain_decoder()  # finished requests give back their KV first; retraction needs the pipeline empty
                 continue

@@ -20,7 +20,8 @@ SUMMED = frozenset({
     "cpu_thread_switches", "cpu_thread_probes", "cpu_heap_trims", "spec_verify_ct", "spec_plain_steps",
     "spec_shrunk_steps", "spec_overlapped_steps", "spec_trimmed_finishes", "spec_forced_tokens", "spec_draft_trees",
     "spec_draft_forwards", "grammar_compiles", "grammar_compile_seconds", "grammar_mask_calls",
-    "grammar_mask_seconds", "grammar_checked_tokens", "grammar_check_refusals", "spec_accepted_per_position",
+    "grammar_mask_seconds", "grammar_checked_tokens", "grammar_check_refusals", "grammar_jump_forward_tokens",
+    "spec_accepted_per_position",
 })
 # averages: the replicas' values weighted by the count they average over
 WEIGHTED = {"avg_spec_accept_length": "spec_verify_ct", "spec_accept_rate": "spec_verify_ct",

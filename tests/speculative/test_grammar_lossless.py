@@ -13,28 +13,13 @@ import pytest
 from specserve import Engine
 from specserve.grammar.llguidance_backend import LLGuidanceMatcher
 from specserve.test.tiny import make_eagle3_head_dir, make_mimo_dir
-from specserve.tools.formats import Function, TaggedJsonFormat
+from specserve.tools.formats import TaggedJsonFormat
 from specserve.tools.stream import ToolCallStream
+from tests.engine.grammars import GRAMMARS, REGEX, SCHEMA, constrained
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
 
-# half the lowercase letters and spaces: the tiny target's own argmax is often allowed (drafts land) and often
-# not (the mask decides)
-REGEX = "[a-m ]{0,40}"
-SCHEMA = json.dumps({"type": "object", "properties": {
-    "kind": {"enum": ["alpha", "beta", "gamma delta"]}, "name": {"type": "string", "maxLength": 12},
-    "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3}},
-    "required": ["kind", "name", "tags"], "additionalProperties": False})
-# forced tool calls (tool_choice "required"): the <tool_call> format's structural tag of two functions
-TOOL_CALLS = json.dumps({"type": "structural_tag", "format": TaggedJsonFormat().grammar([
-    Function("pick", {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta"]}}, "required": ["kind"]}),
-    Function("noop", {"type": "object", "properties": {}, "additionalProperties": False})], single=False)})
-GRAMMARS = {"regex": REGEX, "json_schema": SCHEMA, "structural_tag": TOOL_CALLS}
 ALGORITHMS = ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "MTP"]
-
-
-def constrained(field: str, n: int = 24, **extra) -> dict:
-    return greedy(n, **{field: GRAMMARS[field]}, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +91,8 @@ def test_check_first_sampling_equals_masking_every_token(target, backend, monkey
     if backend == "llguidance":
         pick = LLGuidanceMatcher.pick
 
-        def counted(self, token):
-            picks.append((token, pick(self, token)))
+        def counted(self, token, unforced=False):
+            picks.append((token, pick(self, token, unforced)))
             return picks[-1][1]
 
         monkeypatch.setattr(LLGuidanceMatcher, "pick", counted)

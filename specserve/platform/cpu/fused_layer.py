@@ -152,6 +152,10 @@ class FusedLayer:
         self._linears: list | None = None
         self._norm_weights: tuple | None = None
 
+    def max_rows(self) -> int:
+        """The most rows a call of this layer runs through the operator (its linears' few-row kernels take them)."""
+        return min(c.max_rows for c in self.smalls + self.int8s)
+
     def weights(self) -> list:
         """The 12 linear entries, read on the first call: the policy moves weights onto huge pages after it installs
         this."""
