@@ -12,6 +12,7 @@ import pytest
 
 from specserve import Engine
 from specserve.grammar.llguidance_backend import LLGuidanceMatcher
+from specserve.scheduler.spec_decode import SpecDecoder
 from specserve.test.tiny import make_eagle3_head_dir, make_mimo_dir
 from specserve.tools.formats import TaggedJsonFormat
 from specserve.tools.stream import ToolCallStream
@@ -148,3 +149,27 @@ def test_grammar_aware_drafting_accepts_more_than_blind_drafting(setups, algorit
             o["meta_info"]["spec_verify_ct"] for o in outs)
 
     assert accept(aware) > accept(blind), (accept(aware), accept(blind))
+
+
+def test_forced_tokens_stay_within_the_rows_a_forward_keeps_fused(setups, monkeypatch):
+    """Where the platform's fused decoder layers take at most R rows (``ModelRunner.decode_rows``), a lone constrained
+    request's tree grows with forced tokens up to R nodes, not past them; the outputs stay constrained plain
+    decoding's."""
+    path, kw = setups["EAGLE3"]  # tree 3/2/5: forced tokens may grow it to 9 nodes
+    rows, widest = 7, []
+    verify_forward = SpecDecoder._verify_forward
+
+    def spied(self, reqs, tree, root_pos, n_nodes, slots):
+        widest.append(max(n_nodes))
+        return verify_forward(self, reqs, tree, root_pos, n_nodes, slots)
+
+    monkeypatch.setattr(SpecDecoder, "_verify_forward", spied)
+    params = [constrained("structural_tag", 60), constrained("json_schema", 40)]
+    plain = [generate(path, PROMPTS[b : b + 1], params[b])[0][0] for b in range(2)]
+    with Engine(model_path=path, max_total_tokens=4096, disable_speculative_auto_off=True, **kw) as e:
+        e.loop.call(lambda s: setattr(s.runner, "decode_rows", rows))
+        spec = [e.generate(PROMPTS[b], params[b]) for b in range(2)]
+        info = e.get_server_info()
+    assert ids(spec) == ids(plain)
+    assert info["spec_forced_tokens"] > 0
+    assert max(widest) == rows  # forced tokens filled the room, and no more
