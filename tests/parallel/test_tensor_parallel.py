@@ -14,6 +14,7 @@ import pytest
 from specserve import Engine
 from specserve.test.tiny import make_eagle3_head_dir, make_eagle_head_dir, make_mimo_dir
 from specserve.utils import free_port
+from tests.engine.grammars import constrained
 from tests.engine.helpers import PROMPTS, assert_no_kv_leak, greedy
 from tests.model.test_gemma import make_gemma_dir
 from tests.speculative.helpers import assert_drafting_happened, spec_kwargs
@@ -103,6 +104,20 @@ def test_tp2_seeded_sampling_and_prompt_logprobs_equal_one_process(model_factory
     assert len(got[0]) > 3
     assert [t for _, t, *_ in got[0]] == [t for _, t, *_ in got[1]]
     assert all(a[0] == b[0] or abs(a[0] - b[0]) < 1e-4 for a, b in zip(got[0][1:], got[1][1:], strict=True))
+
+
+def test_tp2_structured_outputs_with_jump_forward_equal_one_process(model_factory):
+    """Decode forwards that carry grammar-forced tokens (several rows for a request, logits for its last) run on both
+    ranks alike: the outputs of one process decoding every token."""
+    path = model_factory("llama")
+    params = [constrained("json_schema", 40), constrained("structural_tag", 60), constrained("regex"), greedy(12)]
+    want = outputs(path, PROMPTS[:4], params, disable_grammar_jump_forward=True)
+    with Engine(model_path=path, tp_size=2, **ENGINE) as e:
+        got = [o["output_ids"] for o in e.generate(PROMPTS[:4], params)]
+        jumped = e.get_server_info()["grammar_jump_forward_tokens"]
+        assert_no_kv_leak(e)
+    assert got == want
+    assert jumped > 0
 
 
 def test_two_nodes_on_localhost_equal_one_process(model_factory, tmp_path):
