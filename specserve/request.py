@@ -123,7 +123,8 @@ class Req:
         self.spec_forced_tokens = 0  # accepted tokens its grammar forced (appended to the tree without drafting)
         self.spec_accept_histogram: list[int] = []  # [k] = verify steps that accepted k drafted tokens
         self.spec_accept_per_position: list[int] = []  # [k-1] = verify steps that accepted >= k drafted tokens
-        self.spec_plain_tokens = 0  # tokens from plain decode steps (batch-aware speculation turned it off)
+        # tokens from plain decode steps (batch-aware speculation turned it off), grammar-forced ones included
+        self.spec_plain_tokens = 0
         self.spec_backlog: Any = None  # those tokens, not yet replayed to the drafter (spec_decode.Backlog)
         self.spec_stopped = False  # a verify step's forward part ended it (stop id / length); output not out yet
 

@@ -121,13 +121,15 @@ class PlainDecode(DecodeStep):
             take.append(1 + extra)
         return take
 
-    def forward(self, reqs: list[Req], capture_layers: tuple[int, ...] = ()) -> tuple[list[ReqOutput], ModelOutput]:
+    def forward(self, reqs: list[Req], capture_layers: tuple[int, ...] = (), take: list[int] | None = None
+                ) -> tuple[list[ReqOutput], ModelOutput]:
         """One plain decode forward (one token per request): sample, append, release finished ones.
         -> (outputs, the forward's ModelOutput: hidden [B, h] and the captured layers, for a drafter's backlog).
         A request whose grammar forced tokens after its last sampled one runs them in this forward too, a row each
-        (``rows``), and samples from its last row; one that has some left for the next forward samples nothing."""
+        (``rows``, or ``take`` where the caller has them), and samples from its last row; one that has some left for
+        the next forward samples nothing."""
         ctx = self.ctx
-        take = self.rows(reqs)
+        take = self.rows(reqs) if take is None else take
         done = [r.kv_len + t == r.seq_len for r, t in zip(reqs, take, strict=True)]
         logits_rows = None
         if len(take) < sum(take) or not all(done):

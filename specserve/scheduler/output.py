@@ -77,6 +77,7 @@ class OutputProcessor:
                 self.check_finish(req, tok, len(req.output_ids))
         if n:
             self.generated_tokens += n
+            req.spec_plain_tokens += n  # (a speculative engine's plain step: not tokens of its verify steps)
             grammar.stats.add_jumped(n)
 
     def sample_constrained(self, reqs: list[Req], logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:

@@ -91,8 +91,8 @@ class Scheduler:
         self.outputs = OutputProcessor(args.stream_interval, self.context_len, self.runner.spec.vocab_size,
                                        self.device, _weak_method(self._release),
                                        check_first_grammar=not args.disable_grammar_check_first,
-                                       jump_forward_grammar=(args.speculative_algorithm is None
-                                                             and not args.disable_grammar_jump_forward))
+                                       jump_forward_grammar=not (args.disable_grammar_jump_forward
+                                                                 or args.enable_spec_v2))
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
         self._start_counting()
 

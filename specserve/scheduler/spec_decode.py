@@ -194,6 +194,9 @@ class SpecDecoder(DecodeStep):
         return BatchPolicy(full, args.speculative_batch_token_budget, args.speculative_disable_batch_size,
                            auto_off=lossless and not args.disable_speculative_auto_off)
 
+    def slots_needed(self, reqs: list[Req]) -> int:
+        return max(super().slots_needed(reqs), self.plain.slots_needed(reqs))  # a plain step may run forced tokens
+
     def slots_per_request(self) -> int:
         """KV slots one request may need during a step (drafting scratch + verify nodes, counted together)."""
         return self.proposer.num_draft_tokens + self.proposer.draft_slots_per_request()
@@ -253,7 +256,8 @@ class SpecDecoder(DecodeStep):
         if self.overlap is not None:
             return self.overlap.run(reqs)
         kind = self.batch_kind(reqs)
-        shape = self.choose_shape(reqs, kind)
+        # tokens a grammar forced in a plain step (jump-forward) wait for their KV: a plain step runs them first
+        shape = None if self.forced_pending(reqs) else self.choose_shape(reqs, kind)
         if shape is None:
             return self.timed_plain_step(reqs, kind)
         started = self.step_start()
@@ -268,15 +272,22 @@ class SpecDecoder(DecodeStep):
         """A plain step, measured for the batch policy (kind: ``batch_kind(reqs)``, when the caller has it)."""
         kind = self.batch_kind(reqs) if kind is None else kind
         started = self.step_start()
-        outputs = self._plain_step(reqs)
-        # a token each (outputs may hold them back)
-        self.record_step(started, len(reqs), False, len(reqs), kind)
+        outputs, tokens = self._plain_step(reqs)
+        self.record_step(started, len(reqs), False, tokens, kind)
         return outputs
 
     @staticmethod
+    def forced_pending(reqs: list[Req]) -> bool:
+        """Whether some request holds tokens without KV besides its last one: grammar-forced tokens a plain step
+        appended (``OutputProcessor.append_forced``), which only a plain step's forward runs (a draft tree grows from
+        a root whose prefix has its KV)."""
+        return any(r.seq_len - r.kv_len > 1 for r in reqs)
+
+    @staticmethod
     def batch_kind(reqs: list[Req]) -> str:
-        """The batch policy's kind of this batch (``batch_policy.batch_kind``: greedy, sampled or mixed)."""
-        return batch_kind([r.params.is_greedy for r in reqs])
+        """The batch policy's kind of this batch (``batch_policy.batch_kind``: greedy, sampled or mixed, with or
+        without a grammar)."""
+        return batch_kind([r.params.is_greedy for r in reqs], [r.grammar is not None for r in reqs])
 
     def choose_shape(self, reqs: list[Req], kind: str) -> TreeShape | None:
         """The batch policy's tree for a step of `reqs` (a batch of this ``batch_kind``); None = a plain step."""
@@ -309,22 +320,27 @@ class SpecDecoder(DecodeStep):
         self.proposer.release(req)
 
     # ------------------------------------------------------------------ plain steps and the backlog
-    def _plain_step(self, reqs: list[Req]) -> list[ReqOutput]:
-        """A plain decode step (what plain decoding does); each request still running records the token and the
-        target's hidden states in its backlog, which the drafter replays before the next speculative step."""
+    def _plain_step(self, reqs: list[Req]) -> tuple[list[ReqOutput], int]:
+        """A plain decode step (what plain decoding does, jump-forward included); each request still running records
+        each token its forward ran, with the target's hidden states there, in its backlog (as the input of the token
+        after it), which the drafter replays before the next speculative step. -> (outputs, tokens appended)."""
         self.stats.plain_steps += 1
-        root_pos = [r.seq_len - 1 for r in reqs]
-        for req in reqs:  # counted first: the outputs of a request this step finishes report it
-            req.spec_plain_tokens += 1
-        outputs, out = self.plain.forward(reqs, self.proposer.capture_layers)
+        starts = [r.kv_len for r in reqs]  # the first position each request's rows run
+        take = self.plain.rows(reqs)  # rows per request
+        for req, start, t in zip(reqs, starts, take, strict=True):  # counted first: the outputs of a request this
+            req.spec_plain_tokens += start + t == req.seq_len  # step finishes report it (if it samples; forced tokens
+        before = sum(len(r.output_ids) for r in reqs)  # are counted as they are appended)
+        outputs, out = self.plain.forward(reqs, self.proposer.capture_layers, take)
         kept = ModelOutput(None, out.hidden, out.aux_hidden)  # what a backlog reads: not the step's logits [B, V]
-        for b, req in enumerate(reqs):
-            if req.finished:  # released: its state is gone
-                continue
-            if req.spec_backlog is None:
-                req.spec_backlog = Backlog(root_pos[b])
-            req.spec_backlog.add(req.output_ids[-1], kept, b)
-        return outputs
+        row = 0
+        for req, start, t in zip(reqs, starts, take, strict=True):
+            if not req.finished:  # (a finished request is released: its state is gone)
+                if req.spec_backlog is None:
+                    req.spec_backlog = Backlog(start)
+                for i in range(t):
+                    req.spec_backlog.add(req.token_at(start + i + 1), kept, row + i)
+            row += t
+        return outputs, sum(len(r.output_ids) for r in reqs) - before
 
     def flush_backlog(self, reqs: list[Req]) -> None:
         """Replay the backlogs of `reqs` through ``proposer.after_verify`` as one multi-token step each."""

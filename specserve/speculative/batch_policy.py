@@ -23,8 +23,10 @@ verify forward gets compute-bound and the extra tokens stop being free. Two mech
    its tokens per step over its seconds per step; speculation's tokens per step come from a longer window
    (ACCEPT_DECAY) that a try does not restart, since acceptance varies from step to step far more than step time.
    Estimates are kept per batch-size bucket AND per kind of batch (``batch_kind``: all greedy, all sampled, or
-   mixed), since sampled requests accept differently from greedy ones: a workload's sampled batches never decide
-   for its greedy batches of the same size, nor the reverse.
+   mixed, each with or without a grammar-constrained request), since sampled requests accept differently from
+   greedy ones and a grammar's masks cost a speculative step more than a plain one: a workload's sampled batches
+   never decide for its greedy batches of the same size, nor its structured outputs for its free text, nor the
+   reverse.
    Two guards keep cold steps out of the estimates: the first WARMUP_STEPS steps of every try are run but their time is
    not measured (a speculative one's accepted tokens are; first calls pay allocations, caches and lazy compilation, and
    after a switch the other mode's weights and buffers have left the CPU caches: measured right after speculative steps,
@@ -114,13 +116,14 @@ def fit_to_remaining(shape: TreeShape, most_new: int) -> TreeShape | None:
 
 
 GREEDY, SAMPLED, MIXED = "greedy", "sampled", "mixed"
+GRAMMAR = "+grammar"  # a kind's batches with a grammar-constrained request
 
 
-def batch_kind(greedy: list[bool]) -> str:
-    """The kind of a batch from its requests' greedy flags: GREEDY, SAMPLED or MIXED."""
-    if all(greedy):
-        return GREEDY
-    return SAMPLED if not any(greedy) else MIXED
+def batch_kind(greedy: list[bool], constrained: list[bool] | None = None) -> str:
+    """The kind of a batch from its requests' greedy flags: GREEDY, SAMPLED or MIXED; with GRAMMAR appended where
+    some request is constrained by a grammar (its masks add to a speculative step's cost, and it accepts otherwise)."""
+    kind = GREEDY if all(greedy) else SAMPLED if not any(greedy) else MIXED
+    return kind + GRAMMAR if constrained is not None and any(constrained) else kind
 
 
 def bucket_of(batch: int) -> int:

@@ -274,6 +274,9 @@ def test_buckets_are_measured_separately():
 def test_batch_kinds():
     assert [batch_kind(g) for g in ([True], [True, True], [False], [False, False], [True, False])] == \
         ["greedy", "greedy", "sampled", "sampled", "mixed"]
+    assert [batch_kind([True, False], c) for c in ([False, False], [True, False], [False, True])] == \
+        ["mixed", "mixed+grammar", "mixed+grammar"]
+    assert batch_kind([True], [True]) == "greedy+grammar" and batch_kind([False], [False]) == "sampled"
 
 
 def test_sampled_and_greedy_batches_are_measured_separately():

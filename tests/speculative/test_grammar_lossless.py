@@ -5,6 +5,7 @@ a batch mixing constrained and free requests), and seeded sampled outputs equal 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -173,3 +174,28 @@ def test_forced_tokens_stay_within_the_rows_a_forward_keeps_fused(setups, monkey
     assert ids(spec) == ids(plain)
     assert info["spec_forced_tokens"] > 0
     assert max(widest) == rows  # forced tokens filled the room, and no more
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_plain_steps_of_a_speculative_engine_jump_forward_losslessly(setups, algorithm, monkeypatch):
+    """Batch-aware speculation's plain steps jump over forced tokens as plain decoding does; a step after one that left
+    forced tokens without KV is plain too, and the drafter catches up on all of them: every third step plain here,
+    the outputs constrained plain decoding's."""
+    path, kw = setups[algorithm]
+    choose, steps = SpecDecoder.choose_shape, itertools.count()
+
+    def every_third_plain(self, reqs, kind):
+        shape = choose(self, reqs, kind)
+        return None if next(steps) % 3 == 0 else shape
+
+    monkeypatch.setattr(SpecDecoder, "choose_shape", every_third_plain)
+    params = [constrained("json_schema", 40), constrained("structural_tag", 60), constrained("regex"), greedy(24)]
+    plain, _ = generate(path, PROMPTS[:4], params, disable_grammar_jump_forward=True)
+    spec, info = generate(path, PROMPTS[:4], params, **kw)
+    assert ids(spec) == ids(plain)
+    assert info["grammar_jump_forward_tokens"] > 0 and info["spec_plain_steps"] > 0
+    assert_drafting_happened(spec[:3])
+    for o in spec:  # plain steps' tokens, forced ones included, stay out of the accept length
+        meta = o["meta_info"]
+        assert meta["spec_plain_tokens"] + meta["spec_accept_length"] * meta["spec_verify_ct"] == pytest.approx(
+            meta["completion_tokens"])
