@@ -28,6 +28,9 @@ class OutputProcessor:
         self.generated_tokens = 0  # tokens appended to outputs since start
         self.check_first_grammar = check_first_grammar  # see sample_constrained
         self.jump_forward_grammar = jump_forward_grammar  # see append_forced (plain decoding only)
+        # the most rows a decode forward takes on the fastest kernels (ModelRunner.decode_rows; None: no limit): a
+        # step appends forced tokens only into the rows its batch leaves free
+        self.jump_rows: int | None = None
 
     # ------------------------------------------------------------------ sampling
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
@@ -35,6 +38,7 @@ class OutputProcessor:
         next_ids, advanced = self.sample_constrained(reqs, logits)
         lp = _logprobs(reqs, logits, next_ids)
         outputs = []
+        room = None if self.jump_rows is None else self.jump_rows - len(reqs)  # rows for forced tokens
         for i, (req, tok) in enumerate(zip(reqs, next_ids.tolist(), strict=True)):
             if lp is not None and req.wants_logprobs():
                 req.logprobs.append((float(lp[0][i]), tok))
@@ -45,25 +49,27 @@ class OutputProcessor:
                 req.accept_grammar(tok, len(req.output_ids))
             self.check_finish(req, tok, len(req.output_ids))
             self.generated_tokens += 1
-            if self.jump_forward_grammar and req.grammar is not None and not req.finished:
-                self.append_forced(req)
+            if self.jump_forward_grammar and req.grammar is not None and not req.finished and room != 0:
+                jumped = self.append_forced(req, room)
+                room = None if room is None else room - jumped
             if req.finished:
                 self.release(req)
             if (out := self.step_output(req)) is not None:
                 outputs.append(out)
         return outputs
 
-    def append_forced(self, req: Req) -> None:
+    def append_forced(self, req: Req, most: int | None = None) -> int:
         """Jump-forward: the tokens req's grammar forces after its output so far (a JSON key, ``": "``, a closing
         brace: each the only token its mask allows, the grammar not accepting), appended as outputs without a forward
-        of their own; the next forward runs them beside the request's last sampled token (``PlainDecode``). A draw
-        under such a mask gives its one token whatever the logits, sampler and seed, so the output is the one
-        token-by-token decoding gives. Not for a request that wants logprobs (each token's need its own logits)."""
+        of their own, up to ``most`` (None: all); the next forward runs them beside the request's last sampled token
+        (``PlainDecode``). A draw under such a mask gives its one token whatever the logits, sampler and seed, so the
+        output is the one token-by-token decoding gives. Not for a request that wants logprobs (each token's need its
+        own logits). -> the tokens appended."""
         if req.wants_logprobs():
-            return
+            return 0
         grammar, n = req.grammar, 0
         with grammar.stats.masking():
-            while not req.finished and not grammar.terminated():
+            while not req.finished and not grammar.terminated() and (most is None or n < most):
                 tok = grammar.forced_token()
                 if tok is None:
                     req.grammar_unforced = len(req.output_ids)
@@ -79,6 +85,7 @@ class OutputProcessor:
             self.generated_tokens += n
             req.spec_plain_tokens += n  # (a speculative engine's plain step: not tokens of its verify steps)
             grammar.stats.add_jumped(n)
+        return n
 
     def sample_constrained(self, reqs: list[Req], logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
         """logits [B, V] -> (next ids [B] int64, the rows whose grammar has already advanced over its token).

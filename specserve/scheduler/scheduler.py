@@ -93,6 +93,7 @@ class Scheduler:
                                        check_first_grammar=not args.disable_grammar_check_first,
                                        jump_forward_grammar=not (args.disable_grammar_jump_forward
                                                                  or args.enable_spec_v2))
+        self.outputs.jump_rows = self.runner.decode_rows
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
         self._start_counting()
 

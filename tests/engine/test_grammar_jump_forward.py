@@ -22,11 +22,15 @@ def path(model_factory):
     return model_factory("llama", num_hidden_layers=1, unit_embeddings=True, max_position_embeddings=1024)
 
 
-def run(path: str, prompts, params, rows: int | None = None, **kw) -> tuple[list[dict], dict]:
-    """-> (outputs, server info); rows: the most rows a decode forward takes (``ModelRunner.decode_rows``)."""
+def run(path: str, prompts, params, rows: int | None = None, room: bool = False, **kw) -> tuple[list[dict], dict]:
+    """-> (outputs, server info); rows: the most rows a decode forward takes (``ModelRunner.decode_rows``), and with
+    room, the rows sampling fills with forced tokens (``OutputProcessor.jump_rows``; without: every forced token is
+    appended, the forwards taking them as they can)."""
     with Engine(model_path=path, max_total_tokens=kw.pop("max_total_tokens", 4096), **kw) as e:
         if rows is not None:
             e.loop.call(lambda s: setattr(s.runner, "decode_rows", rows))
+        if room:
+            e.loop.call(lambda s: setattr(s.outputs, "jump_rows", rows))
         outs = e.generate(prompts, params)
         info = e.get_server_info()
         assert_no_kv_leak(e)
@@ -70,15 +74,19 @@ def test_jump_forward_gives_the_outputs_of_decoding_every_token(path, backend):
     assert info["grammar_jump_forward_tokens"] > 0
 
 
-@pytest.mark.parametrize("rows", [1, 10])
-def test_a_forward_with_fewer_rows_than_forced_tokens_runs_them_over_several(path, rows):
+@pytest.mark.parametrize(("rows", "room"), [(1, False), (10, False), (10, True)])
+def test_a_forward_with_fewer_rows_than_forced_tokens_runs_them_over_several(path, rows, room):
     """rows 1: every forward has its one row per request, so a request holding forced tokens runs one a step and
-    samples nothing until they are all in; rows 10 over 8 requests: a few forced tokens ride along each step."""
+    samples nothing until they are all in; rows 10 over 8 requests: a few forced tokens ride along each step; with
+    room, sampling appends only as many forced tokens as the step's batch leaves rows for (fewer as it fills)."""
     params = mixed_params()
     stepped, _ = run(path, PROMPTS, params, disable_grammar_jump_forward=True)
-    jumped, info = run(path, PROMPTS, params, rows=rows)
+    jumped, info = run(path, PROMPTS, params, rows=rows, room=room)
     same_outputs(jumped, stepped)
     assert info["grammar_jump_forward_tokens"] > 0
+    if room:
+        _, unlimited = run(path, PROMPTS, params, rows=rows)
+        assert info["grammar_jump_forward_tokens"] < unlimited["grammar_jump_forward_tokens"]
 
 
 def test_stop_strings_max_tokens_and_a_small_pool_cut_forced_runs_as_they_cut_decoding(path):
