@@ -147,6 +147,12 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def unforwarded(self) -> int:
+        """Tokens of the sequence without KV yet: a prompt's unprefilled part, or a running request's last token plus
+        any its grammar forced after it (``OutputProcessor.append_forced``)."""
+        return self.seq_len - self.kv_len
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 

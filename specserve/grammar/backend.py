@@ -105,14 +105,9 @@ class Matcher:
 
     def forced_token(self) -> int | None:
         """The token every draw under this state's mask gives, whatever the logits: the only one the mask allows,
-        with the grammar not accepting (so no stop token either); None where the grammar leaves a choice. The state
-        is unchanged. Default: the mask, read for a single allowed token (on xgrammar a mask costs about what asking
-        for its forced text does, and that text's tokens would still need the mask's word)."""
-        row = self.__dict__.get("_forced_row")
-        if row is None:
-            row = self._forced_row = new_bitmask(1, self.vocab_size)
-        self.fill(row, 0)
-        return None if self.accepting() else single_token(row[0])
+        with the grammar not accepting (so no stop token either); None where the grammar leaves a choice or the
+        engine cannot tell. The state is unchanged. Default: none known (no jump-forward in plain decoding)."""
+        return None
 
 
 class GrammarBackend:

@@ -7,7 +7,7 @@ import copy
 import torch
 import xgrammar
 
-from specserve.grammar.backend import JSON_MAX_WHITESPACE, GrammarBackend, Matcher
+from specserve.grammar.backend import JSON_MAX_WHITESPACE, GrammarBackend, Matcher, new_bitmask, single_token
 from specserve.grammar.spec import ANY_JSON, GrammarError, GrammarSpec
 
 
@@ -16,6 +16,7 @@ class XGrammarMatcher(Matcher):
         self.m = xgrammar.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.encode = encode  # text -> token ids, the model's tokenizer
+        self.scratch = new_bitmask(1, vocab_size)  # forced_token's mask row
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
@@ -35,9 +36,13 @@ class XGrammarMatcher(Matcher):
         return self.m.is_terminated()
 
     def forced_token(self) -> int | None:
-        """The mask's single token (``Matcher.forced_token``), asked only where xgrammar names forced text (1-2 us; a
-        mask costs several times that): a state that forces no byte allows more than one token."""
-        return super().forced_token() if self.m.find_jump_forward_string() else None
+        """The mask read for a single allowed token, where xgrammar names forced text (1-2 us; a mask costs several
+        times that, and a state that forces no byte allows more than one token). The forced text's own tokens would
+        not do: xgrammar's mask allows every token that is a prefix of it."""
+        if not self.m.find_jump_forward_string():
+            return None
+        self.fill(self.scratch, 0)
+        return None if self.accepting() else single_token(self.scratch[0])
 
     def forced_tokens(self) -> list[int]:
         """xgrammar's jump-forward string, tokenized; its last token is left out (with the text after it, the model

@@ -110,7 +110,7 @@ class PlainDecode(DecodeStep):
         """Rows each request runs in the next forward: its tokens without KV (one, or more after tokens its grammar
         forced: ``OutputProcessor.append_forced``), the forced ones only while the forward keeps the model's fastest
         kernels (``ModelRunner.decode_rows``; every request has at least its one row, earlier requests first)."""
-        pending = [r.seq_len - r.kv_len for r in reqs]
+        pending = [r.unforwarded for r in reqs]
         limit = self.ctx.runner.decode_rows
         if limit is None or sum(pending) <= max(limit, len(reqs)):
             return pending
@@ -150,17 +150,11 @@ class PlainDecode(DecodeStep):
         (default one each; ``rows``): its next q_lens[b] tokens, which attend as q_lens[b] one-token decodes of
         growing length over its row of the table, so the forward keeps the decode kernels (T rows, T >= B)."""
         kv = self.ctx.kv
-        if q_lens is None or len(q_lens) == sum(q_lens):
-            slots = kv.alloc(len(reqs))
-            kv_lens = [r.kv_len + 1 for r in reqs]  # the new token is the last key
-            host = ([r.req_pool_idx for r in reqs] + [r.kv_len for r in reqs]
-                    + [r.token_at(r.kv_len) for r in reqs])
-        else:
-            pairs = list(zip(reqs, q_lens, strict=True))
-            slots = kv.alloc(sum(q_lens))
-            kv_lens = [r.kv_len + i + 1 for r, q in pairs for i in range(q)]
-            host = ([r.req_pool_idx for r, q in pairs for _ in range(q)] + [n - 1 for n in kv_lens]
-                    + [r.token_at(r.kv_len + i) for r, q in pairs for i in range(q)])
+        pairs = list(zip(reqs, [1] * len(reqs) if q_lens is None else q_lens, strict=True))
+        kv_lens = [r.kv_len + i + 1 for r, q in pairs for i in range(q)]  # each row's token is its last key
+        slots = kv.alloc(len(kv_lens))
+        host = ([r.req_pool_idx for r, q in pairs for _ in range(q)] + [n - 1 for n in kv_lens]
+                + [r.token_at(r.kv_len + i) for r, q in pairs for i in range(q)])
         if slots is None:
             raise RuntimeError("no KV slots for the decode step (the scheduler should have made room)")
         rows, positions, ids = torch.tensor(host, dtype=torch.int64, device=kv.device).view(3, -1).unbind(0)  # [T]

@@ -20,17 +20,17 @@ from specserve.sampling.sampler import SamplingBatchInfo, compute_logprobs, gree
 class OutputProcessor:
     def __init__(self, stream_interval: int, context_len: int, vocab_size: int, device,
                  release: Callable[[Req], None], check_first_grammar: bool = True,
-                 jump_forward_grammar: bool = False) -> None:
+                 jump_forward_grammar: bool = False, jump_rows: int | None = None) -> None:
         self.stream_interval, self.context_len, self.vocab_size, self.device = (
             stream_interval, context_len, vocab_size, device)
         self.release = release  # gives back a finished request's KV and decoding state
         self.reports_spec_meta = False  # outputs carry the request's speculative counters (set by the decoder)
         self.generated_tokens = 0  # tokens appended to outputs since start
         self.check_first_grammar = check_first_grammar  # see sample_constrained
-        self.jump_forward_grammar = jump_forward_grammar  # see append_forced (plain decoding only)
+        self.jump_forward_grammar = jump_forward_grammar  # see append_forced (plain steps; verify steps jump in-tree)
         # the most rows a decode forward takes on the fastest kernels (ModelRunner.decode_rows; None: no limit): a
         # step appends forced tokens only into the rows its batch leaves free
-        self.jump_rows: int | None = None
+        self.jump_rows = jump_rows
 
     # ------------------------------------------------------------------ sampling
     def sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:

@@ -92,8 +92,8 @@ class Scheduler:
                                        self.device, _weak_method(self._release),
                                        check_first_grammar=not args.disable_grammar_check_first,
                                        jump_forward_grammar=not (args.disable_grammar_jump_forward
-                                                                 or args.enable_spec_v2))
-        self.outputs.jump_rows = self.runner.decode_rows
+                                                                 or args.enable_spec_v2),
+                                       jump_rows=self.runner.decode_rows)
         self.decoder = make_decode_step(DecodeContext(args, self.runner, self.kv, self.outputs))
         self._start_counting()
 
@@ -296,7 +296,7 @@ class Scheduler:
 
         Returns the tokens taken; 0 when the pool cannot supply them (the caller puts req back).
         """
-        need = req.seq_len - req.kv_len
+        need = req.unforwarded
         take = min(need, budget)
         if take <= 0 or not self.kv.extend(req, take):
             return 0
@@ -377,7 +377,7 @@ class Scheduler:
         now (a step never retracts in the middle of a prefill; the next decode step does that if needed)."""
         return (self.args.enable_mixed_chunk and self.decoder.mixes_with_prefill and bool(self.running)
                 and self.kv.available() >= len(self.running)
-                and all(r.seq_len - r.kv_len == 1 for r in self.running))  # no forced tokens waiting for KV
+                and all(r.unforwarded == 1 for r in self.running))  # no forced tokens waiting for KV
 
     def _run_mixed(self, batch: list[tuple[Req, int]]) -> list[ReqOutput]:
         """One forward over a decode token per running request (rows first) and the batch's prefill chunks, each
@@ -431,9 +431,8 @@ class Scheduler:
 
     def _ensure_decode_room(self) -> None:
         """Retract until the step's slots fit (one per running request, or one per token a grammar forced since its
-        last forward; with speculation, its drafting and
-        verify slots): a part-prefilled request first, then running requests, latest admitted first. A lone
-        request that still does not fit is failed."""
+        last forward; with speculation, its drafting and verify slots): a part-prefilled request first, then running
+        requests, latest admitted first. A lone request that still does not fit is failed."""
         while self.running and self.kv.available() < self.decoder.slots_needed(self.running):
             if self.decoder.has_pending():
                 self._drain_decoder()  # finished requests give back their KV first; retraction needs the pipeline empty

@@ -281,7 +281,7 @@ class SpecDecoder(DecodeStep):
         """Whether some request holds tokens without KV besides its last one: grammar-forced tokens a plain step
         appended (``OutputProcessor.append_forced``), which only a plain step's forward runs (a draft tree grows from
         a root whose prefix has its KV)."""
-        return any(r.seq_len - r.kv_len > 1 for r in reqs)
+        return any(r.unforwarded > 1 for r in reqs)
 
     @staticmethod
     def batch_kind(reqs: list[Req]) -> str:
@@ -327,9 +327,11 @@ class SpecDecoder(DecodeStep):
         self.stats.plain_steps += 1
         starts = [r.kv_len for r in reqs]  # the first position each request's rows run
         take = self.plain.rows(reqs)  # rows per request
-        for req, start, t in zip(reqs, starts, take, strict=True):  # counted first: the outputs of a request this
-            req.spec_plain_tokens += start + t == req.seq_len  # step finishes report it (if it samples; forced tokens
-        before = sum(len(r.output_ids) for r in reqs)  # are counted as they are appended)
+        # counted first, so that the outputs of a request this step finishes report it: its sampled token, if its last
+        # row runs now (forced tokens are counted as they are appended)
+        for req, start, t in zip(reqs, starts, take, strict=True):
+            req.spec_plain_tokens += start + t == req.seq_len
+        before = sum(len(r.output_ids) for r in reqs)
         outputs, out = self.plain.forward(reqs, self.proposer.capture_layers, take)
         kept = ModelOutput(None, out.hidden, out.aux_hidden)  # what a backlog reads: not the step's logits [B, V]
         row = 0
