@@ -497,8 +497,8 @@ class EagleProposer(Proposer):
         paths = [None if w is None else [[t] for t in live_tokens[b].tolist()] for b, w in enumerate(walks)]
         grammar = (walks, paths) if any(w is not None for w in walks) else None
         try:
-            if grammar is None and (n := self._one_call_levels(cands, live_tokens, live_hidden[:, 0], S, K, keep, race,
-                                                                scale, scratch, keys, positions)) is not None:
+            if (n := self._one_call_levels(cands, live_tokens, live_hidden[:, 0], S, K, keep, race, scale, scratch,
+                                           keys, positions, grammar)) is not None:
                 return n
             for j in range(1, S):
                 if cands.can_stop(keep, self.stop_threshold):
@@ -524,14 +524,21 @@ class EagleProposer(Proposer):
 
     def _one_call_levels(self, cands: EagleCandidates, root_ids: torch.Tensor, hidden: torch.Tensor, S: int, K: int,
                          keep: int, race: RaceBatch | None, scale: float | torch.Tensor | None, scratch: torch.Tensor,
-                         keys, positions: torch.Tensor) -> int | None:
+                         keys, positions: torch.Tensor,
+                         grammar: tuple[list[PathStates | None], list[list[list[int]] | None]] | None = None
+                         ) -> int | None:
         """Levels 1 .. S-1 in one call of the draft's own (``DraftModel.levels``) where it takes them: bf16 rows its
-        kernels take, one score scale for every row or every request racing without filters (no grammar: the caller's
-        condition) -> the number of levels drafted (their candidates added to cands), or None. root_ids [B, K]: level
-        0's tokens; hidden [B, h]: the roots' draft hidden; scratch [B, S-1, K]; positions [B K]: level 1's."""
+        kernels take, one score scale for every row or every request racing without filters -> the number of levels
+        drafted (their candidates added to cands), or None. root_ids [B, K]: level 0's tokens; hidden [B, h]: the
+        roots' draft hidden; scratch [B, S-1, K]; positions [B K]: level 1's. grammar: (walks, level 1's paths) as
+        ``_draft_levels``' (the levels then one at a time inside that call, each asking the grammars' rows:
+        ``_level_rows``)."""
         levels, B = self.draft.levels, root_ids.shape[0]
         if levels is None or isinstance(scale, torch.Tensor) or type(keys) is not TreeKeys:
             return None
+        if grammar is not None and self.draft.d2t_ids is None and len(self.draft.ranked_ids()) != \
+                self.runner.spec.vocab_size:
+            return None  # an LM head wider than the vocabulary: ``_grammar_ban`` crops to it
         k_buf, v_buf = self.kv_pool.layer(levels.layer.layer_id)
         if (hidden.dtype != torch.bfloat16 or self.compute_dtype(B * K) != torch.bfloat16
                 or not levels.fits(B * K, K, k_buf, v_buf)):
@@ -544,12 +551,29 @@ class EagleProposer(Proposer):
                 return None
             noise = (race.log_noise(vocab_ids), rows.inv_temps.view(-1))
         level_positions = positions.unsqueeze(0) + torch.arange(S - 1, device=self.device).unsqueeze(1)  # [S-1, B K]
+        rows = None if grammar is None else self._level_rows(*grammar, B * K)
         scores, tokens, parents = levels(torch.as_tensor(cands.live_scores), root_ids, hidden, level_positions, k_buf,
                                          v_buf, scratch, keys.kv_slots, keys.base, scale or 1.0, self.draft.d2t_ids,
-                                         noise, keep, self.stop_threshold)  # [B, n K K] each
+                                         noise, keep, self.stop_threshold, rows)  # [B, n K K] each
         cands.extend_levels(scores, tokens, parents)
         self.one_call_trees += 1
         return scores.shape[1] // (K * K)
+
+    def _level_rows(self, walks: list[PathStates | None], paths: list[list[list[int]] | None], R: int):
+        """The grammars' rows for one-call levels (``HeadLevels``' allowed_rows): given how the live branches grew
+        (branch, tokens [B, K]; None at level 1, where ``paths`` are theirs) -> the int32 bitmask [R, W] of what each
+        live branch's children may be, stop ids allowed where a grammar may end."""
+        first = next(w for w in walks if w is not None)
+        vocab = self.runner.spec.vocab_size
+
+        def rows(branch: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal paths
+            if branch is not None:
+                paths = _extend_paths(paths, branch, tokens)
+            with first.matcher.stats.masking():
+                return allow_stops(*self._grammar_rows(walks, paths, R), vocab)
+
+        return rows
 
 
 def last_rows_only(q_lens: list[int]) -> bool:

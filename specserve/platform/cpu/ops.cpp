@@ -1,9 +1,10 @@
 // The CPU implementations of specserve's operators (specserve::small_gemm, int8_gemm, tree_attention, the
-// element-wise rms_norm, silu_mul and rope, race_exponentials, race_walk, kv_store, decoder_layer, draft_topk and
-// draft_levels), in C++: what the Python implementations in small_gemm.py, int8_gemm.py, tree_attention.py,
-// elementwise.py, race_walk.py, fused_layer.py, draft_topk.py and draft_levels.py do, without Python between the
-// dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback) beside those files;
-// this library, linked with the kernels' sources, registers their CPU kernels (native.py builds and loads it).
+// element-wise rms_norm, silu_mul and rope, race_exponentials, race_walk, kv_store, decoder_layer, draft_topk,
+// draft_level and draft_levels), in C++: what the Python implementations in small_gemm.py, int8_gemm.py,
+// tree_attention.py, elementwise.py, race_walk.py, fused_layer.py, draft_topk.py and draft_levels.py do, without
+// Python between the dispatcher and the kernel. The operators are defined (schema, fake tensors, Python fallback)
+// beside those files; this library, linked with the kernels' sources, registers their CPU kernels (native.py builds
+// and loads it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -446,33 +447,136 @@ std::tuple<at::Tensor, at::Tensor> draft_topk(const at::Tensor& x, const at::Ten
     return {probs, ids};
 }
 
-// One draft level's bookkeeping per request (eagle.py's EagleCandidates on host arrays): the K live branches'
-// children scored live score x probability, the best K of the K*K (score desc, equal scores: the earlier first) the
-// next live branches. Exactly tree.py's float32 products and stable ranking.
-struct LevelBook {
-    std::vector<float> live_scores;  // [K]
-    std::vector<int64_t> live_index;  // [K] candidate index of each live branch
-    std::vector<float> all_scores;    // every candidate's score so far, candidate order
-};
-
-// drafting_can_stop for one request: at least `keep` candidates rank before any deeper one (score >= the best live
-// score), or the best live score is below a positive threshold
-bool request_can_stop(const LevelBook& r, int64_t keep, double threshold) {
-    const float best = *std::max_element(r.live_scores.begin(), r.live_scores.end());
-    int64_t above = 0;
-    for (float s : r.all_scores) above += s >= best;
-    return above >= keep || (threshold > 0 && best < static_cast<float>(threshold));
+// drafting_can_stop over a batch (EagleCandidates.can_stop): live [B, K] the live branches' scores, seen [B, n] every
+// candidate's so far. With fewer than `keep` candidates only a positive threshold above every live score stops; else
+// each request stops where at least `keep` candidates rank before any deeper one (score >= its best live score) or
+// its best live score is below a positive threshold.
+bool levels_can_stop(const at::Tensor& live, const at::Tensor& seen, int64_t keep, double threshold) {
+    const int64_t B = live.size(0), K = live.size(1), n = seen.size(1);
+    const float* lp = live.data_ptr<float>();
+    const float* sp = seen.data_ptr<float>();
+    if (n < keep) {
+        const float best = *std::max_element(lp, lp + B * K);
+        return threshold > 0 && best < static_cast<float>(threshold);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        const float best = *std::max_element(lp + b * K, lp + (b + 1) * K);
+        int64_t above = 0;
+        for (int64_t i = 0; i < n; i++) above += sp[b * n + i] >= best;
+        if (above < keep && !(threshold > 0 && best < static_cast<float>(threshold))) return false;
+    }
+    return true;
 }
 
-// The levels 1 .. L of an EAGLE-3 head's draft tree in one call: eagle.py's _draft_levels where the head's layer is
-// decoder_layer's and its ranking draft_topk's, every request with the same K live branches, no grammar. Per level
-// j (stopping first where drafting_can_stop holds for every request, as EagleCandidates.can_stop):
-//   the live branches' tokens' embeddings and hidden states [B K, h] -> the head's layer over request b's keys
-//   (its base[b] prefix columns of kv_slots, then the levels' scratch columns, each branch seeing its ancestors and
-//   itself; K and V written at scratch[:, j - 1]) -> the ranking's top-K children per branch (scores scaled by
-//   rank_scale, or with noise [B, S, V] and inv_temps [B] each request's race at level j) -> candidates.
-// root_p / root_ids [B, K]: level 0; hidden [B, h]: the root's draft hidden; embed [V, h]: the token embeddings;
-// cos / sin [L, B K, 1, D]: each level's rows. -> (scores, tokens, parents) [B, n K K] of the n levels
+// One level j (1 .. L) of an EAGLE-3 head's draft tree (eagle.py's _draft_levels where the head's layer is
+// decoder_layer's and its ranking draft_topk's, every request with the same K live branches), from the state the level
+// before left: x [B K, h] the live branches' hidden states, tokens [B K] their tokens, live [B, K] float32 their
+// scores, live_index [B, K] their candidate indices, anc [B, K, L K] bool each one's ancestors over the levels'
+// columns, seen [B, n] every candidate's score so far. The live branches' embeddings and hidden states -> the head's
+// layer over request b's keys (its base[b] prefix columns of kv_slots, then the levels' scratch columns, each branch
+// seeing its ancestors and itself; K and V written at scratch [B K], this level's) -> the ranking's top-K children per
+// branch (scores scaled by rank_scale, or with noise [B, V] and inv_temps [B] each request's race at this level; with
+// allowed [B K, W] only the tokens a branch's bitmask row allows) -> the candidates: each child scored live score x
+// probability (float32), the best K of each request's K K (score desc, equal scores the earlier first) the next live
+// branches. cos / sin [B K, 1, D]: this level's rows. -> (the next level's x, tokens, live, live_index, anc (x,
+// tokens and anc empty where j = L), seen with this level's scores, this level's scores, tokens and parents
+// (candidate indices) [B, K K], whether the level after cannot change the tree (levels_can_stop, or j = L): bool
+// [1]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
+draft_level(const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& live_, const at::Tensor& live_index_,
+            const at::Tensor& anc_, const at::Tensor& seen_, int64_t j, const at::Tensor& embed,
+            const c10::List<std::optional<at::Tensor>>& linears, const at::Tensor& norm1, const at::Tensor& norm2,
+            const at::Tensor& embed_norm, double eps, int64_t heads, double attn_scale, int64_t amx_from,
+            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
+            const at::Tensor& scratch, const at::Tensor& kv_slots, at::IntArrayRef base,
+            const at::Tensor& head_norm, double head_eps, const c10::List<std::optional<at::Tensor>>& head_linear,
+            double rank_scale, const std::optional<at::Tensor>& to_target, int64_t rank_amx_from,
+            const std::optional<at::Tensor>& noise, const std::optional<at::Tensor>& inv_temps,
+            const std::optional<at::Tensor>& allowed, int64_t keep, double threshold) {
+    const int64_t B = live_.size(0), K = live_.size(1);
+    const at::Tensor live = live_.to(at::kFloat).contiguous(), live_index = live_index_.to(at::kLong).contiguous();
+    const at::Tensor anc = anc_.to(at::kBool).contiguous(), seen = seen_.to(at::kFloat).contiguous();
+    TORCH_CHECK(anc.dim() == 3 && anc.size(0) == B && anc.size(1) == K && anc.size(2) % K == 0 &&
+                    x.size(0) == B * K && tokens.numel() == B * K && (int64_t)base.size() == B &&
+                    scratch.numel() == B * K && seen.size(0) == B && j >= 1 && j * K <= anc.size(2),
+                "draft_level: x [B K, h], tokens [B K], live / live_index [B, K], anc [B, K, L K], seen [B, n], "
+                "base [B], scratch [B K], 1 <= j <= L");
+    const int64_t L = anc.size(2) / K, tree_cols = L * K, done = (j - 1) * K;
+    const int64_t max_base = *std::max_element(base.begin(), base.end()), width = max_base + j * K;
+    TORCH_CHECK(kv_slots.size(0) == B && kv_slots.size(1) >= width, "draft_level: kv_slots [B, max(base) + j K]");
+    const uint8_t* ap = static_cast<const uint8_t*>(anc.data_ptr());
+    at::Tensor mask = at::zeros({B, 1, K, width}, x.options().dtype(at::kBool));
+    uint8_t* mp = static_cast<uint8_t*>(mask.data_ptr());
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < K; i++) {
+            uint8_t* row = mp + (b * K + i) * width;
+            memset(row, 1, base[b]);
+            memcpy(row + base[b], ap + (b * K + i) * tree_cols, done);
+            row[base[b] + done + i] = 1;  // itself
+        }
+    const at::Tensor out = decoder_layer(
+        x, linears, norm1, norm2, eps, cos, sin, k_buf, v_buf, scratch.to(at::kLong).reshape({B * K}),
+        kv_slots.narrow(1, 0, width), mask, heads, attn_scale, at::embedding(embed, tokens.reshape({B * K})),
+        embed_norm, amx_from);  // [B K, h]
+    const auto [probs_, ids_] = draft_topk(out, head_norm, head_eps, head_linear, noise.has_value() ? 1.0 : rank_scale,
+                                           K, to_target, rank_amx_from, noise, inv_temps, K, allowed);
+    const float* pp = probs_.data_ptr<float>();
+    const int64_t* ip = ids_.data_ptr<int64_t>();
+    const float* lp = live.data_ptr<float>();
+    const int64_t* lip = live_index.data_ptr<int64_t>();
+    const int64_t count = seen.size(1);
+    at::Tensor scores = at::empty({B, K * K}, live.options()), level_tokens = at::empty({B, K * K}, ids_.options());
+    at::Tensor parents = at::empty({B, K * K}, ids_.options());
+    at::Tensor next_live = at::empty({B, K}, live.options()), next_index = at::empty({B, K}, ids_.options());
+    float* sp = scores.data_ptr<float>();
+    float* nlp = next_live.data_ptr<float>();
+    int64_t *tp = level_tokens.data_ptr<int64_t>(), *pa = parents.data_ptr<int64_t>();
+    int64_t* nip = next_index.data_ptr<int64_t>();
+    std::vector<int64_t> order(K * K), branch(B * K), child(B * K);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t l = 0; l < K; l++)
+            for (int64_t c = 0; c < K; c++) {
+                const int64_t n = l * K + c;
+                sp[b * K * K + n] = lp[b * K + l] * pp[(b * K + l) * K + c];
+                tp[b * K * K + n] = ip[(b * K + l) * K + c];
+                pa[b * K * K + n] = lip[b * K + l];
+            }
+        const float* s = sp + b * K * K;
+        for (int64_t n = 0; n < K * K; n++) order[n] = n;
+        std::stable_sort(order.begin(), order.end(), [s](int64_t a, int64_t c) { return s[a] > s[c]; });
+        for (int64_t i = 0; i < K; i++) {
+            nip[b * K + i] = count + order[i];
+            nlp[b * K + i] = s[order[i]];
+            branch[b * K + i] = b * K + order[i] / K;
+            child[b * K + i] = order[i] % K;
+        }
+    }
+    const at::Tensor next_seen = at::cat({seen, scores}, 1);
+    if (j == L) {  // no level after: no next hidden states, tokens or ancestors
+        return {at::empty({0}, x.options()), at::empty({0}, ids_.options()), next_live, next_index,
+                at::empty({0}, mask.options()), next_seen, scores, level_tokens, parents,
+                at::ones({1}, mask.options())};
+    }
+    at::Tensor next_tokens = at::empty({B * K}, ids_.options());
+    at::Tensor next_anc = at::zeros({B, K, tree_cols}, mask.options());
+    int64_t* nt = next_tokens.data_ptr<int64_t>();
+    uint8_t* nap = static_cast<uint8_t*>(next_anc.data_ptr());
+    for (int64_t r = 0; r < B * K; r++) {
+        nt[r] = ip[branch[r] * K + child[r]];
+        const int64_t b = r / K, from = branch[r] % K;  // the live branch the new one extends
+        memcpy(nap + r * tree_cols, mp + (b * K + from) * width + base[b], done + K);  // its tree row
+    }
+    const at::Tensor next_x = out.index_select(0, at::from_blob(branch.data(), {B * K}, at::kLong).clone());
+    const bool stop = levels_can_stop(next_live, next_seen, keep, threshold);
+    return {next_x, next_tokens, next_live, next_index, next_anc, next_seen, scores, level_tokens, parents,
+            at::full({1}, stop, mask.options())};
+}
+
+// The levels 1 .. L of an EAGLE-3 head's draft tree in one call: draft_level's, from the root's children (root_p /
+// root_ids [B, K], all live, hidden [B, h] the root's draft hidden), stopping first where levels_can_stop holds.
+// cos / sin [L, B K, 1, D]: each level's rows; scratch [B, L, K]: each level's K and V slots; noise [B, S, V]: each
+// request's race noise by level (level j's at [:, j]). -> (scores, tokens, parents) [B, n K K] of the n levels
 // drafted, candidate order after level 0's K (parents: candidate indices, level 0's 0 .. K - 1).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
     const at::Tensor& root_p, const at::Tensor& root_ids, const at::Tensor& hidden, const at::Tensor& embed,
@@ -491,100 +595,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_levels(
                     sin.sizes() == cos.sizes(),
                 "draft_levels: root [B, K], hidden [B, h], base [B], scratch [B, L, K], cos / sin [L, B K, 1, D]");
     const at::Tensor scratch = scratch_.to(at::kLong).contiguous();
-    const at::Tensor p0 = root_p.to(at::kFloat).contiguous(), ids0 = root_ids.to(at::kLong).contiguous();
-    const int64_t max_base = *std::max_element(base.begin(), base.end()), tree_cols = L * K;
-    TORCH_CHECK(kv_slots.size(0) == B && kv_slots.size(1) >= max_base + tree_cols,
-                "draft_levels: kv_slots [B, max(base) + L K]");
-    std::vector<LevelBook> books(B);
-    for (int64_t b = 0; b < B; b++) {
-        LevelBook& r = books[b];
-        r.live_scores.assign(p0.data_ptr<float>() + b * K, p0.data_ptr<float>() + (b + 1) * K);
-        r.all_scores = r.live_scores;
-        r.live_index.resize(K);
-        for (int64_t i = 0; i < K; i++) r.live_index[i] = i;
-    }
-    int64_t count = K;  // candidates so far, per request
-    at::Tensor tokens = ids0.view({B * K});                        // [B K] the live branches' tokens
-    at::Tensor x = hidden.repeat_interleave(K, 0).contiguous();    // [B K, h] their hidden states
-    std::vector<uint8_t> anc(B * K * tree_cols, 0), next_anc(B * K * tree_cols, 0);  // [B, K, L K] ancestors
+    at::Tensor live = root_p.to(at::kFloat).contiguous(), seen = live;
+    at::Tensor live_index = at::arange(K, root_ids.options().dtype(at::kLong)).expand({B, K}).contiguous();
+    at::Tensor tokens = root_ids.to(at::kLong).reshape({B * K}).contiguous();  // [B K] the live branches' tokens
+    at::Tensor x = hidden.repeat_interleave(K, 0).contiguous();                 // [B K, h] their hidden states
+    at::Tensor anc = at::zeros({B, K, L * K}, hidden.options().dtype(at::kBool));
     std::vector<at::Tensor> out_scores, out_tokens, out_parents;
-    for (int64_t j = 1; j <= L; j++) {
-        bool stop;
-        if (count < keep) {  // too few candidates for the exact stop: the threshold alone, over the whole batch
-            float best = -INFINITY;
-            for (const LevelBook& r : books) best = std::max(best, *std::max_element(r.live_scores.begin(),
-                                                                                      r.live_scores.end()));
-            stop = threshold > 0 && best < static_cast<float>(threshold);
-        } else {
-            stop = true;
-            for (const LevelBook& r : books) stop = stop && request_can_stop(r, keep, threshold);
-        }
-        if (stop) break;
-        const int64_t width = max_base + j * K, done = (j - 1) * K;
-        at::Tensor mask = at::zeros({B, 1, K, width}, hidden.options().dtype(at::kBool));
-        uint8_t* mp = static_cast<uint8_t*>(mask.data_ptr());
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < K; i++) {
-                uint8_t* row = mp + (b * K + i) * width;
-                memset(row, 1, base[b]);
-                memcpy(row + base[b], anc.data() + (b * K + i) * tree_cols, done);
-                row[base[b] + done + i] = 1;  // itself
-            }
-        const at::Tensor out = decoder_layer(
-            x, linears, norm1, norm2, eps, cos.select(0, j - 1), sin.select(0, j - 1),
-            k_buf, v_buf, scratch.select(1, j - 1).reshape({B * K}), kv_slots.narrow(1, 0, width), mask, heads,
-            attn_scale, at::embedding(embed, tokens), embed_norm, amx_from);  // [B K, h]
+    bool stop = levels_can_stop(live, seen, keep, threshold);
+    for (int64_t j = 1; j <= L && !stop; j++) {
         std::optional<at::Tensor> level_noise;
         if (noise.has_value()) level_noise = noise->select(1, j);  // [B, V]
-        const double level_scale = noise.has_value() ? 1.0 : rank_scale;
-        const auto [probs_, ids_] = draft_topk(out, head_norm, head_eps, head_linear, level_scale, K, to_target,
-                                               rank_amx_from, level_noise, inv_temps, K, std::nullopt);
-        const float* pp = probs_.data_ptr<float>();
-        const int64_t* ip = ids_.data_ptr<int64_t>();
-        at::Tensor scores = at::empty({B, K * K}, p0.options()), level_tokens = at::empty({B, K * K}, ids0.options());
-        at::Tensor parents = at::empty({B, K * K}, ids0.options());
-        float* sp = scores.data_ptr<float>();
-        int64_t *tp = level_tokens.data_ptr<int64_t>(), *pa = parents.data_ptr<int64_t>();
-        std::vector<int64_t> order(K * K), branch(B * K), child(B * K);
-        for (int64_t b = 0; b < B; b++) {
-            LevelBook& r = books[b];
-            for (int64_t l = 0; l < K; l++)
-                for (int64_t c = 0; c < K; c++) {
-                    const int64_t n = l * K + c;
-                    sp[b * K * K + n] = r.live_scores[l] * pp[(b * K + l) * K + c];
-                    tp[b * K * K + n] = ip[(b * K + l) * K + c];
-                    pa[b * K * K + n] = r.live_index[l];
-                }
-            const float* s = sp + b * K * K;
-            for (int64_t n = 0; n < K * K; n++) order[n] = n;
-            std::stable_sort(order.begin(), order.end(), [s](int64_t a, int64_t c) { return s[a] > s[c]; });
-            r.all_scores.insert(r.all_scores.end(), s, s + K * K);
-            for (int64_t i = 0; i < K; i++) {
-                r.live_index[i] = count + order[i];
-                r.live_scores[i] = s[order[i]];
-                branch[b * K + i] = b * K + order[i] / K;
-                child[b * K + i] = order[i] % K;
-            }
-        }
-        count += K * K;
+        auto [nx, nt, nl, ni, na, ns, scores, level_tokens, parents, done] = draft_level(
+            x, tokens, live, live_index, anc, seen, j, embed, linears, norm1, norm2, embed_norm, eps, heads,
+            attn_scale, amx_from, cos.select(0, j - 1), sin.select(0, j - 1), k_buf, v_buf, scratch.select(1, j - 1),
+            kv_slots, base, head_norm, head_eps, head_linear, rank_scale, to_target, rank_amx_from, level_noise,
+            inv_temps, std::nullopt, keep, threshold);
+        x = nx;
+        tokens = nt;
+        live = nl;
+        live_index = ni;
+        anc = na;
+        seen = ns;
         out_scores.push_back(scores);
         out_tokens.push_back(level_tokens);
         out_parents.push_back(parents);
-        if (j == L) break;
-        at::Tensor next_tokens = at::empty({B * K}, ids0.options());
-        int64_t* nt = next_tokens.data_ptr<int64_t>();
-        for (int64_t r = 0; r < B * K; r++) {
-            nt[r] = ip[branch[r] * K + child[r]];
-            const int64_t b = r / K, from = branch[r] % K;  // the live branch the new one extends
-            memcpy(next_anc.data() + r * tree_cols, mp + (b * K + from) * width + base[b], done + K);  // its tree row
-        }
-        std::swap(anc, next_anc);
-        tokens = next_tokens;
-        x = out.index_select(0, at::from_blob(branch.data(), {B * K}, at::kLong).clone());
+        stop = done.item<bool>();
     }
     if (out_scores.empty()) {
-        const at::Tensor none = at::empty({B, 0}, ids0.options());
-        return {at::empty({B, 0}, p0.options()), none, none.clone()};
+        const at::Tensor none = at::empty({B, 0}, root_ids.options().dtype(at::kLong));
+        return {at::empty({B, 0}, live.options()), none, none.clone()};
     }
     return {at::cat(out_scores, 1), at::cat(out_tokens, 1), at::cat(out_parents, 1)};
 }
@@ -687,6 +726,7 @@ TORCH_LIBRARY_IMPL(specserve, CPU, m) {
 #endif
     m.impl("decoder_layer", TORCH_FN(decoder_layer));
     m.impl("draft_topk", TORCH_FN(draft_topk));
+    m.impl("draft_level", TORCH_FN(draft_level));
     m.impl("draft_levels", TORCH_FN(draft_levels));
     m.impl("race_walk", TORCH_FN(race_walk));
     m.impl("tree_attention", TORCH_FN(tree_attention));
