@@ -23,6 +23,15 @@ def test_cpu_supports_reads_the_flags():
     assert not native.cpu_supports("processor: 0\n")
 
 
+def test_kernel_wins_by_hand():
+    """5% faster to take a row count; at one row, where decoder layers run as one operator call, up to 25% slower."""
+    assert small_gemm.kernel_wins(4, 0.94, 1.0) and not small_gemm.kernel_wins(4, 0.96, 1.0)
+    assert not small_gemm.kernel_wins(1, 0.96, 1.0) and small_gemm.kernel_wins(1, 0.96, 1.0, whole_layers=True)
+    assert small_gemm.kernel_wins(1, 1.25, 1.0, whole_layers=True)
+    assert not small_gemm.kernel_wins(1, 1.3, 1.0, whole_layers=True)
+    assert not small_gemm.kernel_wins(4, 0.96, 1.0, whole_layers=True)  # the slack is one row's only
+
+
 def test_winning_rows_by_hand():
     assert small_gemm.winning_rows({1: True, 4: True, 8: False, 16: True}) == (1, 4)
     assert small_gemm.winning_rows({16: True, 1: True, 8: True, 4: True}) == (1, 16)

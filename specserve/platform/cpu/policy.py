@@ -200,7 +200,9 @@ class CpuPolicy(PlatformPolicy):
             self.one_row[type(module).__name__] = choose_one_row_kernel(kept)
         with_small = [m for m in module.modules() if isinstance(m, PackedLinear) and m.small is not None]
         if with_small:  # up to how many rows specserve's own kernel beats those (small_gemm.py)
-            self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small)
+            whole_layers = self.elementwise and self.tree_attention and fused_layer.available() and any(
+                fused_layer.fusable(m) for m in module.modules())
+            self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small, whole_layers)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
         if self.elementwise and self.tree_attention:
             self.fused_layers += fused_layer.use_fused_layers(module)

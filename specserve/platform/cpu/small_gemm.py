@@ -48,6 +48,11 @@ AMX_PROBE_ROWS = (32, 64)  # and where the tile unit may run, these (on it only)
 PROBE_REPS = 5
 MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than the other kernel
 # (and the tile unit only when this much faster than the vector loop)
+# ...but one row where the model's decoder layers run as one operator call each (``fused_layer.py``) unless the kernel
+# is this much slower: a layer whose linears do not all take a call runs its modules, about twenty operator calls from
+# Python, which cost a demo decode step 2.3x its time on a 2-core AMD EPYC (SmolLM2's about a quarter), far more than
+# the few percent the kernels differ by at one row
+FUSED_ONE_ROW_SLACK = 0.25
 AMX_UNTIMED_FROM = 5  # amx_from where nothing is timed (SPECSERVE_SMALL_GEMM=on): the 2-core Xeon's crossover
 # x, m, k, ldx, packed, n, bias, y, ldy, threads, amx_from
 ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -153,6 +158,15 @@ class SmallCopy(nn.Module):
         return small_mm(x, self.packed, self.bias, self.amx_from)
 
 
+def kernel_wins(rows: int, kernel_s: float, other_s: float, whole_layers: bool = False) -> bool:
+    """The probe's verdict at one row count: the kernel takes it when MIN_GAIN faster than the other kernel; at one
+    row where whole_layers (the model's decoder layers run as one operator call, which needs every linear to take
+    the call), unless FUSED_ONE_ROW_SLACK slower."""
+    if rows == 1 and whole_layers:
+        return kernel_s <= (1.0 + FUSED_ONE_ROW_SLACK) * other_s
+    return kernel_s < (1.0 - MIN_GAIN) * other_s
+
+
 def winning_rows(wins: dict[int, bool]) -> tuple[int, int]:
     """{probed rows: the kernel won there} -> (min_rows, max_rows), the calls that take the kernel: from 1 row where it
     won at one row, else from 2 (one-row calls keep their own kernel), up to the most rows it won at every probed count
@@ -188,15 +202,16 @@ def _amx_fixed() -> int | None:
     return 1 if amx_mode() == "all" else None
 
 
-def choose_small_rows(linears: list) -> dict:
+def choose_small_rows(linears: list, whole_layers: bool = False) -> dict:
     """For PackedLinears or MixedLinears holding the kernel's layout (``small``): up to how many rows a call takes the
-    kernel, and from how many its tile-unit path. ``on``: 1 to SMALL_MAX_ROWS, the tile unit from AMX_UNTIMED_FROM
-    rows (auto) without timing; ``auto``: timed at PROBE_ROWS on the model's first linears
-    (``one_row_probe.probed_linears``): the tile unit against the vector loop (``amx_start``), then the kernel so
-    chosen against the kernel each count uses otherwise (gemv or packed for one row, packed above), and where the tile
-    unit took calls, at AMX_PROBE_ROWS too (the tile unit against the packed kernel); the rows from ``winning_rows``.
-    Sets each linear's ``small.min_rows`` / ``max_rows`` / ``amx_from``, drops the layout where the kernel won
-    nowhere, and the plain copies where it won at one row (gemv is then not used) -> the verdict (server info)."""
+    kernel, and from how many its tile-unit path (whole_layers: the model's decoder layers will run as one operator call
+    each where their linears take a call, see ``kernel_wins``). ``on``: 1 to SMALL_MAX_ROWS, the tile unit from
+    AMX_UNTIMED_FROM rows (auto) without timing; ``auto``: timed at PROBE_ROWS on the model's first linears
+    (``one_row_probe.probed_linears``): the tile unit against the vector loop (``amx_start``), then the kernel so chosen
+    against the kernel each count uses otherwise (gemv or packed for one row, packed above), and where the tile unit
+    took calls, at AMX_PROBE_ROWS too (the tile unit against the packed kernel); the rows from ``winning_rows``. Sets
+    each linear's ``small.min_rows`` / ``max_rows`` / ``amx_from``, drops the layout where the kernel won nowhere, and
+    the plain copies where it won at one row (gemv is then not used) -> the verdict (server info)."""
     from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
     from specserve.platform.cpu.packing import cpu_gemv
 
@@ -236,10 +251,11 @@ def choose_small_rows(linears: list) -> dict:
             if rows > SMALL_MAX_ROWS and not on_tile:
                 continue
             kernel_s = med["tile"] if on_tile else med["small"]
-            wins[rows] = kernel_s < (1.0 - MIN_GAIN) * med["other"]
+            wins[rows] = kernel_wins(rows, kernel_s, med["other"], whole_layers)
             ms[rows] = (round(kernel_s * 1e3, 3), round(med["other"] * 1e3, 3))
         lo, hi = winning_rows(wins)
-        verdict = {"min_rows": lo, "max_rows": hi, "amx_from": amx_from, "source": "probe", "small_other_ms": ms}
+        verdict = {"min_rows": lo, "max_rows": hi, "amx_from": amx_from, "source": "probe", "small_other_ms": ms,
+                   "whole_layers": whole_layers}
         if amx_wins:
             verdict["vector_tile_ms"] = {rows: (round(med["small"] * 1e3, 3), round(med["tile"] * 1e3, 3))
                                          for rows, med in times_at.items() if rows in amx_wins}
