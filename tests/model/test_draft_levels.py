@@ -174,7 +174,6 @@ def test_engine_drafts_the_same_trees_in_one_call_and_stays_lossless(model_facto
     """Greedy and seeded sampled EAGLE-3 over a bf16 target with fused layers: drafting each tree's levels in one call
     proposes the trees drafting level by level proposes (the same tokens out), and both give plain decoding's
     tokens, with drafts accepted."""
-    from specserve.speculative.draft_models import Eagle3HeadDraft
     from specserve.test.tiny import make_eagle3_head_dir
 
     kernel_linears(monkeypatch)
@@ -185,16 +184,29 @@ def test_engine_drafts_the_same_trees_in_one_call_and_stays_lossless(model_facto
         plain = [o["output_ids"] for o in e.generate(PROMPTS, greedy(20)) + e.generate(PROMPTS, seeded)]
     draft = make_eagle3_head_dir(str(tmp_path / "h3"), target, kind="self")
     kw = spec_kwargs("EAGLE3", draft, 4, 3, 8, speculative_draft_dtype="bfloat16", disable_speculative_auto_off=True)
+
+    def run(e: Engine, one_call: bool) -> None:
+        outs = e.generate(PROMPTS[:1], greedy(20)) + e.generate(PROMPTS[1:], greedy(20))
+        outs += e.generate(PROMPTS, seeded)
+        assert [o["output_ids"] for o in outs] == plain
+        assert_drafting_happened(outs, 1.0)
+
+    draft_both_ways(target, kw, monkeypatch, run)
+
+
+def draft_both_ways(target: str, kw: dict, monkeypatch, run) -> None:
+    """Engines on `target` with kw drafting each tree's levels through the operators, then the head's levels off
+    (level by level through its modules), each given to run(engine, one_call): both propose the same trees, and
+    only the first drafts through the operators."""
+    from specserve.speculative.draft_models import Eagle3HeadDraft
+
     runs = []
     for one_call in (True, False):
         if not one_call:
             monkeypatch.setattr(Eagle3HeadDraft, "levels", None)
         with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
             trees = proposals(e)
-            outs = e.generate(PROMPTS[:1], greedy(20)) + e.generate(PROMPTS[1:], greedy(20))
-            outs += e.generate(PROMPTS, seeded)
-            assert [o["output_ids"] for o in outs] == plain
-            assert_drafting_happened(outs, 1.0)
+            run(e, one_call)
             assert_no_kv_leak(e)
             calls = e.loop.call(lambda s: s.decoder.proposer.one_call_trees)
         assert (calls > 0) == one_call
@@ -212,7 +224,6 @@ def test_engine_drafts_the_same_trees_under_a_grammar_one_level_a_call(model_fac
     EAGLE-3 head over a bf16 target with fused layers: drafting each level in one call with the grammars' rows between
     the calls proposes the trees the engine's level-by-level path proposes, and both give constrained plain decoding's
     tokens, with drafts accepted."""
-    from specserve.speculative.draft_models import Eagle3HeadDraft
     from specserve.test.tiny import make_eagle3_head_dir
 
     kernel_linears(monkeypatch)
@@ -233,20 +244,12 @@ def test_engine_drafts_the_same_trees_under_a_grammar_one_level_a_call(model_fac
         return original_rows(self, *args)
 
     monkeypatch.setattr(EagleProposer, "_level_rows", level_rows)
-    runs = []
-    for one_call in (True, False):
-        if not one_call:
-            monkeypatch.setattr(Eagle3HeadDraft, "levels", None)
-        with Engine(model_path=target, max_total_tokens=4096, **kw) as e:
-            trees = proposals(e)
-            outs = e.generate(PROMPTS[1:2], params[1]) + e.generate(PROMPTS[:4], params)
-            assert [o["output_ids"] for o in outs] == plain[1:2] + plain
-            assert_drafting_happened([outs[0], outs[1], outs[2]], 1.0)
-            assert_no_kv_leak(e)
-            calls = e.loop.call(lambda s: s.decoder.proposer.one_call_trees)
-        assert (calls > 0) == one_call and (len(rows_asked) > 0) == one_call
-        runs.append(trees)
+
+    def run(e: Engine, one_call: bool) -> None:
+        outs = e.generate(PROMPTS[1:2], params[1]) + e.generate(PROMPTS[:4], params)
+        assert [o["output_ids"] for o in outs] == plain[1:2] + plain
+        assert_drafting_happened([outs[0], outs[1], outs[2]], 1.0)
+        assert (len(rows_asked) > 0) == one_call
         rows_asked.clear()
-    assert len(runs[0]) == len(runs[1]) > 0
-    for (t1, p1), (t2, p2) in zip(*runs, strict=True):
-        assert torch.equal(t1, t2) and torch.equal(p1, p2)
+
+    draft_both_ways(target, kw, monkeypatch, run)
