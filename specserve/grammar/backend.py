@@ -92,6 +92,13 @@ class Matcher:
     def fork(self) -> Matcher:
         raise NotImplementedError
 
+    def _twin(self) -> Matcher:
+        """A shallow copy of this matcher's Python object (``fork`` then replaces the engine's state in it): what
+        ``copy.copy`` makes, in about 1 us instead of 6 (a draft level forks a state per live branch)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
     def accepting(self) -> bool:
         raise NotImplementedError
 

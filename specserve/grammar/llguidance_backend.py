@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import llguidance
@@ -61,7 +60,7 @@ class LLGuidanceMatcher(Matcher):
         return forced[0] if forced else None
 
     def fork(self) -> LLGuidanceMatcher:
-        twin = copy.copy(self)
+        twin = self._twin()
         twin.m = self.m.deep_copy()
         return twin
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import xgrammar
 
@@ -25,7 +23,7 @@ class XGrammarMatcher(Matcher):
         return self.m.accept_token(token)
 
     def fork(self) -> XGrammarMatcher:
-        twin = copy.copy(self)
+        twin = self._twin()
         twin.m = self.m.fork()
         return twin
 
