@@ -270,14 +270,23 @@ class EagleProposer(Proposer):
             noise = (rows.log_expo, rows.inv_temps.view(-1), rows_per_req)
         allowed = None
         if grammar is not None:
-            if self.draft.d2t_ids is None and len(vocab_ids) != self.runner.spec.vocab_size:
-                return None  # an LM head wider than the vocabulary: ``_grammar_ban`` crops to it
-            first = next((w for w in grammar[0] if w is not None), None)
-            if first is not None:
-                with first.matcher.stats.masking():
-                    allowed = allow_stops(*self._grammar_rows(*grammar, draft_hidden.shape[0]),
-                                          self.runner.spec.vocab_size)
+            if self._wider_than_vocab(vocab_ids):
+                return None
+            if any(w is not None for w in grammar[0]):
+                allowed = self._allowed(*grammar, draft_hidden.shape[0])
         return self.draft.topk(draft_hidden, k, scale or 1.0, noise, allowed)
+
+    def _wider_than_vocab(self, vocab_ids: torch.Tensor) -> bool:
+        """The draft ranks more columns than the target's vocabulary without a d2t map (an LM head padded past it),
+        which one-call rankings under a grammar do not take: ``_grammar_ban`` crops to it."""
+        return self.draft.d2t_ids is None and len(vocab_ids) != self.runner.spec.vocab_size
+
+    def _allowed(self, walks: list[PathStates | None], paths: list[list[list[int]] | None], R: int) -> torch.Tensor:
+        """The grammars' int32 bitmask rows for R draft rows (``_grammar_rows``; some request has a grammar), stop
+        ids allowed where a grammar may end: what one-call rankings take as allowed."""
+        first = next(w for w in walks if w is not None)
+        with first.matcher.stats.masking():
+            return allow_stops(*self._grammar_rows(walks, paths, R), self.runner.spec.vocab_size)
 
     def _grammar_ban(self, walks: list[PathStates | None], paths: list[list[list[int]] | None],
                      to_target: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
@@ -536,9 +545,8 @@ class EagleProposer(Proposer):
         levels, B = self.draft.levels, root_ids.shape[0]
         if levels is None or isinstance(scale, torch.Tensor) or type(keys) is not TreeKeys:
             return None
-        if grammar is not None and self.draft.d2t_ids is None and len(self.draft.ranked_ids()) != \
-                self.runner.spec.vocab_size:
-            return None  # an LM head wider than the vocabulary: ``_grammar_ban`` crops to it
+        if grammar is not None and self._wider_than_vocab(self.draft.ranked_ids()):
+            return None
         k_buf, v_buf = self.kv_pool.layer(levels.layer.layer_id)
         if (hidden.dtype != torch.bfloat16 or self.compute_dtype(B * K) != torch.bfloat16
                 or not levels.fits(B * K, K, k_buf, v_buf)):
@@ -563,15 +571,12 @@ class EagleProposer(Proposer):
         """The grammars' rows for one-call levels (``HeadLevels``' allowed_rows): given how the live branches grew
         (branch, tokens [B, K]; None at level 1, where ``paths`` are theirs) -> the int32 bitmask [R, W] of what each
         live branch's children may be, stop ids allowed where a grammar may end."""
-        first = next(w for w in walks if w is not None)
-        vocab = self.runner.spec.vocab_size
 
         def rows(branch: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
             nonlocal paths
             if branch is not None:
                 paths = _extend_paths(paths, branch, tokens)
-            with first.matcher.stats.masking():
-                return allow_stops(*self._grammar_rows(walks, paths, R), vocab)
+            return self._allowed(walks, paths, R)
 
         return rows
 
