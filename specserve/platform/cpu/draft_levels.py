@@ -31,7 +31,6 @@ from specserve.platform.cpu.draft_topk import HeadTopk, draft_topk
 from specserve.platform.cpu.draft_topk import native as draft_topk_native
 from specserve.platform.cpu.fused_layer import FusedLayer, decoder_layer
 from specserve.platform.cpu.ops import cpu_op, registered
-from specserve.speculative.tree import _host_can_stop
 
 BF16 = torch.bfloat16
 
@@ -83,7 +82,9 @@ def levels_can_stop(live: torch.Tensor, seen: torch.Tensor, keep: int, threshold
     live, seen = live.numpy(), seen.numpy()
     if seen.shape[1] < keep:
         return bool(threshold > 0 and live.max() < threshold)
-    return bool(_host_can_stop(seen, live, keep, threshold).all())
+    best = live.max(axis=1)  # [B]
+    exact = (seen >= best[:, None]).sum(axis=1) >= keep
+    return bool((exact | (best < threshold) if threshold > 0 else exact).all())
 
 
 def _fake_level(x, tokens, live, live_index, anc, seen, *args, **kwargs):
