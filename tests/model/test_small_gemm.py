@@ -80,6 +80,32 @@ def test_prefetch_distance_changes_no_bit():
         assert torch.equal(y_int8, int8_gemm.int8_mm(x, copy.packed, copy.scales, None))
 
 
+@needs_kernel
+def test_pass_sizes_change_no_bit():
+    """The kernel built with passes of at most 4 rows (``-DSPECSERVE_SMALL_GEMM_PASS_ROWS=4``, as
+    benchmarks/bench_small_gemm_passes.py builds it) gives the default build's (6) exact bits at 1-16 rows, with a
+    bias and a strided input: which pass takes a row does not change its sums."""
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        from bench_small_gemm_passes import build
+    finally:
+        sys.path.remove(benchmarks)
+    torch.manual_seed(2)
+    w = torch.randn(192, 96, dtype=torch.bfloat16)
+    bias = torch.randn(192)
+    packed, four_rows = small_gemm.pack(w), build(4)
+    for rows in range(1, small_gemm.SMALL_MAX_ROWS + 1):
+        wide = torch.randn(rows, 128, dtype=torch.bfloat16)
+        x = wide[:, :96]  # row stride 128
+        y = torch.empty(rows, 192, dtype=torch.bfloat16)
+        four_rows(x.data_ptr(), rows, 96, 128, packed.data_ptr(), 192, bias.data_ptr(), y.data_ptr(), 192, 2, 0)
+        assert torch.equal(y, small_gemm.small_mm(x, packed, bias, 0)), rows
+
+
 needs_amx = pytest.mark.skipif(not small_gemm.amx_runs(), reason="no AMX here (or Linux refused its tile state)")
 
 

@@ -3,14 +3,17 @@
 // W is packed by specserve/platform/cpu/small_gemm.py as [N / 64][K / 2][64][2]: for each group of 64 output
 // columns, K / 2 steps of 64 column pairs (w[n, 2j], w[n, 2j + 1]), i.e. 256 contiguous bytes a step. One
 // vdpbf16ps multiplies 16 such pairs by a broadcast pair of x and adds both products to 16 fp32 sums, so a step
-// takes 4 loads and 4 vdpbf16ps per row. Rows are handled 4 at a time (16 accumulators), so the weights stream from
-// memory once for up to 4 rows; more rows re-read a group (K x 128 bytes) from the core's L2. Threads split the
-// column groups (OpenMP: the runtime PyTorch itself uses, linked by the loader).
+// takes 4 loads and 4 vdpbf16ps per row. A pass over a group takes up to PASS_ROWS rows (6: 24 accumulators, the
+// weights' 4 vectors and the broadcast x in the 32 registers), so the weights stream from memory once for up to that
+// many rows; more rows take passes of as even sizes as can be (9 rows: 5 and 4, not 4, 4 and 1), the later ones
+// re-reading the group (K x 128 bytes) from the core's L2, where each costs about its rows' vdpbf16ps. A column's sum
+// takes the same vdpbf16ps in the same order whatever the pass, so a row's bits do not depend on the rows beside it.
+// Threads split the column groups (OpenMP: the runtime PyTorch itself uses, linked by the loader).
 //
 // Where the CPU has AMX (AMX-TILE and AMX-BF16, e.g. Sapphire Rapids) and Linux grants the process its tile state,
 // calls of at least `amx_from` rows (0: none) with K a multiple of 32 run on the tile unit instead (``amx_gemm``):
 // one tile instruction multiplies up to 16 rows by 16 columns over 32 k at once, so 16 rows cost about what one
-// does (the weights' read), where the vector loop above does 4 rows a pass; more rows go 16 at a time over each
+// does (the weights' read), where the vector loop above does up to 6 rows a pass; more rows go 16 at a time over each
 // group while it is in the core's cache. Its float32 sums round differently from
 // the vector loop's in a few outputs in 10,000, so a row's bits are the same in any call only when both calls take
 // the same path (small_gemm.py chooses `amx_from` by timing both at load).
@@ -60,17 +63,29 @@ static inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wg, int6
             _mm256_storeu_si256((__m256i*)(y + r * ldy + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
 }
 
+// The most rows of a pass (SPECSERVE_SMALL_GEMM_PASS_ROWS: benchmarks/bench_small_gemm_passes.py builds others)
+#ifndef SPECSERVE_SMALL_GEMM_PASS_ROWS
+#define SPECSERVE_SMALL_GEMM_PASS_ROWS 6
+#endif
+static const int64_t PASS_ROWS = SPECSERVE_SMALL_GEMM_PASS_ROWS;
+static_assert(PASS_ROWS >= 1 && PASS_ROWS <= 6, "a pass holds at most 6 rows' accumulators");
+
 static void group_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wg, int64_t k2, const float* bias,
                        uint16_t* y, int64_t ldy) {
-    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+    const int64_t passes = (m + PASS_ROWS - 1) / PASS_ROWS;
+    for (int64_t p = 0, r0 = 0; p < passes; p++) {
+        const int64_t rows = (m - r0) / (passes - p) + ((m - r0) % (passes - p) != 0);  // the larger passes first
         const uint16_t* xs = x + r0 * ldx;
         uint16_t* ys = y + r0 * ldy;
-        switch (m - r0 < 4 ? m - r0 : 4) {
+        switch (rows) {
             case 1: tile<1>(xs, ldx, wg, k2, bias, ys, ldy); break;
             case 2: tile<2>(xs, ldx, wg, k2, bias, ys, ldy); break;
             case 3: tile<3>(xs, ldx, wg, k2, bias, ys, ldy); break;
-            default: tile<4>(xs, ldx, wg, k2, bias, ys, ldy); break;
+            case 4: tile<4>(xs, ldx, wg, k2, bias, ys, ldy); break;
+            case 5: tile<5>(xs, ldx, wg, k2, bias, ys, ldy); break;
+            default: tile<6>(xs, ldx, wg, k2, bias, ys, ldy); break;
         }
+        r0 += rows;
     }
 }
 

@@ -3,8 +3,10 @@
 On such a CPU without AMX (a 2-core AMD EPYC), oneDNN's packed bf16 kernel costs about 16-20 us a call whatever the
 size and streams a weight at 12-19 GB/s; a verify tree of 8 rows through SmolLM2-135M's linears took 13.3 ms packed
 against 7-10 ms for one row through PyTorch's gemv, so every verified node cost a speculative step dearly. This kernel
-reads each weight once for up to 4 rows and re-reads it from the core's L2 for more: over SmolLM2's linears on that
-machine it took 9.2 ms for 1 row, 8.8 for 4, 10.3 for 8 and 15.2 for 16 (docs/benchmarks.md, "Weight packing").
+reads each weight once for up to 6 rows and re-reads it from the core's L2 for more, in passes of as even sizes as
+can be: over SmolLM2's linears on that machine it took 9.2 ms for 1 row, 8.8 for 4, 10.3 for 8 and 15.2 for 16 when
+its passes held 4 rows (docs/benchmarks.md, "Weight packing"); passes of 6 took a 9-row verify tree's pass 0.82x
+the time of 4-row passes (docs/benchmarks.md, "specserve's few-row kernel").
 
 It is built once per machine (``native``) and called through ctypes (an opaque custom op inside compiled graphs).
 Where the CPU lacks AVX512-BF16, no compiler is found or the build fails, nothing changes: the other kernels run.
@@ -41,7 +43,7 @@ MODES = ("auto", "on", "off")
 AMX_ENV = "SPECSERVE_SMALL_GEMM_AMX"
 AMX_MODES = ("auto", "all", "off")
 COLS = 64  # output columns per packed group (the kernel's COLS)
-SMALL_MAX_ROWS = 16  # the most rows a call may have on the vector loop (4 row tiles)
+SMALL_MAX_ROWS = 16  # the most rows a call may have on the vector loop (passes of up to 6 rows)
 AMX_MAX_ROWS = 64  # on the tile unit (blocks of 16), where the probe finds it ahead of oneDNN's kernel up to there
 PROBE_ROWS = (1, 4, 8, 16)  # the row counts the probe times
 AMX_PROBE_ROWS = (32, 64)  # and where the tile unit may run, these (on it only)
