@@ -50,19 +50,25 @@ def test_packed_layout_by_hand():
     assert not small_gemm.packable(w.float())
 
 
-@needs_kernel
-def test_prefetch_distance_changes_no_bit():
-    """Both few-row kernels built without software prefetch (``-DSPECSERVE_PREFETCH_BYTES=0``, as
-    benchmarks/bench_prefetch.py builds them) give the default build's exact bits at 1-5 rows."""
+def _benchmark(name: str):
+    """The module benchmarks/<name>.py (the benchmarks build kernel variants the tests compare)."""
+    import importlib
     import sys
     from pathlib import Path
 
     benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
     sys.path.insert(0, benchmarks)
     try:
-        from bench_prefetch import build
+        return importlib.import_module(name)
     finally:
         sys.path.remove(benchmarks)
+
+
+@needs_kernel
+def test_prefetch_distance_changes_no_bit():
+    """Both few-row kernels built without software prefetch (``-DSPECSERVE_PREFETCH_BYTES=0``, as
+    benchmarks/bench_prefetch.py builds them) give the default build's exact bits at 1-5 rows."""
+    build = _benchmark("bench_prefetch").build
     from specserve.models.quantize import quantize_int8
     from specserve.platform.cpu import int8_gemm
 
@@ -85,15 +91,7 @@ def test_pass_sizes_change_no_bit():
     """The kernel built with passes of at most 4 rows (``-DSPECSERVE_SMALL_GEMM_PASS_ROWS=4``, as
     benchmarks/bench_small_gemm_passes.py builds it) gives the default build's (6) exact bits at 1-16 rows, with a
     bias and a strided input: which pass takes a row does not change its sums."""
-    import sys
-    from pathlib import Path
-
-    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
-    sys.path.insert(0, benchmarks)
-    try:
-        from bench_small_gemm_passes import build
-    finally:
-        sys.path.remove(benchmarks)
+    build = _benchmark("bench_small_gemm_passes").build
     torch.manual_seed(2)
     w = torch.randn(192, 96, dtype=torch.bfloat16)
     bias = torch.randn(192)
