@@ -88,20 +88,28 @@ def test_prefetch_distance_changes_no_bit():
 
 @needs_kernel
 def test_pass_sizes_change_no_bit():
-    """The kernel built with passes of at most 4 rows (``-DSPECSERVE_SMALL_GEMM_PASS_ROWS=4``, as
-    benchmarks/bench_small_gemm_passes.py builds it) gives the default build's (6) exact bits at 1-16 rows, with a
-    bias and a strided input: which pass takes a row does not change its sums."""
+    """Both few-row kernels built with passes of at most 4 rows (``-DSPECSERVE_SMALL_GEMM_PASS_ROWS=4`` and
+    ``-DSPECSERVE_INT8_GEMM_PASS_ROWS=4``, as benchmarks/bench_small_gemm_passes.py builds them) give the default
+    builds' (6) exact bits at 1-16 rows, with a bias and a strided input: which pass takes a row does not change its
+    sums (the int8 kernel's lone last row, on its float32 path, included)."""
+    from specserve.models.quantize import quantize_int8
+    from specserve.platform.cpu import int8_gemm
+
     build = _benchmark("bench_small_gemm_passes").build
     torch.manual_seed(2)
     w = torch.randn(192, 96, dtype=torch.bfloat16)
     bias = torch.randn(192)
-    packed, four_rows = small_gemm.pack(w), build(4)
+    packed, copy = small_gemm.pack(w), int8_gemm.Int8Copy(*quantize_int8(w.float()), None)
+    bf16_four, int8_four = build(4), build(4, "int8")
     for rows in range(1, small_gemm.SMALL_MAX_ROWS + 1):
         wide = torch.randn(rows, 128, dtype=torch.bfloat16)
         x = wide[:, :96]  # row stride 128
-        y = torch.empty(rows, 192, dtype=torch.bfloat16)
-        four_rows(x.data_ptr(), rows, 96, 128, packed.data_ptr(), 192, bias.data_ptr(), y.data_ptr(), 192, 2, 0)
-        assert torch.equal(y, small_gemm.small_mm(x, packed, bias, 0)), rows
+        y_bf16, y_int8 = torch.empty(rows, 192, dtype=torch.bfloat16), torch.empty(rows, 192, dtype=torch.bfloat16)
+        bf16_four(x.data_ptr(), rows, 96, 128, packed.data_ptr(), 192, bias.data_ptr(), y_bf16.data_ptr(), 192, 2, 0)
+        int8_four(x.data_ptr(), rows, 96, 128, copy.packed.data_ptr(), 192, copy.scales.data_ptr(), bias.data_ptr(),
+                  y_int8.data_ptr(), 192, 2, 0)
+        assert torch.equal(y_bf16, small_gemm.small_mm(x, packed, bias, 0)), rows
+        assert torch.equal(y_int8, int8_gemm.int8_mm(x, copy.packed, copy.scales, bias, 0)), rows
 
 
 needs_amx = pytest.mark.skipif(not small_gemm.amx_runs(), reason="no AMX here (or Linux refused its tile state)")

@@ -12,9 +12,10 @@
 // vpermw to interleave the two k) and take one vdpbf16ps per row and column vector. Both give the same bits (outside
 // fp32 denormals, which vdpbf16ps flushes), so a row's result does not depend on the call's row count: a verify tree
 // row equals a one-row decode call. Consecutive steps alternate between two sets of sums (four independent chains
-// for a single row), added at the end. A tile of up to 4 rows streams the weights from memory once; more rows re-read
-// the group (K x 32 bytes) from the core's L2. Threads split the column groups (OpenMP: the runtime PyTorch itself
-// uses, linked by the loader).
+// for a single row), added at the end. A tile of up to 6 rows (24 sums) streams the weights from memory once; more
+// rows take tiles of as even sizes as can be (9 rows: 5 and 4), the later ones re-reading the group (K x 32 bytes)
+// from the core's L2. Threads split the column groups (OpenMP: the runtime PyTorch itself uses, linked by the
+// loader).
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -86,7 +87,7 @@ static inline void store(__m512 (*acc)[R][2], const float* scale, const float* b
     }
 }
 
-// R rows (up to 4) of one column group; even steps into the first set of sums, odd steps into the second. xf: a
+// R rows (up to 6) of one column group; even steps into the first set of sums, odd steps into the second. xf: a
 // single row's x in fp32 (R = 1 only).
 template <int R>
 static inline void tile(const uint16_t* x, const float* xf, int64_t ldx, int64_t k2, const int8_t* qg,
@@ -116,18 +117,36 @@ static inline void tile(const uint16_t* x, const float* xf, int64_t ldx, int64_t
     store<R>(acc, scale, bias, y, ldy);
 }
 
-// xf: the last row's x in fp32 where it makes a tile of its own (m % 4 == 1), else null
+// The most rows of a tile (SPECSERVE_INT8_GEMM_PASS_ROWS: benchmarks/bench_small_gemm_passes.py builds others)
+#ifndef SPECSERVE_INT8_GEMM_PASS_ROWS
+#define SPECSERVE_INT8_GEMM_PASS_ROWS 6
+#endif
+static const int64_t PASS_ROWS = SPECSERVE_INT8_GEMM_PASS_ROWS;
+static_assert(PASS_ROWS >= 1 && PASS_ROWS <= 6, "a tile holds at most 6 rows' sums");
+
+// rows of the tile that starts at row r0 of m (tiles of at most PASS_ROWS rows, as even as can be, the larger first)
+static inline int64_t rows_of_tile(int64_t m, int64_t r0) {
+    const int64_t passes = (m + PASS_ROWS - 1) / PASS_ROWS;
+    const int64_t base = m / passes, extra = m % passes;  // the first `extra` tiles take base + 1 rows
+    return r0 < extra * (base + 1) ? base + 1 : base;
+}
+
+// xf: the last row's x in fp32 where it makes a tile of its own (the last tile holds one row), else null
 static void group_rows(const uint16_t* x, const float* xf, int64_t ldx, int64_t m, int64_t k2, const int8_t* qg,
                        const float* scale, const float* bias, uint16_t* y, int64_t ldy) {
-    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+    for (int64_t r0 = 0; r0 < m;) {
+        const int64_t rows = rows_of_tile(m, r0);
         const uint16_t* xs = x + r0 * ldx;
         uint16_t* ys = y + r0 * ldy;
-        switch (m - r0 < 4 ? m - r0 : 4) {
+        switch (rows) {
             case 1: tile<1>(xs, xf, ldx, k2, qg, scale, bias, ys, ldy); break;
             case 2: tile<2>(xs, nullptr, ldx, k2, qg, scale, bias, ys, ldy); break;
             case 3: tile<3>(xs, nullptr, ldx, k2, qg, scale, bias, ys, ldy); break;
-            default: tile<4>(xs, nullptr, ldx, k2, qg, scale, bias, ys, ldy); break;
+            case 4: tile<4>(xs, nullptr, ldx, k2, qg, scale, bias, ys, ldy); break;
+            case 5: tile<5>(xs, nullptr, ldx, k2, qg, scale, bias, ys, ldy); break;
+            default: tile<6>(xs, nullptr, ldx, k2, qg, scale, bias, ys, ldy); break;
         }
+        r0 += rows;
     }
 }
 
@@ -252,7 +271,7 @@ extern "C" void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t 
         return;
     static thread_local std::vector<float> buf;  // the calling thread's fp32 copy of a lone row, kept between calls
     const float* xf = nullptr;
-    if (m % 4 == 1) {
+    if (rows_of_tile(m, m - 1) == 1) {  // the last row is a tile of its own
         if ((int64_t)buf.size() < k) buf.resize(k);
         const uint16_t* last = x + (m - 1) * ldx;
         for (int64_t j = 0; j < k; j++) {

@@ -4,16 +4,16 @@ and for those with AVX2 and FMA (``avx2_gemm.cpp``).
 ``--torchao-config int8wo`` keeps each linear's weight as int8 with one scale per output column
 (``models/quantize.py``). PyTorch's kernel for it (``torch._weight_int8pack_mm``) takes up to QUANT_MAX_ROWS rows,
 larger calls running on a dense bf16 copy. This one widens the int8 weights in registers and streams them once for up
-to 4 rows, and takes up to SMALL_MAX_ROWS rows, so verify trees and batches of a few requests run on the int8 weights
-too. On a 2-core AMD EPYC a pass over SmolLM2-135M's linears took 6.0 ms at one row against 7.0 ms on PyTorch's
-kernel, and 13.4 ms at 16 rows against 18.6 (``benchmarks/bench_int8.py``, medians).
+to 6 rows (4 on AVX2; more rows in passes of as even sizes as can be), and takes up to SMALL_MAX_ROWS rows, so verify
+trees and batches of a few requests run on the int8 weights too. On a 2-core AMD EPYC a pass over SmolLM2-135M's
+linears took 6.0 ms at one row against 7.0 ms on PyTorch's kernel (``benchmarks/bench_int8.py``, medians).
 
 On a CPU with AMX the AVX512-BF16 kernel has a second path, the tile unit: each 16 steps of a column group's weights
 are widened once into two bf16 weight tiles, which one tile instruction multiplies by up to 16 rows, so 2 to 64 rows
-cost about what one row does on the vector loop (which widens the weights once per 4 rows), and calls of up to
-AMX_MAX_ROWS rows take the kernel. ``SPECSERVE_INT8_GEMM_AMX=auto`` (default) sends calls of AMX_AUTO_FROM rows or
-more there (a lone row stays faster on the vector loop), ``all`` every call (a row then has the same bits in any
-call: the two paths' float32 sums differ in the last bit of a few outputs), ``off`` none.
+cost about what one row does on the vector loop (which widens the weights once per pass of up to 6 rows), and calls
+of up to AMX_MAX_ROWS rows take the kernel. ``SPECSERVE_INT8_GEMM_AMX=auto`` (default) sends calls of AMX_AUTO_FROM
+rows or more there (a lone row stays faster on the vector loop), ``all`` every call (a row then has the same bits in
+any call: the two paths' float32 sums differ in the last bit of a few outputs), ``off`` none.
 
 Built once per machine (``native``) and called through ctypes (inside compiled graphs: an operator, ``ops.py``).
 ``SPECSERVE_INT8_GEMM=on`` (default) or ``off`` (PyTorch's kernel for up to ``QUANT_MAX_ROWS`` rows, the dense copy
