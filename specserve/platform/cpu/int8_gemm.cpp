@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "simd.h"
 
 static const int64_t COLS = 32;  // output columns per packed group: 2 vectors of 16 fp32 sums
 // Bytes ahead of the two steps being read (two cache lines) that the loop asks the core to fetch, as the bf16
@@ -124,18 +125,11 @@ static inline void tile(const uint16_t* x, const float* xf, int64_t ldx, int64_t
 static const int64_t PASS_ROWS = SPECSERVE_INT8_GEMM_PASS_ROWS;
 static_assert(PASS_ROWS >= 1 && PASS_ROWS <= 6, "a tile holds at most 6 rows' sums");
 
-// rows of the tile that starts at row r0 of m (tiles of at most PASS_ROWS rows, as even as can be, the larger first)
-static inline int64_t rows_of_tile(int64_t m, int64_t r0) {
-    const int64_t passes = (m + PASS_ROWS - 1) / PASS_ROWS;
-    const int64_t base = m / passes, extra = m % passes;  // the first `extra` tiles take base + 1 rows
-    return r0 < extra * (base + 1) ? base + 1 : base;
-}
-
 // xf: the last row's x in fp32 where it makes a tile of its own (the last tile holds one row), else null
 static void group_rows(const uint16_t* x, const float* xf, int64_t ldx, int64_t m, int64_t k2, const int8_t* qg,
                        const float* scale, const float* bias, uint16_t* y, int64_t ldy) {
     for (int64_t r0 = 0; r0 < m;) {
-        const int64_t rows = rows_of_tile(m, r0);
+        const int64_t rows = pass_rows(m, r0, PASS_ROWS);
         const uint16_t* xs = x + r0 * ldx;
         uint16_t* ys = y + r0 * ldy;
         switch (rows) {
@@ -271,7 +265,7 @@ extern "C" void int8_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t 
         return;
     static thread_local std::vector<float> buf;  // the calling thread's fp32 copy of a lone row, kept between calls
     const float* xf = nullptr;
-    if (rows_of_tile(m, m - 1) == 1) {  // the last row is a tile of its own
+    if (m > 0 && pass_rows(m, m - 1, PASS_ROWS) == 1) {  // the last row is a tile of its own
         if ((int64_t)buf.size() < k) buf.resize(k);
         const uint16_t* last = x + (m - 1) * ldx;
         for (int64_t j = 0; j < k; j++) {

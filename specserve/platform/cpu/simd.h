@@ -1,9 +1,17 @@
-// AVX512 helpers shared by specserve's CPU kernels (tree_attention.cpp, elementwise.cpp): bf16 <-> float32 and e^x.
+// AVX512 helpers shared by specserve's CPU kernels (tree_attention.cpp, elementwise.cpp, the few-row kernels): bf16 <->
+// float32, e^x, the passes' row counts.
 // bf16 values travel as uint16_t; every rounding to bf16 is to nearest even, as PyTorch's float -> bf16 cast.
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
+
+// rows of the pass that starts at row r0 when m rows go in passes of at most `most` rows, as even as can be, the
+// larger first (9 rows, at most 6: 5 then 4): the few-row kernels' passes (small_gemm.cpp, int8_gemm.cpp)
+static inline int64_t pass_rows(int64_t m, int64_t r0, int64_t most) {
+    const int64_t passes = (m + most - 1) / most, base = m / passes, extra = m % passes;  // `extra` passes of base + 1
+    return r0 < extra * (base + 1) ? base + 1 : base;
+}
 
 // the n <= 16 lanes of a tail, as a mask
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }

@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "simd.h"
 
 static const int64_t COLS = 64;  // output columns per packed group: 4 vectors of 16 fp32 sums
 // Bytes ahead of the step being read that each step asks the core to fetch (its 4 cache lines, 16 steps ahead; 0 =
@@ -72,9 +73,8 @@ static_assert(PASS_ROWS >= 1 && PASS_ROWS <= 6, "a pass holds at most 6 rows' ac
 
 static void group_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wg, int64_t k2, const float* bias,
                        uint16_t* y, int64_t ldy) {
-    const int64_t passes = (m + PASS_ROWS - 1) / PASS_ROWS;
-    for (int64_t p = 0, r0 = 0; p < passes; p++) {
-        const int64_t rows = (m - r0) / (passes - p) + ((m - r0) % (passes - p) != 0);  // the larger passes first
+    for (int64_t r0 = 0; r0 < m;) {
+        const int64_t rows = pass_rows(m, r0, PASS_ROWS);
         const uint16_t* xs = x + r0 * ldx;
         uint16_t* ys = y + r0 * ldy;
         switch (rows) {
