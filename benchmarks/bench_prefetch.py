@@ -5,10 +5,11 @@ prefetchers alone; the kernels' default is 4096), all loaded at once and called 
 A pass calls every linear of a SmolLM2-135M-shaped stack (``bench_int8.py``'s: 30 layers and the LM head, 270 MB
 of bf16 or 134 MB of int8 streamed from memory, as a decode step does) at 1 and 4 rows. Printed per kernel and row
 count: each distance's median pass in ms and its ratio to no prefetch (median of the pass-by-pass ratios, with
-their range). ``--end-to-end N``: then N pairs of processes, one with each kernel build (no prefetch, the default),
-alternating, each decoding ``--max-new-tokens`` greedy tokens of one prompt 3 times on ``--model-path`` (default:
-the bundled SmolLM2) in bf16 plain; printed: each process's median tokens/s and each pair's ratio. Needs AVX512-BF16
-and a C++ compiler.
+their range). ``--end-to-end N``: then N pairs of processes, one with both kernels built without prefetch and one
+with their default distances (the bf16 kernel's asked for with SPECSERVE_SMALL_GEMM_PREFETCH, which its load-time
+probe would otherwise choose), alternating, each decoding ``--max-new-tokens`` greedy tokens of one prompt 3 times
+on ``--model-path`` (default: the bundled SmolLM2) in bf16 plain; printed: each process's median tokens/s and each
+pair's ratio. Needs AVX512-BF16 and a C++ compiler.
 
     python benchmarks/bench_prefetch.py --reps 15 --end-to-end 4
 """
@@ -16,6 +17,7 @@ and a C++ compiler.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -57,7 +59,9 @@ def one_pass(kind: str, fn, mats: list[dict], xs: dict[int, torch.Tensor], threa
 
 def decode_rate(model_path: str, new_tokens: int, threads: int, no_prefetch: bool) -> float:
     """Median tokens/s of 3 greedy generate calls, the kernels built without prefetch where asked (a fresh process:
-    the build flags apply when the kernels are first built and loaded)."""
+    the build flags apply when the kernels are first built and loaded), the bf16 kernel's distance set to match
+    (SPECSERVE_SMALL_GEMM_PREFETCH, which its load-time probe would otherwise choose)."""
+    os.environ[small_gemm.PREFETCH_ENV] = "off" if no_prefetch else "on"
     if no_prefetch:
         native.FLAGS = [*native.FLAGS, "-DSPECSERVE_PREFETCH_BYTES=0"]
     from specserve import Engine

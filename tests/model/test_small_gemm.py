@@ -86,6 +86,69 @@ def test_prefetch_distance_changes_no_bit():
         assert torch.equal(y_int8, int8_gemm.int8_mm(x, copy.packed, copy.scales, None))
 
 
+def test_prefetch_loses_by_hand():
+    """Prefetch goes off when the median round's off / on ratio is PREFETCH_MIN_GAIN (3%) below 1, not for less, and
+    rounds pair up in order (one slow round does not decide)."""
+    assert small_gemm.prefetch_loses([1.0, 1.0, 1.0], [0.96, 0.96, 0.96])
+    assert not small_gemm.prefetch_loses([1.0, 1.0, 1.0], [0.98, 0.98, 0.98])
+    assert small_gemm.prefetch_loses([1.0, 2.0, 1.0], [0.9, 1.0, 1.5])  # ratios 0.9, 0.5, 1.5: median 0.9
+    assert not small_gemm.prefetch_loses([2.0, 1.0, 1.0], [1.0, 1.5, 1.2])  # 0.5, 1.5, 1.2: median 1.2
+
+
+@pytest.fixture
+def default_prefetch():
+    """Puts the kernel's prefetch distance (a process-wide setting) back to its default after the test."""
+    yield
+    small_gemm.set_prefetch(small_gemm.PREFETCH_BYTES)
+
+
+@needs_kernel
+def test_prefetch_set_at_run_time_changes_no_bit(default_prefetch):
+    """set_prefetch reaches both copies of the kernel (the ctypes library's and the operators'), and a call's bits do
+    not depend on it (1-16 rows, through the operator and through ctypes, with a bias)."""
+    ops_distance = native.ops_function("small_gemm_prefetch", (), restype=small_gemm.ctypes.c_int64)
+    assert small_gemm.prefetch_distance() == small_gemm.PREFETCH_BYTES
+    torch.manual_seed(0)
+    w, bias = torch.randn(256, 576, dtype=torch.bfloat16), torch.randn(256)
+    packed = small_gemm.pack(w)
+    for rows in range(1, 17):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        outs = []
+        for nbytes in (small_gemm.PREFETCH_BYTES, 0, 1024):
+            small_gemm.set_prefetch(nbytes)
+            assert small_gemm.prefetch_distance() == nbytes
+            assert ops_distance is None or ops_distance() == nbytes
+            outs += [small_gemm.small_mm(x, packed, bias), small_gemm._small_mm(x, packed, bias)]
+        assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
+@needs_kernel
+def test_prefetch_choice_forced_timed_or_left(monkeypatch, default_prefetch):
+    """SPECSERVE_SMALL_GEMM_PREFETCH on / off sets the distance without timing; auto times one-row passes both ways
+    over linears holding PREFETCH_PROBE_MIN_BYTES (leaving smaller ones' distance as it is, and timing nothing where
+    SPECSERVE_SMALL_GEMM=on); anything else is refused naming the variable."""
+    model = _two_linears()
+    pack_linears_for_cpu(model, keep_small=True)
+    linears = [model[0], model[2]]
+    for forced, nbytes in (("off", 0), ("on", small_gemm.PREFETCH_BYTES)):
+        monkeypatch.setenv(small_gemm.PREFETCH_ENV, forced)
+        assert small_gemm.choose_prefetch(linears) == {"bytes": nbytes, "source": small_gemm.PREFETCH_ENV}
+        assert small_gemm.prefetch_distance() == nbytes
+    monkeypatch.setenv(small_gemm.PREFETCH_ENV, "auto")
+    small_gemm.set_prefetch(1024)
+    assert small_gemm.choose_prefetch(linears) is None and small_gemm.prefetch_distance() == 1024  # 24 KiB of weights
+    monkeypatch.setattr(small_gemm, "PREFETCH_PROBE_MIN_BYTES", 0)
+    verdict = small_gemm.choose_prefetch(linears)
+    assert verdict["source"] == "probe" and verdict["bytes"] in (0, small_gemm.PREFETCH_BYTES)
+    assert small_gemm.prefetch_distance() == verdict["bytes"] and all(ms > 0 for ms in verdict["on_off_ms"])
+    monkeypatch.setenv(small_gemm.ENV, "on")
+    small_gemm.set_prefetch(1024)
+    assert small_gemm.choose_prefetch(linears) is None and small_gemm.prefetch_distance() == 1024
+    monkeypatch.setenv(small_gemm.PREFETCH_ENV, "sometimes")
+    with pytest.raises(ValueError, match=small_gemm.PREFETCH_ENV):
+        small_gemm.choose_prefetch(linears)
+
+
 @needs_kernel
 def test_pass_sizes_change_no_bit():
     """Both few-row kernels built with passes of at most 4 rows (``-DSPECSERVE_SMALL_GEMM_PASS_ROWS=4`` and
@@ -306,4 +369,21 @@ def test_engine_runs_the_kernel_when_on(model_factory, monkeypatch):
             assert 1 in calls  # batch-1 decode rows
         else:
             assert info is None and all(m.small is None for m in packed)
+    assert outs[0] == outs[1]
+
+
+@needs_kernel
+def test_engine_sets_the_kernels_prefetch(model_factory, monkeypatch, default_prefetch):
+    """SPECSERVE_SMALL_GEMM_PREFETCH reaches an engine's kernel at load and its server info; greedy outputs are the
+    same either way."""
+    path = model_factory("qwen2", dtype=torch.bfloat16)
+    monkeypatch.setenv(small_gemm.ENV, "on")
+    outs = []
+    for forced, nbytes in (("off", 0), ("on", small_gemm.PREFETCH_BYTES)):
+        monkeypatch.setenv(small_gemm.PREFETCH_ENV, forced)
+        with Engine(model_path=path, max_total_tokens=2048) as e:
+            info = e.get_server_info()["cpu_small_gemm"]["Qwen2ForCausalLM"]
+            assert info["prefetch"] == {"bytes": nbytes, "source": small_gemm.PREFETCH_ENV}
+            assert small_gemm.prefetch_distance() == nbytes
+            outs.append([e.generate(p, greedy(12))["output_ids"] for p in PROMPTS[:2]])
     assert outs[0] == outs[1]

@@ -195,4 +195,23 @@ def native_ops() -> bool:
     except OSError as e:
         logger.warning("ops.cpp not loaded: %s", e)
         return False
+    _ops_library.append(path)
     return True
+
+
+_ops_library: list[Path] = []  # the loaded ``ops.cpp`` library's path, once ``native_ops`` has loaded it
+
+
+def ops_function(symbol: str, argtypes: tuple, restype=None):
+    """The C function ``symbol`` of the loaded ``ops.cpp`` library (``native_ops``: the kernels' sources linked into
+    it, with their own copies of any state, such as small_gemm.cpp's prefetch distance) as a ctypes function, or None
+    where that library is not loaded or has no such symbol (the AVX2 build)."""
+    if not native_ops() or not _ops_library:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(str(_ops_library[0])), symbol)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn

@@ -204,6 +204,11 @@ class CpuPolicy(PlatformPolicy):
                 fused_layer.fusable(m) for m in module.modules())
             self.small_rows[type(module).__name__] = small_gemm.choose_small_rows(with_small, whole_layers)
         self.place_weights(module)  # after the probe, which may drop the plain copies: no mapping holds them then
+        with_small = [m for m in with_small if m.small is not None]
+        if with_small:  # the kernel's software prefetch, timed on the weights where they now are (small_gemm.py)
+            prefetch = small_gemm.choose_prefetch(with_small)
+            if prefetch is not None:
+                self.small_rows[type(module).__name__]["prefetch"] = prefetch
         if self.elementwise and self.tree_attention:
             self.fused_layers += fused_layer.use_fused_layers(module)
         return packed

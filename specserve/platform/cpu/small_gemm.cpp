@@ -27,17 +27,22 @@
 
 static const int64_t COLS = 64;  // output columns per packed group: 4 vectors of 16 fp32 sums
 // Bytes ahead of the step being read that each step asks the core to fetch (its 4 cache lines, 16 steps ahead; 0 =
-// none, for benchmarks/bench_prefetch.py): with the hardware prefetchers alone a SmolLM2-sized pass was slower on a
-// 2-core Xeon whose memory was shared with a neighbour (docs/benchmarks.md). A prefetch past the weights' end does
-// not fault.
+// none, the hardware prefetchers alone): with those alone a SmolLM2-sized pass was slower on a 2-core Xeon whose
+// memory was shared with a neighbour, and faster on a 2-core AMD EPYC (docs/benchmarks.md), so small_gemm.py's probe
+// sets it at load (``small_gemm_set_prefetch``); SPECSERVE_PREFETCH_BYTES is the distance until then (benchmarks
+// build others). A prefetch past the weights' end does not fault.
 #ifndef SPECSERVE_PREFETCH_BYTES
 #define SPECSERVE_PREFETCH_BYTES 4096
 #endif
-static const int64_t PREFETCH_BYTES = SPECSERVE_PREFETCH_BYTES;
+static int64_t prefetch_bytes = SPECSERVE_PREFETCH_BYTES;
+
+// The prefetch distance of later calls (bytes >= 0; 0: none).
+extern "C" void small_gemm_set_prefetch(int64_t bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
+extern "C" int64_t small_gemm_prefetch() { return prefetch_bytes; }
 
 template <int R>
 static inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wg, int64_t k2, const float* bias,
-                        uint16_t* y, int64_t ldy) {
+                        uint16_t* y, int64_t ldy, int64_t prefetch) {
     __m512 acc[R][4];
     for (int c = 0; c < 4; c++) {
         __m512 b = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
@@ -47,8 +52,8 @@ static inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* wg, int6
     for (int r = 0; r < R; r++) xr[r] = (const int32_t*)(x + r * ldx);  // x's pairs as 32-bit words
     for (int64_t j = 0; j < k2; j++) {
         const __m512i* w = (const __m512i*)(wg + j * 2 * COLS);
-        if (PREFETCH_BYTES > 0)
-            for (int line = 0; line < 4; line++) _mm_prefetch((const char*)(w + line) + PREFETCH_BYTES, _MM_HINT_T0);
+        if (prefetch > 0)
+            for (int line = 0; line < 4; line++) _mm_prefetch((const char*)(w + line) + prefetch, _MM_HINT_T0);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 1);
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2), w3 = (__m512bh)_mm512_loadu_si512(w + 3);
         for (int r = 0; r < R; r++) {
@@ -72,18 +77,18 @@ static const int64_t PASS_ROWS = SPECSERVE_SMALL_GEMM_PASS_ROWS;
 static_assert(PASS_ROWS >= 1 && PASS_ROWS <= 6, "a pass holds at most 6 rows' accumulators");
 
 static void group_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* wg, int64_t k2, const float* bias,
-                       uint16_t* y, int64_t ldy) {
+                       uint16_t* y, int64_t ldy, int64_t prefetch) {
     for (int64_t r0 = 0; r0 < m;) {
         const int64_t rows = pass_rows(m, r0, PASS_ROWS);
         const uint16_t* xs = x + r0 * ldx;
         uint16_t* ys = y + r0 * ldy;
         switch (rows) {
-            case 1: tile<1>(xs, ldx, wg, k2, bias, ys, ldy); break;
-            case 2: tile<2>(xs, ldx, wg, k2, bias, ys, ldy); break;
-            case 3: tile<3>(xs, ldx, wg, k2, bias, ys, ldy); break;
-            case 4: tile<4>(xs, ldx, wg, k2, bias, ys, ldy); break;
-            case 5: tile<5>(xs, ldx, wg, k2, bias, ys, ldy); break;
-            default: tile<6>(xs, ldx, wg, k2, bias, ys, ldy); break;
+            case 1: tile<1>(xs, ldx, wg, k2, bias, ys, ldy, prefetch); break;
+            case 2: tile<2>(xs, ldx, wg, k2, bias, ys, ldy, prefetch); break;
+            case 3: tile<3>(xs, ldx, wg, k2, bias, ys, ldy, prefetch); break;
+            case 4: tile<4>(xs, ldx, wg, k2, bias, ys, ldy, prefetch); break;
+            case 5: tile<5>(xs, ldx, wg, k2, bias, ys, ldy, prefetch); break;
+            default: tile<6>(xs, ldx, wg, k2, bias, ys, ldy, prefetch); break;
         }
         r0 += rows;
     }
@@ -98,7 +103,7 @@ static void group_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t
 // `keep` of them written to y.
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 static void amx_group(const uint16_t* x, int64_t rows, int64_t keep, int64_t ldx, const uint16_t* wg, int64_t blocks,
-                      const float* bias, float* sums, uint16_t* y, int64_t ldy) {
+                      const float* bias, float* sums, uint16_t* y, int64_t ldy, int64_t prefetch) {
     if (bias != nullptr) {  // the sums start from the bias, as the vector loop's do
         for (int64_t r = 0; r < rows; r++) memcpy(sums + r * COLS, bias, COLS * sizeof(float));
         _tile_loadd(0, sums, COLS * 4);
@@ -113,9 +118,8 @@ static void amx_group(const uint16_t* x, int64_t rows, int64_t keep, int64_t ldx
     }
     for (int64_t b = 0; b < blocks; b++) {
         const uint16_t* wb = wg + b * 16 * 2 * COLS;  // 16 steps of 128 bf16
-        if (PREFETCH_BYTES > 0)
-            for (int line = 0; line < 64; line++)
-                _mm_prefetch((const char*)wb + PREFETCH_BYTES + line * 64, _MM_HINT_T0);
+        if (prefetch > 0)
+            for (int line = 0; line < 64; line++) _mm_prefetch((const char*)wb + prefetch + line * 64, _MM_HINT_T0);
         _tile_loadd(4, x + b * 32, ldx * 2);
         _tile_loadd(5, wb, 2 * COLS * 2);
         _tile_dpbf16ps(0, 4, 5);
@@ -142,7 +146,7 @@ static void amx_group(const uint16_t* x, int64_t rows, int64_t keep, int64_t ldx
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t groups,
                      const float* bias, uint16_t* y, int64_t ldy, int threads, const uint16_t* pad) {
-    const int64_t blocks = k / 32, tile_rows = m < 16 ? m : 16, full = m / 16 * 16;
+    const int64_t blocks = k / 32, tile_rows = m < 16 ? m : 16, full = m / 16 * 16, prefetch = prefetch_bytes;
 #pragma omp parallel num_threads(threads)
     {
         load_tile_config(tile_rows, 5, 2);
@@ -152,13 +156,14 @@ static void amx_gemm(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const
             const uint16_t* wg = w + g * k * COLS;
             const float* bg = bias != nullptr ? bias + g * COLS : nullptr;
             if (m <= 16) {
-                amx_group(x, m, m, ldx, wg, blocks, bg, sums, y + g * COLS, ldy);
+                amx_group(x, m, m, ldx, wg, blocks, bg, sums, y + g * COLS, ldy, prefetch);
                 continue;
             }
             for (int64_t r0 = 0; r0 < full; r0 += 16)
-                amx_group(x + r0 * ldx, 16, 16, ldx, wg, blocks, bg, sums, y + r0 * ldy + g * COLS, ldy);
+                amx_group(x + r0 * ldx, 16, 16, ldx, wg, blocks, bg, sums, y + r0 * ldy + g * COLS, ldy,
+                          prefetch);
             if (full < m)  // the padding rows' sums are computed and dropped
-                amx_group(pad, 16, m - full, k, wg, blocks, bg, sums, y + full * ldy + g * COLS, ldy);
+                amx_group(pad, 16, m - full, k, wg, blocks, bg, sums, y + full * ldy + g * COLS, ldy, prefetch);
         }
         _tile_release();
     }
@@ -182,11 +187,11 @@ extern "C" void small_gemm_amx_ready(int* out) { *out = amx_ready() ? 1 : 0; }
 // y: m rows of n bf16 (row stride ldy); amx_from: the fewest rows that take the tile unit where it runs (0: never).
 extern "C" void small_gemm_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t ldx, const uint16_t* w, int64_t n,
                                 const float* bias, uint16_t* y, int64_t ldy, int threads, int64_t amx_from) {
-    const int64_t groups = n / COLS, k2 = k / 2;
+    const int64_t groups = n / COLS, k2 = k / 2, prefetch = prefetch_bytes;
     if (amx_from > 0 && m >= amx_from && k % 32 == 0 && amx_ready() &&
         amx_call(x, m, k, ldx, w, groups, bias, y, ldy, threads))
         return;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++)
-        group_rows(x, ldx, m, w + g * k * COLS, k2, bias ? bias + g * COLS : nullptr, y + g * COLS, ldy);
+        group_rows(x, ldx, m, w + g * k * COLS, k2, bias ? bias + g * COLS : nullptr, y + g * COLS, ldy, prefetch);
 }

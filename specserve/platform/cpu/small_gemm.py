@@ -22,6 +22,11 @@ times both paths in the probe and sends calls of ``amx_from`` rows or more to th
 rows where it won at every larger count; ``all`` sends every call there (a row then has the same bits in any call: a
 verify tree's row rounds as a one-row decode's, which the two paths, whose float32 sums round differently in a few
 outputs in 10,000, do not guarantee); ``off`` never uses it.
+
+The vector loop asks the core for its weights 4096 bytes ahead of the step it reads (software prefetch), which paid
+on a Xeon whose memory a neighbour loaded; on a 2-core AMD EPYC the hardware prefetchers alone stream faster. So
+``SPECSERVE_SMALL_GEMM_PREFETCH=auto`` (default) times one-row passes both ways over a model's weights where they
+stream from memory (``choose_prefetch``) and turns it off where it loses; ``on`` / ``off`` set it without timing.
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ MIN_GAIN = 0.05  # the kernel takes a row count only when this much faster than 
 # the few percent the kernels differ by at one row
 FUSED_ONE_ROW_SLACK = 0.25
 AMX_UNTIMED_FROM = 5  # amx_from where nothing is timed (SPECSERVE_SMALL_GEMM=on): the 2-core Xeon's crossover
+PREFETCH_ENV = "SPECSERVE_SMALL_GEMM_PREFETCH"
+PREFETCH_MODES = ("auto", "on", "off")
+PREFETCH_BYTES = 4096  # how far ahead the vector loop asks for its weights where prefetch is on (the kernel's default)
+PREFETCH_PROBE_MIN_BYTES = 64 * 2**20  # the probe times prefetch over a model's weights only if they stream from
+# memory: at least this many bytes of them (the demo's 20 MiB sit in a server CPU's L3, where it changes little)
+PREFETCH_MIN_GAIN = 0.03  # prefetch goes off only when a one-row pass is this much faster without it
+PREFETCH_PROBE_REPS = 9  # rounds of the two passes (a few ms each on a model worth timing)
 # x, m, k, ldx, packed, n, bias, y, ldy, threads, amx_from
 ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64)
@@ -91,6 +103,75 @@ def amx_runs() -> bool:
     out = ctypes.c_int(0)
     ready(ctypes.byref(out))
     return out.value == 1
+
+
+def prefetch_mode() -> str:
+    """SPECSERVE_SMALL_GEMM_PREFETCH's value (auto, on or off); ValueError naming it for anything else."""
+    return native.env_mode(PREFETCH_ENV, PREFETCH_MODES)
+
+
+def _prefetch_setters() -> list:
+    """small_gemm_set_prefetch in each loaded copy of the kernel: the ctypes library and the operators' (which
+    links its own copy of small_gemm.cpp)."""
+    argtypes = (ctypes.c_int64,)
+    found = [native.function("small_gemm.cpp", "small_gemm_set_prefetch", argtypes),
+             native.ops_function("small_gemm_set_prefetch", argtypes)]
+    return [fn for fn in found if fn is not None]
+
+
+def set_prefetch(nbytes: int) -> None:
+    """How far ahead (bytes; 0: not at all) the vector loop asks the core for the weights it is about to read, in
+    every later call of the kernel in this process (the results' bits do not depend on it)."""
+    for fn in _prefetch_setters():
+        fn(nbytes)
+
+
+def prefetch_distance() -> int:
+    """The vector loop's prefetch distance in bytes now (``set_prefetch``; 0: none)."""
+    fn = native.function("small_gemm.cpp", "small_gemm_prefetch", (), restype=ctypes.c_int64)
+    return int(fn()) if fn is not None else 0
+
+
+def prefetch_loses(on_seconds: list[float], off_seconds: list[float], min_gain: float = PREFETCH_MIN_GAIN) -> bool:
+    """From interleaved timings of the same pass with prefetch on and off (round by round): whether it loses, the
+    median of the rounds' off / on ratios at least min_gain below 1."""
+    return statistics.median(off / on for on, off in zip(on_seconds, off_seconds, strict=True)) < 1.0 - min_gain
+
+
+def choose_prefetch(linears: list) -> dict | None:
+    """Software prefetch in the vector loop, for linears holding the kernel's layout (``small``): on or off as
+    SPECSERVE_SMALL_GEMM_PREFETCH says; for auto (unless SPECSERVE_SMALL_GEMM=on, which times nothing), one-row
+    passes over them (``one_row_probe.probed_linears``; after the weights moved onto huge pages, as they run) timed
+    with it and without, interleaved, where they hold PREFETCH_PROBE_MIN_BYTES at least (weights that stream from
+    memory, where it matters): off where it loses (``prefetch_loses``), else on. The distance is the process's
+    (``set_prefetch``) -> the verdict (server info), None where nothing was timed or set."""
+    from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
+
+    forced = prefetch_mode()
+    if forced != "auto":
+        set_prefetch(PREFETCH_BYTES if forced == "on" else 0)
+        return {"bytes": prefetch_distance(), "source": PREFETCH_ENV}
+    if mode() == "on":
+        return None
+    chosen = probed_linears(linears, weight=lambda lin: lin.small.packed)
+    if sum(lin.small.packed.numel() * lin.small.packed.element_size() for lin in chosen) < PREFETCH_PROBE_MIN_BYTES:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = {n: torch.randn(1, n, generator=gen).to(torch.bfloat16) for n in {m.in_features for m in chosen}}
+
+    def one_pass(nbytes: int):
+        set_prefetch(nbytes)
+        return [small_mm(x[m.in_features], m.small.packed, m.small.bias) for m in chosen]
+
+    with torch.inference_mode():
+        times = interleaved_times({"on": lambda: one_pass(PREFETCH_BYTES), "off": lambda: one_pass(0)},
+                                  PREFETCH_PROBE_REPS)
+    set_prefetch(0 if prefetch_loses(times["on"], times["off"]) else PREFETCH_BYTES)
+    verdict = {"bytes": prefetch_distance(), "source": "probe",
+               "on_off_ms": (round(statistics.median(times["on"]) * 1e3, 3),
+                             round(statistics.median(times["off"]) * 1e3, 3))}
+    logger.info("small-gemm prefetch: %s", verdict)
+    return verdict
 
 
 def fits(weight: torch.Tensor) -> bool:
