@@ -557,9 +557,13 @@ def eagle_head_and_map(model_path: str, head: str | None, token_map: str | None)
 
 def kernel_setup(info: dict) -> dict:
     """The one-row kernel the engine's packed target runs on (``platform/cpu/one_row_probe.py``), where it has one,
-    and a float32 draft's float32 / bf16 crossover (``platform/cpu/mixed_probe.py``) (info: its get_server_info)."""
+    the few-row kernel's prefetch verdict (``small_gemm.choose_prefetch``), and a float32 draft's float32 / bf16
+    crossover (``platform/cpu/mixed_probe.py``) (info: its get_server_info)."""
     verdicts = info.get("cpu_one_row_kernel") or {}
     setup = {"one_row_kernel": next(iter(verdicts.values()))} if verdicts else {}
+    prefetch = [v["prefetch"] for v in (info.get("cpu_small_gemm") or {}).values() if "prefetch" in v]
+    if prefetch:  # the few-row kernel's software prefetch (small_gemm.choose_prefetch)
+        setup["small_gemm_prefetch"] = prefetch[0]
     if info.get("cpu_draft_fp32_rows"):
         setup["draft_fp32_rows"] = {k: v for k, v in info["cpu_draft_fp32_rows"].items()
                                     if k in ("fp32_max_rows", "source")}

@@ -97,8 +97,11 @@ def test_prefetch_loses_by_hand():
 
 @pytest.fixture
 def default_prefetch():
-    """Puts the kernel's prefetch distance (a process-wide setting) back to its default after the test."""
+    """Puts the kernel's prefetch distance (a process-wide setting) back to its default, and forgets any probe's
+    verdict, before and after the test."""
+    small_gemm._prefetch_probed.clear()
     yield
+    small_gemm._prefetch_probed.clear()
     small_gemm.set_prefetch(small_gemm.PREFETCH_BYTES)
 
 
@@ -141,6 +144,12 @@ def test_prefetch_choice_forced_timed_or_left(monkeypatch, default_prefetch):
     verdict = small_gemm.choose_prefetch(linears)
     assert verdict["source"] == "probe" and verdict["bytes"] in (0, small_gemm.PREFETCH_BYTES)
     assert small_gemm.prefetch_distance() == verdict["bytes"] and all(ms > 0 for ms in verdict["on_off_ms"])
+    small_gemm.set_prefetch(1024)  # a second model: the first verdict stands, untimed
+    from specserve.platform.cpu import one_row_probe
+
+    monkeypatch.setattr(one_row_probe, "interleaved_times", None)  # timing anything now would fail
+    assert small_gemm.choose_prefetch([model[2]]) is verdict and small_gemm.prefetch_distance() == verdict["bytes"]
+    small_gemm._prefetch_probed.clear()
     monkeypatch.setenv(small_gemm.ENV, "on")
     small_gemm.set_prefetch(1024)
     assert small_gemm.choose_prefetch(linears) is None and small_gemm.prefetch_distance() == 1024

@@ -67,7 +67,8 @@ PREFETCH_BYTES = 4096  # how far ahead the vector loop asks for its weights wher
 PREFETCH_PROBE_MIN_BYTES = 64 * 2**20  # the probe times prefetch over a model's weights only if they stream from
 # memory: at least this many bytes of them (the demo's 20 MiB sit in a server CPU's L3, where it changes little)
 PREFETCH_MIN_GAIN = 0.03  # prefetch goes off only when a one-row pass is this much faster without it
-PREFETCH_PROBE_REPS = 9  # rounds of the two passes (a few ms each on a model worth timing)
+PREFETCH_PROBE_REPS = 15  # rounds of the two passes (a few ms each on a model worth timing)
+_prefetch_probed: list[dict] = []  # the probe's verdict once it ran: it stands for the process (one distance for all)
 # x, m, k, ldx, packed, n, bias, y, ldy, threads, amx_from
 ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64)
@@ -144,7 +145,9 @@ def choose_prefetch(linears: list) -> dict | None:
     passes over them (``one_row_probe.probed_linears``; after the weights moved onto huge pages, as they run) timed
     with it and without, interleaved, where they hold PREFETCH_PROBE_MIN_BYTES at least (weights that stream from
     memory, where it matters): off where it loses (``prefetch_loses``), else on. The distance is the process's
-    (``set_prefetch``) -> the verdict (server info), None where nothing was timed or set."""
+    (``set_prefetch``), so the first probe's verdict stands for every later model (a second engine in the process
+    neither re-times it nor changes it under the first) -> the verdict (server info), None where nothing was timed or
+    set."""
     from specserve.platform.cpu.one_row_probe import interleaved_times, probed_linears
 
     forced = prefetch_mode()
@@ -153,6 +156,9 @@ def choose_prefetch(linears: list) -> dict | None:
         return {"bytes": prefetch_distance(), "source": PREFETCH_ENV}
     if mode() == "on":
         return None
+    if _prefetch_probed:
+        set_prefetch(_prefetch_probed[0]["bytes"])
+        return _prefetch_probed[0]
     chosen = probed_linears(linears, weight=lambda lin: lin.small.packed)
     if sum(lin.small.packed.numel() * lin.small.packed.element_size() for lin in chosen) < PREFETCH_PROBE_MIN_BYTES:
         return None
@@ -170,6 +176,7 @@ def choose_prefetch(linears: list) -> dict | None:
     verdict = {"bytes": prefetch_distance(), "source": "probe",
                "on_off_ms": (round(statistics.median(times["on"]) * 1e3, 3),
                              round(statistics.median(times["off"]) * 1e3, 3))}
+    _prefetch_probed.append(verdict)
     logger.info("small-gemm prefetch: %s", verdict)
     return verdict
 
