@@ -25,9 +25,34 @@ logger = logging.getLogger(__name__)
 DEMO_EAGLE3_TREE = (8, 3, 12)
 #: The same for SmolLM2's bundled head (``smollm2-eagle3``) on its held-out requests (bf16, batch 1): 2.04 tokens a
 #: step, with two draft forwards fewer than (5, 4, 8) (2.07); the trees' speeds were within one run's spread
-#: (docs/training.md).
+#: (docs/training.md; a Xeon with AMX, whose tile unit takes 8 rows for about what one costs).
 SMOLLM2_EAGLE3_TREE = (3, 4, 8)
+#: ...but where a bf16 verify forward's linears run on the few-row kernel's vector loop (AVX512-BF16 without the tile
+#: unit: passes of up to 6 rows, small_gemm.cpp), 6 nodes take one pass over SmolLM2's weights and 8 take two: on a
+#: 2-core AMD EPYC (3, 4, 6) ran 1.07x and 1.10x (3, 4, 8) at batch 1, accept length 2.00 against 2.11
+#: (docs/benchmarks.md, "The default model").
+SMOLLM2_EAGLE3_ONE_PASS_TREE = (3, 4, 6)
 BUNDLED_TREES = {"demo-eagle3": DEMO_EAGLE3_TREE, "smollm2-eagle3": SMOLLM2_EAGLE3_TREE}
+
+
+def verify_on_vector_loop(args) -> bool:
+    """Whether a bf16 target's verify forwards would run their linears on the few-row kernel's vector loop here: a
+    CPU run (``--device`` cpu, or auto without CUDA) in bf16 (``--dtype`` bfloat16, or auto: SmolLM2's folder is
+    bf16) where the kernel runs and the tile unit does not."""
+    import torch
+
+    from specserve.platform.cpu import small_gemm
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    return on_cpu and args.dtype in ("auto", "bfloat16") and small_gemm.available() and not small_gemm.amx_runs()
+
+
+def bundled_tree(head: str, args) -> tuple[int, int, int]:
+    """The default tree of a bundled head (``BUNDLED_TREES``), SmolLM2's one-pass tree where its verify forwards run
+    on the vector loop (``verify_on_vector_loop``)."""
+    if head == "smollm2-eagle3" and verify_on_vector_loop(args):
+        return SMOLLM2_EAGLE3_ONE_PASS_TREE
+    return BUNDLED_TREES[head]
 
 
 def bundled_head(path: str | None) -> str | None:
@@ -56,5 +81,5 @@ class Eagle3Proposer(EagleProposer):
     def default_tree(cls, args, architecture: str) -> tuple[int, int, int]:
         head = bundled_head(args.speculative_draft_model_path)
         if cls._deep_default(args, architecture) and head is not None:
-            return BUNDLED_TREES[head]
+            return bundled_tree(head, args)
         return super().default_tree(args, architecture)

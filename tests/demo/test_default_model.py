@@ -22,7 +22,7 @@ from specserve.demo_models import (
     smollm2_default_available,
     smollm2_held_out_prompts,
 )
-from specserve.speculative.eagle3 import SMOLLM2_EAGLE3_TREE
+from specserve.speculative.eagle3 import bundled_tree
 
 QUESTION = "List 3 countries and their capitals."
 
@@ -111,7 +111,7 @@ def test_the_bundled_head_is_lossless_on_held_out_requests_and_drafts():
     with Engine(model_path="smollm2", dtype="float32", speculative_algorithm="EAGLE3",
                 speculative_draft_model_path=SMOLLM2_EAGLE3, disable_speculative_auto_off=True) as e:
         assert (e.server_args.speculative_num_steps, e.server_args.speculative_eagle_topk,
-                e.server_args.speculative_num_draft_tokens) == SMOLLM2_EAGLE3_TREE
+                e.server_args.speculative_num_draft_tokens) == bundled_tree("smollm2-eagle3", e.server_args)
         outs = [e.generate(p, params) for p in prompts]
     assert [o["output_ids"] for o in outs] == want
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)

@@ -11,7 +11,8 @@ from specserve.args import add_server_args, server_args_from
 from specserve.cli import main
 from specserve.config import ConfigError, ServerArgs, flag_name
 from specserve.demo_models import demo_path
-from specserve.speculative.eagle3 import DEMO_EAGLE3_TREE, SMOLLM2_EAGLE3_TREE
+from specserve.speculative import eagle3
+from specserve.speculative.eagle3 import DEMO_EAGLE3_TREE, SMOLLM2_EAGLE3_ONE_PASS_TREE, SMOLLM2_EAGLE3_TREE
 from specserve.speculative.tree import max_tree_nodes
 
 
@@ -120,7 +121,8 @@ def test_the_bundled_eagle3_heads_get_their_tuned_default_trees(tmp_path):
     assert DEMO_EAGLE3_TREE == (8, 3, 12)
     assert tree(demo + ["demo-eagle3"]) == DEMO_EAGLE3_TREE
     assert tree(demo + [demo_path("demo-eagle3")]) == DEMO_EAGLE3_TREE
-    assert tree(demo + ["smollm2-eagle3"]) == tree(demo + [demo_path("smollm2-eagle3")]) == SMOLLM2_EAGLE3_TREE
+    smollm2 = SMOLLM2_EAGLE3_ONE_PASS_TREE if eagle3.verify_on_vector_loop(parse(demo + ["x"])) else SMOLLM2_EAGLE3_TREE
+    assert tree(demo + ["smollm2-eagle3"]) == tree(demo + [demo_path("smollm2-eagle3")]) == smollm2
     assert tree(demo + [str(tmp_path)]) == (5, 4, 8)  # another EAGLE-3 head
     assert tree(demo + ["demo-eagle3", "--speculative-num-steps", "6", "--speculative-eagle-topk", "4",
                         "--speculative-num-draft-tokens", "16"]) == (6, 4, 16)
@@ -184,3 +186,28 @@ def test_sglang_launch_flags_of_its_own_tests(monkeypatch, caplog):
     spec = base + SPEC[2:] + ["--speculative-algorithm", "STANDALONE"]
     assert parse(spec).enable_spec_v2
     assert not parse(spec + ["--disable-overlap-schedule"]).enable_spec_v2
+
+
+def test_smollm2s_tree_takes_one_kernel_pass_where_the_vector_loop_verifies(monkeypatch):
+    """smollm2-eagle3's default tree has 6 nodes (one pass of the few-row kernel's vector loop) where a CPU bf16
+    verify runs on that loop, else 8 (the tile unit takes 8 rows at one row's cost); the demo head's tree does not
+    move; the rule reads --device, --dtype and the kernel's availability."""
+    from specserve.platform.cpu import small_gemm
+
+    args = parse(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "smollm2-eagle3"])
+    for loop, want in ((True, SMOLLM2_EAGLE3_ONE_PASS_TREE), (False, SMOLLM2_EAGLE3_TREE)):
+        monkeypatch.setattr(eagle3, "verify_on_vector_loop", lambda a, loop=loop: loop)
+        assert eagle3.bundled_tree("smollm2-eagle3", args) == want
+        assert eagle3.bundled_tree("demo-eagle3", args) == DEMO_EAGLE3_TREE
+    monkeypatch.undo()
+    monkeypatch.setattr(small_gemm, "available", lambda: True)
+    monkeypatch.setattr(small_gemm, "amx_runs", lambda: False)
+    assert eagle3.verify_on_vector_loop(args.replace(device="cpu", dtype="bfloat16"))
+    assert eagle3.verify_on_vector_loop(args.replace(device="cpu", dtype="auto"))
+    assert not eagle3.verify_on_vector_loop(args.replace(device="cuda"))
+    assert not eagle3.verify_on_vector_loop(args.replace(device="cpu", dtype="float32"))
+    monkeypatch.setattr(small_gemm, "amx_runs", lambda: True)
+    assert not eagle3.verify_on_vector_loop(args.replace(device="cpu"))
+    monkeypatch.setattr(small_gemm, "amx_runs", lambda: False)
+    monkeypatch.setattr(small_gemm, "available", lambda: False)
+    assert not eagle3.verify_on_vector_loop(args.replace(device="cpu"))
