@@ -97,9 +97,11 @@ def test_prefetch_loses_by_hand():
 
 @pytest.fixture
 def default_prefetch():
-    """Puts the kernel's prefetch distance (a process-wide setting) back to its default, and forgets any probe's
-    verdict, before and after the test."""
+    """Puts the kernel's prefetch distance (a process-wide setting) at its default, and forgets any probe's verdict,
+    before and after the test."""
     small_gemm._prefetch_probed.clear()
+    if small_gemm.kernel() is not None:
+        small_gemm.set_prefetch(small_gemm.PREFETCH_BYTES)
     yield
     small_gemm._prefetch_probed.clear()
     small_gemm.set_prefetch(small_gemm.PREFETCH_BYTES)
