@@ -15,6 +15,7 @@ import types
 import typing
 
 from specserve.config import ServerArgs, flag_name
+from specserve.devices import runs_on_cpu
 
 # SGLang's spellings: its argparse takes any unambiguous prefix of --mem-fraction-static, and its docs and tests write
 # --mem-fraction and --mem-frac; here both are aliases (as prefixes of two option strings they would be ambiguous).
@@ -96,17 +97,6 @@ def fused_layers_here() -> bool:
     from specserve.platform.cpu import fused_layer
 
     return fused_layer.runs_here()
-
-
-def runs_on_cpu(device: str) -> bool:
-    """--device names the CPU, or auto finds no CUDA device."""
-    if device == "cpu":
-        return True
-    if device != "auto":
-        return False
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def use_demo(ns: argparse.Namespace) -> None:

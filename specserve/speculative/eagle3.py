@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
+from specserve.devices import runs_on_cpu
 from specserve.speculative.draft_models import Eagle3HeadDraft
 from specserve.speculative.eagle import EagleProposer
 
@@ -39,12 +40,10 @@ def verify_on_vector_loop(args) -> bool:
     """Whether a bf16 target's verify forwards would run their linears on the few-row kernel's vector loop here: a
     CPU run (``--device`` cpu, or auto without CUDA) in bf16 (``--dtype`` bfloat16, or auto: SmolLM2's folder is
     bf16) where the kernel runs and the tile unit does not."""
-    import torch
-
     from specserve.platform.cpu import small_gemm
 
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    return on_cpu and args.dtype in ("auto", "bfloat16") and small_gemm.available() and not small_gemm.amx_runs()
+    bf16 = args.dtype in ("auto", "bfloat16")
+    return runs_on_cpu(args.device) and bf16 and small_gemm.available() and not small_gemm.amx_runs()
 
 
 def bundled_tree(head: str, args) -> tuple[int, int, int]:
