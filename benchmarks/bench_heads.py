@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from specserve import Engine
-from specserve.bench.bench_compare import resolve_path
+from specserve.bench.bench_compare import resolve_path, tree_kv_margin
 from specserve.bench.bench_ngram import ours_prepare, ours_runner, run_set
 from specserve.bench.eval_acceptance import held_out_prompts_for
 
@@ -31,7 +31,10 @@ def parse_configs(text: str) -> dict[str, tuple[str, tuple[int, int, int]]]:
         head, _, tree = spec.rpartition(":")
         if not name or not head or name == "plain":
             raise SystemExit(f"--configs: {item!r} is not NAME=HEAD:STEPS,TOPK,DRAFT_TOKENS (NAME not 'plain')")
-        steps, topk, tokens = (int(v) for v in tree.split(","))
+        try:
+            steps, topk, tokens = (int(v) for v in tree.split(","))
+        except ValueError:
+            raise SystemExit(f"--configs: {item!r}: the tree is not STEPS,TOPK,DRAFT_TOKENS (three integers)") from None
         out[name] = (head, (steps, topk, tokens))
     return out
 
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     encode = transformers.AutoTokenizer.from_pretrained(target).encode
     prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(a.model_path, a.num_prompts)]
     warmup = encode("Hello, how are you?", add_special_tokens=True)
-    kv = max(len(x) for x in prompts) + a.max_new_tokens + 256
+    kv = (max(len(x) for x in [*prompts, warmup]) + a.max_new_tokens
+          + max(tree_kv_margin(tree) for _, tree in configs.values()))  # one request, the largest tree's scratch
     engines, runners, prepare = [], {}, {}
     try:
         for name, spec in [("plain", None), *configs.items()]:

@@ -589,12 +589,18 @@ def assisted_setup(assistant, draft_path: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- command
 def kv_margin(args: argparse.Namespace) -> int:
-    """KV slots beyond prompt + new tokens: a speculative step holds a request's verify nodes and drafting scratch
-    (N + K x (S - 1), see Proposer.draft_slots_per_request) on top of its tokens; a request that cannot get them
-    alone is failed, which would cut its output short."""
-    if args.eagle3_tree is None:
+    """KV slots beyond prompt + new tokens for the run's engines (``tree_kv_margin`` of --eagle3-tree)."""
+    return tree_kv_margin(args.eagle3_tree)
+
+
+def tree_kv_margin(tree: tuple[int, int, int] | None) -> int:
+    """KV slots beyond prompt + new tokens for a draft tree (steps, top-k, draft tokens), None: the default trees: a
+    speculative step holds a request's verify nodes and drafting scratch (N + K x (S - 1), see
+    Proposer.draft_slots_per_request) on top of its tokens; a request that cannot get them alone is failed, which would
+    cut its output short."""
+    if tree is None:
         return KV_MARGIN
-    steps, topk, tokens = args.eagle3_tree
+    steps, topk, tokens = tree
     return max(KV_MARGIN, tokens + topk * steps + 1)
 
 

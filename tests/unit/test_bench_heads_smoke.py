@@ -9,7 +9,7 @@ from bench_heads import main, parse_configs
 def test_parse_configs():
     assert parse_configs("a=demo-eagle3:3,2,4; b=/x/y:z:4,4,6;") == {"a": ("demo-eagle3", (3, 2, 4)),
                                                                      "b": ("/x/y:z", (4, 4, 6))}
-    for bad in ("plain=demo-eagle3:3,2,4", "a=3,2,4", "=demo-eagle3:3,2,4"):
+    for bad in ("plain=demo-eagle3:3,2,4", "a=3,2,4", "=demo-eagle3:3,2,4", "a=demo-eagle3:3,2", "a=demo-eagle3:x"):
         with pytest.raises(SystemExit, match="--configs"):
             parse_configs(bad)
 
