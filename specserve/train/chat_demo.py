@@ -37,12 +37,12 @@ from specserve.train.selfgen import GenOptions
 
 STAGES = ("data", "features", "eagle3", "eagle", "token-map", "draft")
 GEN = GenOptions(num_prompts=2400, prompt_tokens=96, answer_tokens=320, batch_size=96, seed=0)
-# shard k samples with seed GEN.seed + k; the bundled EAGLE-3 head is trained on three (1.7M tokens) for 1600 steps:
-# on held-out requests it accepts 1.95 tokens a step at 3/4/6 where one shard's 1000 steps accepted 1.81, and a second
-# shard alone at 1000 steps had left acceptance where it was (docs/training.md)
+# shard k samples with seed GEN.seed + k; the bundled EAGLE-3 head is trained on three (1.7M tokens) for 2400 steps:
+# on held-out requests it accepts 2.01 tokens a step at 3/4/6 where 1600 steps accepted 1.92 and one shard's 1000
+# steps 1.81, and a second shard alone at 1000 steps had left acceptance where it was (docs/training.md)
 GEN_SHARDS = 3
 TRAIN = {
-    "eagle3": TrainConfig(steps=1600, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=40, checkpoint_every=100),
+    "eagle3": TrainConfig(steps=2400, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=40, checkpoint_every=100),
     "eagle": TrainConfig(steps=600, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=30, checkpoint_every=100),
     "draft": TrainConfig(steps=1500, batch_size=8, seq_len=256, lr=2e-3, warmup_steps=50, weight_decay=0.05,
                          checkpoint_every=100),
