@@ -15,12 +15,10 @@ import argparse
 import statistics
 
 import torch
-import transformers
 
 from specserve import Engine
-from specserve.bench.bench_compare import resolve_path, tree_kv_margin
+from specserve.bench.bench_compare import held_out_inputs, resolve_path, tree_kv_margin
 from specserve.bench.bench_ngram import ours_prepare, ours_runner, run_set
-from specserve.bench.eval_acceptance import held_out_prompts_for
 
 
 def parse_configs(text: str) -> dict[str, tuple[str, tuple[int, int, int]]]:
@@ -55,9 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = parse_configs(a.configs)
     torch.set_num_threads(a.num_threads)
     target = resolve_path(a.model_path)
-    encode = transformers.AutoTokenizer.from_pretrained(target).encode
-    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(a.model_path, a.num_prompts)]
-    warmup = encode("Hello, how are you?", add_special_tokens=True)
+    prompts, warmup = held_out_inputs(a.model_path, a.num_prompts)
     kv = (max(len(x) for x in [*prompts, warmup]) + a.max_new_tokens
           + max(tree_kv_margin(tree) for _, tree in configs.values()))  # one request, the largest tree's scratch
     engines, runners, prepare = [], {}, {}

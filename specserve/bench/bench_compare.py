@@ -588,9 +588,15 @@ def assisted_setup(assistant, draft_path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- command
-def kv_margin(args: argparse.Namespace) -> int:
-    """KV slots beyond prompt + new tokens for the run's engines (``tree_kv_margin`` of --eagle3-tree)."""
-    return tree_kv_margin(args.eagle3_tree)
+def held_out_inputs(model_path: str, num_prompts: int) -> tuple[list[list[int]], list[int]]:
+    """The first num_prompts held-out requests of the model's family and the warm-up prompt, as token ids."""
+    import transformers
+
+    from specserve.bench.eval_acceptance import held_out_prompts_for
+
+    encode = transformers.AutoTokenizer.from_pretrained(resolve_path(model_path)).encode
+    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(model_path, num_prompts)]
+    return prompts, encode(WARMUP_TEXT, add_special_tokens=True)
 
 
 def tree_kv_margin(tree: tuple[int, int, int] | None) -> int:
@@ -625,15 +631,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     import transformers
 
     from specserve.bench.bench_ngram import run_set
-    from specserve.bench.eval_acceptance import held_out_prompts_for
 
     threads = args.num_threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
-    encode = transformers.AutoTokenizer.from_pretrained(resolve_path(args.model_path)).encode
-    prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(args.model_path, args.num_prompts)]
-    warmup = encode(WARMUP_TEXT, add_special_tokens=True)
-    kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + kv_margin(args)  # one request
+    prompts, warmup = held_out_inputs(args.model_path, args.num_prompts)
+    # one request, with its tree's scratch
+    kv_tokens = max(len(p) for p in [*prompts, warmup]) + args.max_new_tokens + tree_kv_margin(args.eagle3_tree)
     check_llamacpp(args)
     loaded = Loaded()
     try:
