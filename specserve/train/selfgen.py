@@ -10,12 +10,14 @@
 4. **Answers.** The model answers each kept request greedily, with its template's default system turn, as a
    user of the server would ask it.
 
-Everything goes through an in-process :class:`specserve.engine.Engine`, batched; seeds make each sampled prompt a
-pure function of its index.
+Everything goes through an in-process :class:`specserve.engine.Engine`, every request of a pass submitted at once
+(the engine keeps ``batch_size`` of them decoding and starts the next as one ends); each sampled prompt's seed is a
+function of its index, and a seeded request's tokens do not depend on its batch mates.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -153,24 +155,36 @@ def unseen(samples: list[Sample], earlier: list[Sample]) -> list[Sample]:
 
 
 # ----------------------------------------------------------------------------------------------- generation
+def generate_all(engine, texts: list[str], params: list[dict], bar) -> list[dict]:
+    """Every prompt submitted at once -> the engine's results, in order (bar advances as each ends). The engine
+    decodes up to its max_running_requests of them and admits the next as one finishes, where fixed chunks of that
+    size each waited for their longest answer."""
+    async def one(text: str, p: dict) -> dict:
+        res = await engine.async_generate(text, p)
+        bar.update(1)
+        return res
+
+    async def run() -> list[dict]:
+        return list(await asyncio.gather(*(one(t, p) for t, p in zip(texts, params, strict=True))))
+
+    return asyncio.run(run())
+
+
 def sample_prompts(engine, render, opts: GenOptions, progress: bool = True) -> list[Sample]:
     """Sample opts.num_prompts user requests from the model; filtered and deduplicated."""
     from tqdm import tqdm
 
     plan = prompt_plan(opts.num_prompts, opts.seed)
+    texts = [pre_query(render, system_prompt(topic)) + opening for _, topic, opening in plan]
+    params = [{"max_new_tokens": opts.prompt_tokens, "temperature": opts.temperature, "top_p": opts.top_p,
+               "seed": opts.seed * 1_000_003 + i} for i in range(len(plan))]
+    with tqdm(total=len(plan), desc="Sampling prompts", unit="prompt", disable=not progress) as bar:
+        results = generate_all(engine, texts, params, bar)
     out: list[Sample] = []
-    bar = tqdm(total=len(plan), desc="Sampling prompts", unit="prompt", disable=not progress)
-    for start in range(0, len(plan), opts.batch_size):
-        chunk = plan[start : start + opts.batch_size]
-        texts = [pre_query(render, system_prompt(topic)) + opening for _, topic, opening in chunk]
-        params = [{"max_new_tokens": opts.prompt_tokens, "temperature": opts.temperature, "top_p": opts.top_p,
-                   "seed": opts.seed * 1_000_003 + start + i} for i in range(len(chunk))]
-        for (kind, topic, opening), res in zip(chunk, engine.generate(texts, params), strict=True):
-            prompt = clean_prompt(res["text"], opening, res["meta_info"]["finish_reason"]["type"])
-            if prompt is not None:
-                out.append(Sample(prompt, kind, topic))
-        bar.update(len(chunk))
-    bar.close()
+    for (kind, topic, opening), res in zip(plan, results, strict=True):
+        prompt = clean_prompt(res["text"], opening, res["meta_info"]["finish_reason"]["type"])
+        if prompt is not None:
+            out.append(Sample(prompt, kind, topic))
     return dedup(out)
 
 
@@ -178,14 +192,11 @@ def answer(engine, render_prompt, samples: list[Sample], opts: GenOptions, progr
     """Fill each sample's greedy completion (in place); render_prompt(user text) -> the chat-rendered prompt."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(samples), desc="Answering", unit="prompt", disable=not progress)
-    params = {"max_new_tokens": opts.answer_tokens, "temperature": 0.0}
-    for start in range(0, len(samples), opts.batch_size):
-        chunk = samples[start : start + opts.batch_size]
-        for s, res in zip(chunk, engine.generate([render_prompt(s.prompt) for s in chunk], params), strict=True):
-            s.completion, s.finish_reason = res["text"], res["meta_info"]["finish_reason"]["type"]
-        bar.update(len(chunk))
-    bar.close()
+    params = [{"max_new_tokens": opts.answer_tokens, "temperature": 0.0} for _ in samples]
+    with tqdm(total=len(samples), desc="Answering", unit="prompt", disable=not progress) as bar:
+        results = generate_all(engine, [render_prompt(s.prompt) for s in samples], params, bar)
+    for s, res in zip(samples, results, strict=True):
+        s.completion, s.finish_reason = res["text"], res["meta_info"]["finish_reason"]["type"]
 
 
 def chat_renderers(tokenizer):

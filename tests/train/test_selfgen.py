@@ -88,5 +88,21 @@ def test_generate_dataset_on_a_tiny_chat_model(model_factory, monkeypatch):
     assert not {s.prompt for s in train} & {s.prompt for s in held}
     with Engine(model_path=target) as e:
         render_prompt = selfgen.chat_renderers(e.tokenizer)[1]
-        got = e.generate(render_prompt(train[0].prompt), {"max_new_tokens": 6, "temperature": 0})
-    assert got["text"] == train[0].completion
+        got = e.generate([render_prompt(s.prompt) for s in train], {"max_new_tokens": 6, "temperature": 0})
+    assert [g["text"] for g in got] == [s.completion for s in train]  # every answer at its own request
+
+
+def test_sampled_prompts_do_not_depend_on_how_many_run_at_once(model_factory, monkeypatch):
+    """Each sampled request has its own seed (from its index), so the requests the model writes are the same
+    whether the engine decodes 2 or 12 of them at a time, and whatever the engine's own seed (float32)."""
+    from specserve import Engine
+
+    monkeypatch.setattr(selfgen, "clean_prompt", lambda text, opening, finish: (opening + text).strip() or None)
+    target = model_factory("llama")
+    opts = GenOptions(num_prompts=12, prompt_tokens=8, seed=3)
+    got = []
+    for running in (2, 12):
+        with Engine(model_path=target, max_running_requests=running, dtype="float32", random_seed=running) as e:
+            render = selfgen.chat_renderers(e.tokenizer)[0]
+            got.append([s.prompt for s in selfgen.sample_prompts(e, render, opts, progress=False)])
+    assert len(set(got[0])) > 1 and got[0] == got[1]
