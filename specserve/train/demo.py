@@ -171,16 +171,32 @@ STAGE_FUNCS = {
 }
 
 
+MARKER_TEXT = "done\n"  # a stage's marker: what it was done for (``stamp``), or this where nothing else matters
+
+
+def stage_done(marker: str, stamp: str) -> bool:
+    """Whether the marker file says its stage is done for this stamp (a bare "done", as older builds wrote, counts
+    for any)."""
+    if not os.path.isfile(marker):
+        return False
+    with open(marker) as f:
+        text = f.read()
+    return text in (stamp, MARKER_TEXT)
+
+
 def build(b, stages: list[str], funcs: dict) -> None:
-    """Run the stages in order, each skipped once its marker exists (b.marker(stage))."""
+    """Run the stages in order, each skipped once its marker (b.marker(stage)) says it is done for the build's
+    stamp (``b.stamp``, if it has one: a smollm2 build's number of data shards, so asking for more shards runs the
+    stages again, each data shard and feature cache on disk kept)."""
+    stamp = getattr(b, "stamp", MARKER_TEXT)
     for stage in stages:
-        if os.path.isfile(b.marker(stage)):
+        if stage_done(b.marker(stage), stamp):
             print(f"== stage {stage}: done already (delete {b.marker(stage)} to redo)", file=sys.stderr)
             continue
         print(f"== stage {stage}", file=sys.stderr)
         funcs[stage](b)
         with open(b.marker(stage), "w") as f:
-            f.write("done\n")
+            f.write(stamp)
 
 
 def default_work_dir(out: str, family: str = "code") -> str:

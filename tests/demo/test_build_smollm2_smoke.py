@@ -143,3 +143,25 @@ def test_import_shards_copies_missing_shards_gzipped_or_not(tmp_path):
     assert not (work / "train-3.jsonl").exists()
     assert sorted(os.listdir(work)) == ["held-0.jsonl", "held-1.jsonl", "train-0.jsonl", "train-1.jsonl",
                                         "train-2.jsonl"]
+
+
+def test_asking_for_more_shards_runs_the_stages_again(tmp_path):
+    """A stage's marker records the number of data shards it was done for: the same number skips it, another runs
+    it again (each shard file already written is kept by the stage itself); an older build's bare marker counts
+    for any number."""
+    from specserve.train.chat_demo import ChatBuild
+    from specserve.train.demo import build
+
+    runs = []
+    funcs = {"data": lambda b: runs.append(b.shards())}
+
+    def run(shards: int) -> None:
+        b = ChatBuild(str(tmp_path / "out"), str(tmp_path / "work"), "cpu", False, 1.0, False, data_shards=shards)
+        build(b, ["data"], funcs)
+
+    for shards in (3, 3, 4, 4):
+        run(shards)
+    assert runs == [3, 4]
+    (tmp_path / "work" / "data.done").write_text("done\n")
+    run(5)
+    assert runs == [3, 4]
