@@ -63,8 +63,9 @@ def test_every_stage_writes_its_output(built):
     assert 0.1 < cache.mask.float().mean().item() < 0.98  # answers: their share follows what the target wrote
     first = int(cache.mask.int().argmax())
     assert cache.tokens[first - len(open_ids) + 1 : first + 1].tolist() == open_ids
-    # a second run skips every finished stage
-    assert cli_main(["build-demo", "--family", "smollm2", "--out", out, "--work-dir", work, "--no-progress"]) == 0
+    # a second run of the same build skips every finished stage
+    assert cli_main(["build-demo", "--family", "smollm2", "--out", out, "--work-dir", work, "--scale", "0.004",
+                     "--no-progress"]) == 0
 
 
 def test_the_heads_load_and_draft_for_smollm2_losslessly(built):
