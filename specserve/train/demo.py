@@ -57,8 +57,13 @@ TRAIN = {
 EAGLE3_DRAFT_VOCAB = 2048
 
 
+MARKER_TEXT = "done\n"  # a stage's marker: what it was done for (``stamp``), or this where nothing else matters
+
+
 class Build:
     """One build: output folder, work folder (trainer states, token cache, stage markers), shared settings."""
+
+    stamp = MARKER_TEXT  # what a stage's marker records (``build``): nothing beyond its being done
 
     def __init__(self, out: str, work: str, device: str, progress: bool, scale: float, resume: bool,
                  max_corpus_files: int | None = None) -> None:
@@ -171,9 +176,6 @@ STAGE_FUNCS = {
 }
 
 
-MARKER_TEXT = "done\n"  # a stage's marker: what it was done for (``stamp``), or this where nothing else matters
-
-
 def stage_done(marker: str, stamp: str) -> bool:
     """Whether the marker file says its stage is done for this stamp (a bare "done", as older builds wrote, counts
     for any)."""
@@ -186,17 +188,16 @@ def stage_done(marker: str, stamp: str) -> bool:
 
 def build(b, stages: list[str], funcs: dict) -> None:
     """Run the stages in order, each skipped once its marker (b.marker(stage)) says it is done for the build's
-    stamp (``b.stamp``, if it has one: a smollm2 build's number of data shards, so asking for more shards runs the
-    stages again, each data shard and feature cache on disk kept)."""
-    stamp = getattr(b, "stamp", MARKER_TEXT)
+    stamp (``b.stamp``: a smollm2 build's number of data shards, so asking for more shards runs the stages again,
+    each data shard and feature cache on disk kept)."""
     for stage in stages:
-        if stage_done(b.marker(stage), stamp):
+        if stage_done(b.marker(stage), b.stamp):
             print(f"== stage {stage}: done already (delete {b.marker(stage)} to redo)", file=sys.stderr)
             continue
         print(f"== stage {stage}", file=sys.stderr)
         funcs[stage](b)
         with open(b.marker(stage), "w") as f:
-            f.write(stamp)
+            f.write(b.stamp)
 
 
 def default_work_dir(out: str, family: str = "code") -> str:
