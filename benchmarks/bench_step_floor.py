@@ -97,8 +97,8 @@ class OpClock:
 
 
 class StepParts:
-    """Per decode step of one engine: its wall time and, for a speculative engine, its verify forward's and drafting's,
-    each with the time of the operators called inside it (``ops``: the rest of the step, ``<part> ops``)."""
+    """Per decode step of one engine: its wall time and, for a speculative engine, its verify forward's and drafting's
+    (the rest: what is left of the step), each part with the time of the operators called inside it."""
 
     PARTS = ("verify", "draft", "rest")
 
