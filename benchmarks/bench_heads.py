@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from specserve import Engine
-from specserve.bench.bench_compare import held_out_inputs, resolve_path, tree_kv_margin
+from specserve.bench.bench_compare import held_out_inputs, parse_tree, resolve_path, tree_kv_margin
 from specserve.bench.bench_ngram import ours_prepare, ours_runner, run_set
 
 
@@ -30,10 +30,9 @@ def parse_configs(text: str) -> dict[str, tuple[str, tuple[int, int, int]]]:
         if not name or not head or name == "plain":
             raise SystemExit(f"--configs: {item!r} is not NAME=HEAD:STEPS,TOPK,DRAFT_TOKENS (NAME not 'plain')")
         try:
-            steps, topk, tokens = (int(v) for v in tree.split(","))
+            out[name] = (head, parse_tree(tree))
         except ValueError:
             raise SystemExit(f"--configs: {item!r}: the tree is not STEPS,TOPK,DRAFT_TOKENS (three integers)") from None
-        out[name] = (head, (steps, topk, tokens))
     return out
 
 

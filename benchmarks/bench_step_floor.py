@@ -27,7 +27,7 @@ from collections import defaultdict
 import torch
 
 from specserve import Engine
-from specserve.bench.bench_compare import held_out_inputs, resolve_path, tree_kv_margin
+from specserve.bench.bench_compare import held_out_inputs, parse_tree, resolve_path, tree_kv_margin
 from specserve.bench.bench_ngram import ours_prepare, ours_runner
 
 
@@ -167,10 +167,9 @@ def parse_trees(text: str) -> list[tuple[int, int, int]]:
     trees = []
     for item in filter(None, (x.strip() for x in text.split(";"))):
         try:
-            steps, topk, tokens = (int(v) for v in item.split(","))
+            trees.append(parse_tree(item))
         except ValueError:
             raise SystemExit(f"--trees: {item!r} is not STEPS,TOPK,DRAFT_TOKENS") from None
-        trees.append((steps, topk, tokens))
     if not trees:
         raise SystemExit("--trees: no tree given")
     return trees

@@ -39,6 +39,7 @@ import statistics
 import time
 
 from specserve import Engine
+from specserve.bench.bench_compare import parse_tree
 from specserve.bench.schemas import SCHEMA_CASES
 from specserve.demo_models import SMOLLM2, bundled_drafter, demo_path
 
@@ -176,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"--algos: unknown {', '.join(sorted(unknown))}; "
                 f"choose from plain, {', '.join([*PLAIN_VARIANTS, *VARIANTS])}")
-    tree = None if args.eagle3_tree is None else tuple(int(x) for x in args.eagle3_tree.split(","))
-    if tree is not None and len(tree) != 3:
+    try:
+        tree = None if args.eagle3_tree is None else parse_tree(args.eagle3_tree)
+    except ValueError:
         p.error("--eagle3-tree: three integers S,K,N")
     eng = engines(args.model, backends, algos, args.num_threads, args.constrained_json_disable_any_whitespace, tree)
     texts = prompts(next(iter(eng.values())), args.model)[:args.num_prompts]

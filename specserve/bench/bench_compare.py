@@ -209,10 +209,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--only quant / eagle3-quant need --torchao-config (int8wo, int4wo-<group>) or --quantization gguf")
     if args.eagle3_tree is not None:
         try:
-            args.eagle3_tree = tuple(int(v) for v in args.eagle3_tree.split(","))
+            args.eagle3_tree = parse_tree(args.eagle3_tree)
         except ValueError:
-            args.eagle3_tree = ()
-        if len(args.eagle3_tree) != 3:
             p.error("--eagle3-tree takes three comma-separated integers S,K,N (e.g. 6,4,16)")
     if args.out_dir is None:
         args.out_dir = f"bench_results/bench-compare-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -597,6 +595,14 @@ def held_out_inputs(model_path: str, num_prompts: int) -> tuple[list[list[int]],
     encode = transformers.AutoTokenizer.from_pretrained(resolve_path(model_path)).encode
     prompts = [encode(t, add_special_tokens=True) for t in held_out_prompts_for(model_path, num_prompts)]
     return prompts, encode(WARMUP_TEXT, add_special_tokens=True)
+
+
+def parse_tree(text: str) -> tuple[int, int, int]:
+    """"S,K,N" (draft steps, top-k, draft tokens) -> (S, K, N); ValueError for anything but three integers."""
+    values = tuple(int(v) for v in text.split(","))
+    if len(values) != 3:
+        raise ValueError(f"{text!r} is not three integers")
+    return values
 
 
 def tree_kv_margin(tree: tuple[int, int, int] | None) -> int:

@@ -7,6 +7,7 @@ from specserve.bench.bench_compare import (
     add_round_ratios,
     main,
     merge_rounds,
+    parse_tree,
     render,
     selected_configs,
     setup_lines,
@@ -20,6 +21,13 @@ from tests.engine.helpers import needs_onednn_bf16
 
 ALL = ["hf_plain", "ours_plain", "hf_assisted", "ours_eagle", "ours_eagle3", "ours_standalone", "hf_lookup",
        "ours_ngram"]
+
+
+def test_parse_tree_takes_three_integers():
+    assert parse_tree("8,3,12") == (8, 3, 12)
+    for bad in ("3,2", "3,2,4,5", "a,b,c", ""):
+        with pytest.raises(ValueError):
+            parse_tree(bad)
 
 
 def test_selected_configs_maps_names_in_run_order():
